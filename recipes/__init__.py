@@ -1,0 +1,1 @@
+"""Dataset recipes (ShareGPT, HumanEval, JSONL prompts), installed as `spec_adapt.recipes`."""

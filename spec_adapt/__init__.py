@@ -1,0 +1,24 @@
+"""spec_adapt: adaptive, batched, lossless speculative decoding for Hugging Face Transformers.
+
+    out = model.generate(**inputs, custom_generate=spec_adapt.generate, drafter=draft, assistant_policy=policy)
+
+or, after `spec_adapt.enable(model)`:
+
+    out = model.generate(**inputs, assistant_model=draft, assistant_policy=policy)
+"""
+
+from .accept import greedy_accept, rejection_sample
+from .api import SpecGenerateOutput, disable, enable, generate
+from .drafters import Drafter, DraftRequest, ModelDrafter, Proposal, ScriptedDrafter
+from .ledger import KVLedger
+from .metrics import SpecStats, StepRecord, last_stats
+from .policies import FixedLength, Heuristic, Policy, StepInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "generate", "enable", "disable", "SpecGenerateOutput",
+    "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter",
+    "Policy", "StepInfo", "FixedLength", "Heuristic",
+    "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
+]

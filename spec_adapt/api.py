@@ -1,0 +1,170 @@
+"""Entry points: `model.generate(..., custom_generate=spec_adapt.generate)` and `enable(model)` / `disable(model)`."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .drafters.base import Drafter
+from .drafters.model import ModelDrafter
+from .ledger import check_rollback_cache
+from .loop import SpeculativeLoop
+from .metrics import SpecStats, set_last_stats
+from .policies.base import Policy
+from .policies.fixed import Heuristic
+
+
+@dataclass
+class SpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the call's speculation statistics. `past_key_values` is None: the target's
+    cache has per-row holes and is not a cache a later `generate` call could continue from."""
+
+    spec_stats: SpecStats | None = None
+
+
+# Inputs generate prepares that the loop computes itself.
+_PREPARED_INPUTS = ("position_ids", "use_cache", "logits_to_keep", "cache_position")
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    drafter=None,
+    assistant_policy: Policy | None = None,
+    spec_stats: SpecStats | None = None,
+    spec_streamer=None,
+    **model_kwargs,
+):
+    """Batched speculative decoding, called by transformers as `model.generate(..., custom_generate=generate)`.
+
+    Extra arguments of `model.generate` (transformers passes named parameters of this function through):
+    - `drafter`: a draft model (any causal LM sharing the target's tokenizer) or a `Drafter`; None = no speculation.
+    - `assistant_policy`: a `Policy` choosing the speculative length each step (default: `Heuristic()`).
+    - `spec_stats`: a `SpecStats` to fill in (also readable afterwards with `spec_adapt.last_stats()`).
+    - `spec_streamer`: a streamer (transformers does not pass `streamer` on to custom_generate functions).
+    Greedy output is token-for-token the target's own; sampled output has exactly the target's distribution.
+    """
+    if generation_config is None:   # called directly rather than through model.generate: let generate prepare
+        return model.generate(
+            input_ids, custom_generate=generate, drafter=drafter, assistant_policy=assistant_policy,
+            spec_stats=spec_stats, spec_streamer=spec_streamer, **model_kwargs,
+        )
+    _check_generation_config(generation_config, synced_gpus)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    cache = model_kwargs.pop("past_key_values", None)
+    for name in _PREPARED_INPUTS:
+        model_kwargs.pop(name, None)
+    if model_kwargs:
+        raise ValueError(
+            f"spec_adapt does not support these generate inputs: {sorted(model_kwargs)}. It handles decoder-only "
+            "text models given input_ids and attention_mask."
+        )
+    _check_cache(cache)
+    _check_left_padding(attention_mask)
+    drafter = as_drafter(drafter)
+    if drafter is not None:
+        drafter.validate(model)
+    policy = assistant_policy if assistant_policy is not None else Heuristic()
+    stats = spec_stats if spec_stats is not None else SpecStats()
+    if spec_streamer is not None:
+        spec_streamer.put(input_ids.cpu())
+
+    loop = SpeculativeLoop(
+        model, input_ids, attention_mask, drafter=drafter, policy=policy, logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria, generation_config=generation_config, streamer=spec_streamer,
+        stats=stats, cache=cache,
+    )
+    sequences = loop.run()
+    set_last_stats(stats)
+    if generation_config.return_dict_in_generate:
+        return SpecGenerateOutput(
+            sequences=sequences, scores=loop.outputs("scores"), logits=loop.outputs("logits"), spec_stats=stats
+        )
+    return sequences
+
+
+def as_drafter(drafter) -> Drafter | None:
+    if drafter is None or isinstance(drafter, Drafter):
+        return drafter
+    if isinstance(drafter, torch.nn.Module) and hasattr(drafter, "get_output_embeddings"):
+        return ModelDrafter(drafter)
+    raise TypeError(
+        f"Cannot draft with {type(drafter).__name__}: pass a causal LM sharing the target's tokenizer or a "
+        "spec_adapt Drafter (e.g. ScriptedDrafter)."
+    )
+
+
+def _check_generation_config(cfg, synced_gpus) -> None:
+    if cfg.num_beams is not None and cfg.num_beams > 1:
+        raise ValueError("Speculative decoding does not combine with beam search: set num_beams=1.")
+    if cfg.num_return_sequences is not None and cfg.num_return_sequences > 1:
+        raise ValueError(
+            "num_return_sequences > 1 is not supported with speculation: repeat the rows instead, e.g. "
+            "input_ids.repeat_interleave(n, dim=0) (and the attention_mask likewise)."
+        )
+    if cfg.return_dict_in_generate and (cfg.output_attentions or cfg.output_hidden_states):
+        raise ValueError("output_attentions / output_hidden_states are not available with speculation.")
+    if synced_gpus:
+        raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) is not supported with speculation.")
+
+
+def _check_cache(cache) -> None:
+    if cache is None:
+        return
+    check_rollback_cache(cache)
+    if cache.get_seq_length() > 0:
+        raise ValueError(
+            "spec_adapt starts from an empty cache: continuing from a filled past_key_values is not supported. "
+            "Pass the whole sequence as input_ids instead."
+        )
+
+
+def _check_left_padding(mask) -> None:
+    if mask is None:
+        return
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "The attention_mask has padding after real tokens (right padding). Decoder-only generation needs left "
+            "padding: set tokenizer.padding_side = 'left' before tokenizing the batch."
+        )
+    if bool((mask.sum(dim=1) == 0).any()):
+        raise ValueError("A row of the batch has no real tokens (its attention_mask is all zeros).")
+
+
+def enable(model):
+    """Make `model.generate(**inputs, assistant_model=draft, assistant_policy=policy)` run spec_adapt, any batch size.
+
+    Calls without `assistant_policy` go to stock transformers unchanged. Undo with `disable(model)`.
+    """
+    if "generate" in model.__dict__:
+        return model
+    stock = model.generate
+
+    @functools.wraps(stock)
+    def generate_with_policy(*args, assistant_policy=None, **kwargs):
+        if assistant_policy is None:
+            return stock(*args, **kwargs)
+        draft = kwargs.pop("assistant_model", None)
+        if draft is not None and kwargs.get("drafter") is not None:
+            raise ValueError("Pass the draft as assistant_model or as drafter, not both.")
+        kwargs.setdefault("drafter", draft)
+        streamer = kwargs.pop("streamer", None)
+        return stock(
+            *args, custom_generate=generate, assistant_policy=assistant_policy, spec_streamer=streamer, **kwargs
+        )
+
+    model.generate = generate_with_policy
+    return model
+
+
+def disable(model):
+    """Undo `enable(model)`."""
+    model.__dict__.pop("generate", None)
+    return model

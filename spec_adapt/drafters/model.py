@@ -1,0 +1,92 @@
+"""A draft model: a smaller causal LM sharing the target's tokenizer, with its own KV ledger."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ledger import KVLedger
+from .base import Drafter, DraftRequest, Proposal
+
+
+def _vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+class ModelDrafter(Drafter):
+    """Drafts autoregressively with `model`, keeping its cache in step with the committed tokens.
+
+    The draft's cache holds a prefix of each row's buffer (`ledger.n_cached`). Proposing first feeds the tokens it
+    has not seen yet (one after a normal step, two after an all-accepted step, more after steps run at gamma = 0:
+    the catch-up Nightjar's switching cost measures), then drafts one token per forward. Inputs move to the draft's
+    device and proposals move back, so a draft on another device (or offloaded) works the same.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.ledger: KVLedger | None = None
+        self.vocab = None
+
+    def validate(self, target) -> None:
+        target_vocab, draft_vocab = _vocab_size(target), _vocab_size(self.model)
+        if draft_vocab < target_vocab:
+            raise ValueError(
+                f"The draft model's vocabulary ({draft_vocab} tokens) is smaller than the target's ({target_vocab}): "
+                "they do not share a tokenizer. Use a draft trained with the target's tokenizer, or a model-free "
+                "drafter such as prompt lookup."
+            )
+        for name in ("bos_token_id", "eos_token_id"):
+            t, d = getattr(target.config, name, None), getattr(self.model.config, name, None)
+            if t is not None and d is not None and t != d:
+                raise ValueError(
+                    f"Draft and target disagree on {name} ({d} vs {t}): they do not share a tokenizer. "
+                    "Use a draft that uses the target's tokenizer."
+                )
+        # A larger draft vocabulary is a padded superset (embedding rows rounded up): its logits are sliced.
+        self.vocab = target_vocab
+
+    def begin(self, input_ids, attention_mask):
+        self.ledger = KVLedger(self.model)
+        self.ledger.prefill(input_ids, attention_mask)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        device, target_device = self.ledger.device, request.tokens.device
+        tokens = request.tokens.to(device)
+        lengths, gammas = request.lengths.to(device), request.gammas.to(device)
+        batch, most = tokens.shape[0], int(gammas.max())
+        context = tokens.clone()                                          # committed tokens + drafts so far
+        drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
+        probs = torch.zeros(batch, most, self.vocab, device=device) if request.sampling else None
+
+        # Catch up on committed tokens the draft has not cached yet (rows that draft nothing skip it).
+        pending = torch.where(gammas > 0, lengths - self.ledger.n_cached, 0)             # [B]
+        width = int(pending.max())
+        offset = torch.arange(width, device=device)[None, :]
+        index = (self.ledger.n_cached[:, None] + offset).clamp(max=tokens.shape[1] - 1)
+        logits = self.ledger.forward(tokens.gather(1, index), pending)                     # [B, W, V']
+        last = logits[torch.arange(batch, device=device), (pending - 1).clamp(min=0)]      # [B, V']
+
+        for k in range(most):
+            scores = request.process(last[:, : self.vocab].float(), context, lengths + k)
+            if request.sampling:
+                q = scores.softmax(dim=-1)
+                token = torch.multinomial(q, 1).squeeze(1)
+                probs[:, k] = q
+            else:
+                token = scores.argmax(dim=-1)
+            drafting = k < gammas
+            drafts[:, k] = torch.where(drafting, token, 0)
+            context.scatter_(1, (lengths + k)[:, None].clamp(max=context.shape[1] - 1), drafts[:, k : k + 1])
+            if k + 1 < most:   # the last draft token is not fed: it becomes pending if accepted
+                last = self.ledger.forward(drafts[:, k : k + 1], (k + 1 < gammas).long())[:, 0]
+
+        out_probs = probs.to(target_device) if probs is not None else None
+        return Proposal(drafts.to(target_device), gammas.to(target_device), out_probs)
+
+    def rollback(self, keep_len):
+        self.ledger.rollback(keep_len)
+
+    def select_rows(self, index):
+        self.ledger.select_rows(index)
+
+    def end(self):
+        self.ledger = None

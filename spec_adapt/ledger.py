@@ -1,0 +1,156 @@
+"""The KV ledger: per-row bookkeeping over one model's DynamicCache, so rollback moves no data.
+
+A DynamicCache has one physical length P for the whole batch. Rows of a speculative batch accept different numbers
+of tokens, so the ledger records, for every physical slot of every row, which token of the row's sequence it holds:
+
+    slots[b, j] = index in row b's token buffer of the token cached at physical slot j, or -1 for a hole.
+
+The token buffer is the generate layout: left padding, prompt, generated tokens. Left-padding slots are holes from
+the start. Everything else follows from `slots`:
+- attention mask = slots >= 0 (holes are masked out, so they never influence attention);
+- position id of buffer index i in row b = i - pad[b] (the same as stock generate's cumsum(mask) - 1);
+- rollback of row b to its first k buffer tokens: slots[b][slots[b] >= k] = -1 (no data moves);
+- physical trim: drop trailing columns that are holes in every row (`DynamicLayer` tensors are sliced);
+- compaction: when holes waste too much memory, gather each row's valid slots to the front (one gather per layer).
+
+Worked example, B = 2, row 0 left-padded by 1:
+    prefill [pad, a, b] / [c, d, e]          slots = [[-1, 1, 2], [0, 1, 2]]
+    verify chunk [x, y, z] / [u, v, -]       slots = [[-1,1,2,3,4,5], [0,1,2,3,4,-1]]   (row 1 drafted one fewer)
+    row 0 keeps 5 tokens, row 1 keeps 4      slots = [[-1,1,2,3,4,-1], [0,1,2,3,-1,-1]]  -> trim to 5 columns
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class UnsupportedCacheError(ValueError):
+    pass
+
+
+def check_rollback_cache(cache) -> None:
+    """Raise a clear error for caches whose entries cannot be invalidated per row."""
+    if not isinstance(cache, DynamicCache):
+        raise UnsupportedCacheError(
+            f"spec_adapt needs a DynamicCache to roll back rejected tokens per row, got {type(cache).__name__}. "
+            "Drop `cache_implementation=...` / the `past_key_values` you passed, and generate will create one."
+        )
+    bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
+    if bad:
+        raise UnsupportedCacheError(
+            f"spec_adapt cannot roll back cache layers of type {sorted(set(bad))} (sliding-window, quantized or "
+            "linear-attention layers discard or transform old entries). Use a model/config with full-attention "
+            "layers (e.g. `use_sliding_window=False`) or generate without `assistant_policy`."
+        )
+
+
+class KVLedger:
+    """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
+
+    def __init__(self, model, cache: DynamicCache | None = None, compact_threshold: float = 0.5, compact_min: int = 64):
+        self.model = model
+        # Compact when more than `compact_threshold` of the cache is holes and it is at least `compact_min` long.
+        self.compact_threshold, self.compact_min = compact_threshold, compact_min
+        self.compactions = 0
+        self.device = model.device
+        self.cache = cache if cache is not None else DynamicCache(config=model.config)
+        check_rollback_cache(self.cache)
+        self.slots: torch.Tensor | None = None     # [B, P] long
+        self.pad: torch.Tensor | None = None       # [B] long, left padding of each row
+        self.n_cached: torch.Tensor | None = None  # [B] long, buffer tokens whose KV is cached (a prefix)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # -- forward passes --------------------------------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the prompt [B, L] (left padded; mask [B, L] or None). Returns last-position logits [B, V]."""
+        batch, length = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(self.device)
+        self.pad = (attention_mask == 0).long().sum(dim=1)
+        index = torch.arange(length, device=self.device)[None, :].expand(batch, length)
+        self.slots = torch.where(attention_mask.bool(), index, -1)
+        self.n_cached = torch.full((batch,), length, dtype=torch.long, device=self.device)
+        logits = self._run(input_ids.to(self.device), self.slots, keep=1)
+        check_rollback_cache(self.cache)  # layers exist only after the first forward
+        return logits[:, -1]
+
+    def forward(self, tokens: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """Append tokens [B, W]; row b uses its first n_valid[b] (the rest become holes). Returns logits [B, W, V].
+
+        The valid tokens of row b are its buffer tokens n_cached[b] .. n_cached[b] + n_valid[b] - 1.
+        """
+        batch, width = tokens.shape
+        n_valid = n_valid.to(self.device)
+        offset = torch.arange(width, device=self.device)[None, :]
+        new = torch.where(offset < n_valid[:, None], self.n_cached[:, None] + offset, -1)   # [B, W]
+        slots = torch.cat([self.slots, new], dim=1)
+        logits = self._run(tokens.to(self.device), slots, keep=width, new=new)
+        self.slots = slots
+        self.n_cached = self.n_cached + n_valid
+        return logits
+
+    def _run(self, tokens, slots, keep, new=None):
+        if new is None:
+            new = slots
+        valid = slots >= 0
+        position_ids = torch.where(new >= 0, new - self.pad[:, None], 0)   # holes get 0, like stock's padding
+        # An all-valid mask is dropped, as stock generate does: the model then takes the same attention path.
+        mask = None if bool(valid.all()) else valid.long()
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        out = self.model(
+            input_ids=tokens, attention_mask=mask, position_ids=position_ids,
+            past_key_values=self.cache, use_cache=True, **kwargs,
+        )
+        return out.logits[:, -keep:]
+
+    # -- commit / rollback -----------------------------------------------------------------------------------------
+    def rollback(self, keep_len: torch.Tensor) -> None:
+        """Keep only buffer tokens [0, keep_len[b]) of each row: later slots become holes; then trim the tail."""
+        keep_len = keep_len.to(self.device)
+        self.slots = torch.where(self.slots < keep_len[:, None], self.slots, -1)
+        self.n_cached = torch.minimum(self.n_cached, keep_len)
+        self._trim()
+        if self.physical_length >= self.compact_min and self.hole_fraction() > self.compact_threshold:
+            self.compact()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the given rows (rows that finished leave the batch)."""
+        index = index.to(self.device)
+        self.slots, self.pad, self.n_cached = self.slots[index], self.pad[index], self.n_cached[index]
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self._trim()
+
+    def hole_fraction(self) -> float:
+        return float((self.slots < 0).float().mean()) if self.slots.numel() else 0.0
+
+    def compact(self) -> None:
+        """Move each row's valid entries to the front of the cache (stable), then trim. Attention is unchanged."""
+        valid = self.slots >= 0
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices     # valid slots first, in order
+        self.slots = torch.where(valid.gather(1, order), self.slots.gather(1, order), -1)
+        for layer in self._layers():
+            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        self.compactions += 1
+        self._trim()
+
+    def _trim(self) -> None:
+        used = (self.slots >= 0).any(dim=0).nonzero()
+        length = int(used.max()) + 1 if used.numel() else 0
+        if length < self.slots.shape[1]:
+            self.slots = self.slots[:, :length]
+            for layer in self._layers():
+                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+    def _layers(self):
+        return [layer for layer in self.cache.layers if layer.is_initialized]
+
+    @property
+    def physical_length(self) -> int:
+        return self.slots.shape[1]

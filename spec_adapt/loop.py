@@ -1,0 +1,263 @@
+"""The speculative generation loop: prefill, then steps of propose -> verify -> accept -> commit/rollback -> observe.
+
+State, for the user's batch of B0 rows (tensors on the target's device):
+- `buffer` [B0, max_length]: the generate layout (left padding, prompt, generated tokens, pad after a row ends);
+- `lengths` [B0]: committed tokens per row (a buffer prefix), so row b's last committed token is buffer[b, len-1];
+- `rows` [B]: the rows still generating (the active batch; it shrinks as rows finish).
+The target's cache always holds each active row's buffer up to, not including, its last committed token: every step
+feeds that token plus the drafts, so p_0 (which scores d_1) comes from the last committed token.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .accept import committed_tokens, greedy_accept, rejection_sample, sample_randoms
+from .drafters.base import Drafter, DraftRequest, Proposal
+from .ledger import KVLedger
+from .metrics import SpecStats, StepRecord
+from .policies.base import Policy, StepInfo, check_gammas
+from .processors import ScoreProcessor
+
+
+class SpeculativeLoop:
+    def __init__(
+        self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
+        stopping_criteria, generation_config, streamer=None, stats: SpecStats, cache=None,
+    ):
+        cfg = generation_config
+        self.device = model.device
+        self.input_ids = input_ids.to(self.device)
+        self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
+        batch, self.prompt_length = input_ids.shape
+        self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device)
+        pad = cfg._pad_token_tensor
+        self.pad_id = int(pad) if pad is not None else 0
+        self.buffer = torch.full((batch, self.stopper.max_length), self.pad_id, dtype=torch.long, device=self.device)
+        self.buffer[:, : self.prompt_length] = self.input_ids
+        self.lengths = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
+        self.rows = torch.arange(batch, device=self.device)
+        self.sampling = bool(cfg.do_sample)
+        self.process = ScoreProcessor(logits_processor)
+        self.target = KVLedger(model, cache)
+        self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
+        self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
+        self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+
+    # -- the call ----------------------------------------------------------------------------------------------------
+    def run(self) -> torch.Tensor:
+        start = self._now()
+        self.stats.start(self.buffer.shape[0])
+        logits = self.target.prefill(self.input_ids, self.attention_mask).float()[:, None]   # [B, 1, V]
+        first = Proposal.empty(len(self.rows), self.device)
+        scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1)
+        committed = self._commit(first, *self._accept(scores, first), scores, logits)
+        self._count_first_token(committed)
+        self.stats.time_prefill = self._now() - start
+        if self.drafter is not None:   # begins with the whole batch, then follows the rows that leave it
+            self._guard("prefill", self.drafter.begin, self.input_ids, self.attention_mask)
+        self._retire()
+        self.policy.begin(len(self.rows))
+        while len(self.rows):
+            self.step()
+        if self.drafter is not None:
+            self.drafter.end()
+        if self.streamer is not None:
+            self.streamer.end()
+        self.stats.compactions = self.target.compactions
+        self.stats.time_total = self._now() - start
+        return self.buffer[:, : int(self.lengths.max())]
+
+    def step(self) -> None:
+        t0 = self._now()
+        gammas = self._choose()                                            # 0. lengths, per active row
+        proposal = self._propose(gammas)                                   # 1. propose
+        t1 = self._now()
+        scores, logits = self._verify(proposal)                            # 2. verify: [B, S+1, V]
+        t2 = self._now()
+        accepted, next_token = self._accept(scores, proposal)              # 3. accept
+        committed = self._commit(proposal, accepted, next_token, scores, logits)   # 4. commit + rollback
+        t3 = self._now()
+        self._observe(gammas, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)  # 5. observe
+        self._retire()
+
+    # -- phases --------------------------------------------------------------------------------------------------------
+    def _choose(self) -> torch.Tensor:
+        batch = len(self.rows)
+        remaining = self.stopper.max_length - self.lengths[self.rows]
+        if self.drafter is None:
+            return torch.zeros(batch, dtype=torch.long, device=self.device)
+        info = StepInfo(batch, self.rows, self.lengths[self.rows] - self.prompt_length, remaining, self.stats.steps)
+        gammas = check_gammas(self.policy, self.policy.choose(info), batch).to(self.device)
+        return torch.minimum(gammas, remaining - 1)          # a step commits up to gamma + 1 tokens
+
+    def _propose(self, gammas: torch.Tensor) -> Proposal:
+        batch = len(self.rows)
+        if self.drafter is None or not bool((gammas > 0).any()):
+            return Proposal.empty(batch, self.device)
+        request = DraftRequest(
+            self.buffer[self.rows], self.lengths[self.rows], gammas, self.rows, self.sampling, self.process
+        )
+        proposal = self._guard("propose", self.drafter.propose, request)
+        if proposal is None:
+            return Proposal.empty(batch, self.device)
+        lengths = torch.minimum(proposal.lengths.to(self.device), gammas)
+        width = int(lengths.max()) if batch else 0
+        probs = proposal.probs[:, :width] if proposal.probs is not None else None
+        return Proposal(proposal.tokens[:, :width].to(self.device), lengths, probs)
+
+    def _verify(self, proposal: Proposal):
+        lengths = self.lengths[self.rows]
+        last = self.buffer[self.rows, lengths - 1]
+        chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
+        logits = self.target.forward(chunk, proposal.lengths + 1).float()                 # [B, S+1, V]
+        context = self.buffer[self.rows].clone()
+        if proposal.tokens.shape[1]:
+            index = (lengths[:, None] + torch.arange(proposal.tokens.shape[1], device=self.device)).clamp(
+                max=context.shape[1] - 1)
+            context.scatter_(1, index, proposal.tokens)
+        return self.process.positions(logits, context, lengths, proposal.lengths + 1), logits
+
+    def _accept(self, scores: torch.Tensor, proposal: Proposal):
+        if not self.sampling:
+            return greedy_accept(scores, proposal.tokens, proposal.lengths)
+        batch, width = proposal.tokens.shape
+        uniforms, exponentials = sample_randoms(batch, width, scores.shape[-1], self.device)
+        return rejection_sample(
+            scores.softmax(dim=-1), proposal.tokens, proposal.probs, proposal.lengths, uniforms, exponentials
+        )
+
+    def _commit(self, proposal, accepted, next_token, scores, logits) -> torch.Tensor:
+        rows, old = self.rows, self.lengths[self.rows]
+        new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
+        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, accepted + 1, self.pad_id)
+        self.lengths[rows] = old + n_keep
+        self.finished = finished
+        # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
+        keep = old + accepted
+        self.target.rollback(keep)
+        if self.drafter is not None and proposal.tokens.shape[1] and len(rows):
+            self._guard("rollback", self.drafter.rollback, keep)
+        self._record_outputs(n_keep, scores, logits)
+        if self.streamer is not None:
+            self.streamer.put(new[0, : int(n_keep[0])].cpu())
+        return n_keep
+
+    def _observe(self, gammas, proposal, accepted, committed, step_time, draft_time, verify_time) -> None:
+        record = StepRecord(
+            batch_size=len(self.rows), rows=self.rows.tolist(), gammas=gammas.tolist(),
+            drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
+            step_time=step_time, draft_time=draft_time, verify_time=verify_time,
+        )
+        self.stats.record(record)
+        self.policy.observe(record)
+
+    def _retire(self) -> None:
+        if not bool(self.finished.any()):
+            return
+        keep = (~self.finished).nonzero().squeeze(1)
+        self.rows = self.rows[keep]
+        self.finished = self.finished[keep]
+        if len(self.rows):
+            self.target.select_rows(keep)
+            if self.drafter is not None:
+                self._guard("select_rows", self.drafter.select_rows, keep)
+
+    # -- helpers -------------------------------------------------------------------------------------------------------
+    def _guard(self, what, fn, *args):
+        """Run a drafter method; on any error (out of memory included) continue without speculation.
+
+        Nothing committed is lost: the drafter never writes the buffer or the target's cache."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - any draft failure must fall back, not abort the user's call
+            self.stats.fallback = f"draft {what} failed ({type(exc).__name__}: {exc}); continued without speculation"
+            warnings.warn(f"spec_adapt: {self.stats.fallback}", RuntimeWarning, stacklevel=3)
+            drafter, self.drafter = self.drafter, None
+            try:
+                drafter.end()
+            except Exception:  # noqa: BLE001
+                pass
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+
+    def _record_outputs(self, n_keep, scores, logits) -> None:
+        for store, values in ((self.scores, scores), (self.raw_logits, logits)):
+            if store is None:
+                continue
+            for b, row in enumerate(self.rows.tolist()):
+                store[row].extend(values[b, : int(n_keep[b])].unbind(0))
+
+    def _count_first_token(self, committed) -> None:
+        for row, n in zip(self.rows.tolist(), committed.tolist()):
+            self.stats.per_row_new_tokens[row] += n
+            self.stats.new_tokens += n
+
+    def outputs(self, name: str):
+        """scores / logits as generate returns them: a tuple with one [B0, V] tensor per generated position (rows
+        that had already finished hold zeros there)."""
+        store = self.scores if name == "scores" else self.raw_logits
+        if store is None:
+            return None
+        steps = int(self.lengths.max()) - self.prompt_length
+        vocab = next(t for per_row in store for t in per_row).shape[-1]
+        out = torch.zeros(steps, len(store), vocab, device=self.device)
+        for row, values in enumerate(store):
+            if values:
+                out[: len(values), row] = torch.stack(values)
+        return tuple(out.unbind(0))
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+class Stopper:
+    """Stopping criteria for multi-token commits: a row stops at the first committed token after which stock
+    generate would have stopped it. EOS and max length are vectorized; other criteria are asked token by token with
+    that row's sequence (as a batch of one)."""
+
+    def __init__(self, criteria, max_length: int, device):
+        criteria = list(criteria or [])
+        lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)] + [max_length]
+        self.max_length = min(x for x in lengths if x is not None)
+        eos = [c.eos_token_id.to(device).flatten() for c in criteria if isinstance(c, EosTokenCriteria)]
+        self.eos = torch.cat(eos) if eos else None
+        self.others = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+
+    def cut(self, buffer, rows, old, new, n_new, pad_id):
+        """Write each row's committed tokens new[b, :n] into the buffer; return (n [B], finished [B])."""
+        width = new.shape[1]
+        pos = torch.arange(width, device=new.device)[None, :]
+        n = torch.minimum(n_new, self.max_length - old)
+        hit_eos = torch.zeros_like(n, dtype=torch.bool)
+        if self.eos is not None:
+            is_eos = torch.isin(new, self.eos) & (pos < n[:, None])
+            hit_eos = is_eos.any(dim=1)
+            n = torch.where(hit_eos, is_eos.long().argmax(dim=1) + 1, n)
+        finished = hit_eos | (old + n >= self.max_length)
+        index = (old[:, None] + pos).clamp(max=buffer.shape[1] - 1)
+        current = buffer[rows[:, None], index]
+        buffer[rows[:, None], index] = torch.where(pos < n[:, None], new, current)
+        if self.others:
+            n, finished = self._ask_others(buffer, rows, old, n, finished, pad_id)
+        return n, finished
+
+    def _ask_others(self, buffer, rows, old, n, finished, pad_id):
+        n, finished = n.clone(), finished.clone()
+        for b, row in enumerate(rows.tolist()):
+            start = int(old[b])
+            for j in range(int(n[b])):
+                sequence = buffer[row : row + 1, : start + j + 1]
+                if any(bool(c(sequence, None).any()) for c in self.others):
+                    buffer[row, start + j + 1 : start + int(n[b])] = pad_id
+                    n[b], finished[b] = j + 1, True
+                    break
+        return n, finished

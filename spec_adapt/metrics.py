@@ -1,0 +1,133 @@
+"""Speculation statistics: one vocabulary shared by the loop, the policies' rewards, benchmarks and eval.
+
+Terms (see ALGORITHMS.md): per row and step, `drafted` tokens were proposed, `accepted` of them matched the target,
+and `accepted + 1` tokens were committed (the recovered or bonus token), fewer when the row stopped mid-commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import threading
+
+
+@dataclass
+class StepRecord:
+    """What one speculative step did, for the whole active batch (lists are per active row)."""
+
+    batch_size: int
+    rows: list[int]          # original row indices in the user's batch
+    gammas: list[int]        # lengths the policy asked for
+    drafted: list[int]       # lengths the drafter actually proposed (early exit may cut them)
+    accepted: list[int]
+    committed: list[int]     # tokens appended to each row this step
+    step_time: float         # seconds, propose + verify + accept + commit
+    draft_time: float
+    verify_time: float
+
+
+@dataclass
+class SpecStats:
+    """Statistics of one speculative `generate` call. Also readable after the call with `spec_adapt.last_stats()`."""
+
+    batch_size: int = 0
+    steps: int = 0                 # verification passes of the target
+    row_steps: int = 0             # sum over steps of the active batch size
+    drafted: int = 0
+    accepted: int = 0
+    new_tokens: int = 0            # tokens generated, over all rows, first token included
+    per_position_drafted: list[int] = field(default_factory=list)   # index i: drafts at position i+1
+    per_position_accepted: list[int] = field(default_factory=list)
+    per_row_drafted: list[int] = field(default_factory=list)
+    per_row_accepted: list[int] = field(default_factory=list)
+    per_row_new_tokens: list[int] = field(default_factory=list)
+    per_row_steps: list[int] = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_other: float = 0.0
+    time_total: float = 0.0
+    fallback: str | None = None    # why speculation was switched off mid-call, if it was
+    compactions: int = 0
+    trace: list[StepRecord] = field(default_factory=list)
+
+    def start(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        for name in ("per_row_drafted", "per_row_accepted", "per_row_new_tokens", "per_row_steps"):
+            setattr(self, name, [0] * batch_size)
+
+    def record(self, rec: StepRecord) -> None:
+        self.steps += 1
+        self.row_steps += rec.batch_size
+        self.time_draft += rec.draft_time
+        self.time_verify += rec.verify_time
+        self.time_other += rec.step_time - rec.draft_time - rec.verify_time
+        for row, d, a, c in zip(rec.rows, rec.drafted, rec.accepted, rec.committed):
+            self.per_row_drafted[row] += d
+            self.per_row_accepted[row] += a
+            self.per_row_new_tokens[row] += c
+            self.per_row_steps[row] += 1
+            self.drafted += d
+            self.accepted += a
+            self.new_tokens += c
+            self._grow(d)
+            for i in range(d):
+                self.per_position_drafted[i] += 1
+                self.per_position_accepted[i] += int(i < a)
+        self.trace.append(rec)
+
+    def _grow(self, n: int) -> None:
+        missing = n - len(self.per_position_drafted)
+        if missing > 0:
+            self.per_position_drafted.extend([0] * missing)
+            self.per_position_accepted.extend([0] * missing)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = accepted / drafted."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per row per verification step (accepted + 1), vLLM's mean acceptance length."""
+        step_tokens = sum(sum(r.committed) for r in self.trace)
+        return step_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.time_total if self.time_total else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_length": round(self.acceptance_length, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "time_prefill": round(self.time_prefill, 4),
+            "time_draft": round(self.time_draft, 4),
+            "time_verify": round(self.time_verify, 4),
+            "time_other": round(self.time_other, 4),
+            "time_total": round(self.time_total, 4),
+            "fallback": self.fallback,
+            "compactions": self.compactions,
+        }
+
+
+_last = threading.local()
+
+
+def set_last_stats(stats: SpecStats) -> None:
+    _last.stats = stats
+
+
+def last_stats() -> SpecStats | None:
+    """Statistics of the most recent speculative generate call in this thread."""
+    return getattr(_last, "stats", None)

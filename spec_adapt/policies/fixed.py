@@ -1,0 +1,69 @@
+"""The two simplest length policies: a fixed gamma, and transformers' heuristic schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Policy, StepInfo
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    return value
+
+
+class FixedLength(Policy):
+    """Always draft k tokens per row (k = 0: plain decoding through the speculative loop)."""
+
+    def __init__(self, k: int):
+        self.k = _check_int("FixedLength(k)", k, 0)
+
+    def choose(self, info: StepInfo):
+        return self.k
+
+    def state_dict(self):
+        return {"k": self.k}
+
+    def load_state_dict(self, state):
+        self.k = _check_int("FixedLength(k)", state["k"], 0)
+
+    def __repr__(self):
+        return f"FixedLength({self.k})"
+
+
+class Heuristic(Policy):
+    """transformers' `num_assistant_tokens_schedule="heuristic"`, per row: +2 after a step in which every drafted
+    token was accepted, else -1 (never below `minimum`). Rows start at `initial` (stock: 20) in every call."""
+
+    def __init__(self, initial: int = 20, minimum: int = 1, maximum: int = 64):
+        self.initial = _check_int("Heuristic(initial)", initial, 0)
+        self.minimum = _check_int("Heuristic(minimum)", minimum, 0)
+        self.maximum = _check_int("Heuristic(maximum)", maximum, max(self.minimum, 1))
+        self.lengths: dict[int, int] = {}
+
+    def begin(self, batch_size):
+        self.lengths = {}
+
+    def choose(self, info: StepInfo):
+        return torch.tensor([self.lengths.get(int(r), self.initial) for r in info.rows], dtype=torch.long)
+
+    def observe(self, record):
+        for row, gamma, drafted, accepted in zip(record.rows, record.gammas, record.drafted, record.accepted):
+            current = self.lengths.get(row, self.initial)
+            if drafted == 0:          # nothing was tried, nothing learned
+                continue
+            step = 2 if accepted == drafted else -1
+            self.lengths[row] = min(self.maximum, max(self.minimum, current + step))
+
+    def reset(self):
+        self.lengths = {}
+
+    def state_dict(self):
+        return {"initial": self.initial, "minimum": self.minimum, "maximum": self.maximum}
+
+    def load_state_dict(self, state):
+        self.__init__(state["initial"], state["minimum"], state["maximum"])
+
+    def __repr__(self):
+        return f"Heuristic(initial={self.initial})"

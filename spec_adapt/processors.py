@@ -1,0 +1,69 @@
+"""Logits processors applied position by position, as ordinary generation would apply them.
+
+In a verification pass the score at position i of row b is conditioned on the row's committed tokens plus the first i
+drafted tokens, so a processor that reads `input_ids` (repetition penalty, min_new_tokens, no_repeat_ngram, ...) must
+see exactly that context, with the length stock generate would have had. Processors that only transform the scores
+(temperature, top-k, top-p, ...) are applied to all positions in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation import logits_process as lp
+
+# Processors whose output does not depend on input_ids.
+_CONTEXT_FREE = tuple(
+    getattr(lp, name)
+    for name in (
+        "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TopHLogitsWarper",
+        "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "InfNanRemoveLogitsProcessor",
+        "LogitNormalization", "SuppressTokensLogitsProcessor",
+    )
+    if hasattr(lp, name)
+)
+
+
+class ScoreProcessor:
+    """Wraps a LogitsProcessorList. `__call__` processes one score vector per (context, length) pair."""
+
+    def __init__(self, processors: LogitsProcessorList | None):
+        self.processors = processors if processors is not None else LogitsProcessorList()
+        self.context_free = all(isinstance(p, _CONTEXT_FREE) for p in self.processors)
+
+    def __bool__(self) -> bool:
+        return len(self.processors) > 0
+
+    def __call__(
+        self,
+        scores: torch.Tensor,     # [N, V] float32
+        contexts: torch.Tensor,   # [N, Lmax] long: the token buffer rows these scores condition on
+        lengths: torch.Tensor,    # [N] long: context length of each score (tokens contexts[n, :lengths[n]])
+    ) -> torch.Tensor:
+        if not self.processors:
+            return scores
+        if self.context_free:
+            return self.processors(contexts[:, :1], scores)
+        out = torch.empty_like(scores)
+        for length in lengths.unique().tolist():
+            idx = (lengths == length).nonzero().squeeze(1)
+            out[idx] = self.processors(contexts[idx, :length], scores[idx].clone())
+        return out
+
+    def positions(
+        self,
+        scores: torch.Tensor,      # [B, W, V]: position i of row b conditions on buffer[b, :base[b] + i]
+        buffer: torch.Tensor,      # [B, Lmax] long: committed tokens followed by this step's drafts
+        base: torch.Tensor,        # [B] long: committed length of each row
+        n_positions: torch.Tensor, # [B] long: positions that matter per row (the rest are left unprocessed)
+    ) -> torch.Tensor:
+        if not self.processors:
+            return scores
+        batch, width, vocab = scores.shape
+        offset = torch.arange(width, device=scores.device)
+        used = offset[None, :] < n_positions[:, None]                    # [B, W]
+        rows, cols = used.nonzero(as_tuple=True)
+        processed = self(scores[rows, cols], buffer[rows], base[rows] + cols)
+        out = scores.clone()
+        out[rows, cols] = processed
+        return out
