@@ -55,7 +55,7 @@ class SpeculativeLoop:
         self.stats.start(self.buffer.shape[0])
         logits = self.target.prefill(self.input_ids, self.attention_mask).float()[:, None]   # [B, 1, V]
         first = Proposal.empty(len(self.rows), self.device)
-        scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1)
+        scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1, self.rows)
         committed = self._commit(first, *self._accept(scores, first), scores, logits)
         self._count_first_token(committed)
         self.stats.time_prefill = self._now() - start
@@ -121,7 +121,7 @@ class SpeculativeLoop:
             index = (lengths[:, None] + torch.arange(proposal.tokens.shape[1], device=self.device)).clamp(
                 max=context.shape[1] - 1)
             context.scatter_(1, index, proposal.tokens)
-        return self.process.positions(logits, context, lengths, proposal.lengths + 1), logits
+        return self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows), logits
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal):
         if not self.sampling:
@@ -243,9 +243,8 @@ class Stopper:
             hit_eos = is_eos.any(dim=1)
             n = torch.where(hit_eos, is_eos.long().argmax(dim=1) + 1, n)
         finished = hit_eos | (old + n >= self.max_length)
-        index = (old[:, None] + pos).clamp(max=buffer.shape[1] - 1)
-        current = buffer[rows[:, None], index]
-        buffer[rows[:, None], index] = torch.where(pos < n[:, None], new, current)
+        b, j = (pos < n[:, None]).nonzero(as_tuple=True)
+        buffer[rows[b], old[b] + j] = new[b, j]
         if self.others:
             n, finished = self._ask_others(buffer, rows, old, n, finished, pad_id)
         return n, finished

@@ -8,6 +8,8 @@ see exactly that context, with the length stock generate would have had. Process
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
@@ -39,6 +41,7 @@ class ScoreProcessor:
         scores: torch.Tensor,     # [N, V] float32
         contexts: torch.Tensor,   # [N, Lmax] long: the token buffer rows these scores condition on
         lengths: torch.Tensor,    # [N] long: context length of each score (tokens contexts[n, :lengths[n]])
+        rows: torch.Tensor,       # [N] long: each score's row in the user's batch (for row-aware processors)
     ) -> torch.Tensor:
         if not self.processors:
             return scores
@@ -47,7 +50,11 @@ class ScoreProcessor:
         out = torch.empty_like(scores)
         for length in lengths.unique().tolist():
             idx = (lengths == length).nonzero().squeeze(1)
-            out[idx] = self.processors(contexts[idx, :length], scores[idx].clone())
+            processors = [_for_rows(p, rows[idx]) for p in self.processors]
+            group_scores, group_ids = scores[idx].clone(), contexts[idx, :length]
+            for processor in processors:
+                group_scores = processor(group_ids, group_scores)
+            out[idx] = group_scores
         return out
 
     def positions(
@@ -56,14 +63,30 @@ class ScoreProcessor:
         buffer: torch.Tensor,      # [B, Lmax] long: committed tokens followed by this step's drafts
         base: torch.Tensor,        # [B] long: committed length of each row
         n_positions: torch.Tensor, # [B] long: positions that matter per row (the rest are left unprocessed)
+        rows: torch.Tensor,        # [B] long: the rows' indices in the user's batch
     ) -> torch.Tensor:
         if not self.processors:
             return scores
         batch, width, vocab = scores.shape
         offset = torch.arange(width, device=scores.device)
         used = offset[None, :] < n_positions[:, None]                    # [B, W]
-        rows, cols = used.nonzero(as_tuple=True)
-        processed = self(scores[rows, cols], buffer[rows], base[rows] + cols)
+        used_rows, cols = used.nonzero(as_tuple=True)
+        processed = self(scores[used_rows, cols], buffer[used_rows], base[used_rows] + cols, rows[used_rows])
         out = scores.clone()
-        out[rows, cols] = processed
+        out[used_rows, cols] = processed
         return out
+
+
+def _for_rows(processor, rows: torch.Tensor):
+    """A view of a processor that keeps per-row state, restricted to `rows` of the user's batch."""
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    if isinstance(processor, lp.RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor):
+        view = copy.copy(processor)
+        view.prompt_ignore_length = ignore.to(rows.device)[rows]
+        return view
+    if isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
+        view = copy.copy(processor)
+        row_list, fn = rows.tolist(), processor._prefix_allowed_tokens_fn
+        view._prefix_allowed_tokens_fn = lambda batch_id, sent: fn(row_list[batch_id], sent)
+        return view
+    return processor

@@ -66,7 +66,7 @@ class ModelDrafter(Drafter):
         last = logits[torch.arange(batch, device=device), (pending - 1).clamp(min=0)]      # [B, V']
 
         for k in range(most):
-            scores = request.process(last[:, : self.vocab].float(), context, lengths + k)
+            scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))
             if request.sampling:
                 q = scores.softmax(dim=-1)
                 token = torch.multinomial(q, 1).squeeze(1)

@@ -1,0 +1,266 @@
+"""Greedy identity: spec_adapt output equals stock `model.generate` greedy output, token for token.
+
+Scripted drafts make every acceptance pattern reachable (always right, always wrong, right for exactly j tokens,
+different per row), and each case also checks that the acceptance the loop reports is exactly the scripted one,
+so a drafter that silently fell back to plain decoding cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import spec_adapt
+from spec_adapt import FixedLength, Heuristic, ModelDrafter, ScriptedDrafter
+
+from conftest import EOS, PAD, VOCAB, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
+
+MODES = {"right": ["right"], "wrong": ["wrong"], "j2": [2], "mixed": ["right", "wrong", 1, 3, 0]}
+
+
+def run_spec(model, ids, mask, drafter, policy, entry="custom", **kw):
+    kw.setdefault("max_new_tokens", 24)
+    stats = spec_adapt.SpecStats()
+    if entry == "custom":
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
+                             custom_generate=spec_adapt.generate, drafter=drafter, assistant_policy=policy,
+                             spec_stats=stats, **kw)
+    else:
+        spec_adapt.enable(model)
+        try:
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
+                                 assistant_model=drafter, assistant_policy=policy, spec_stats=stats, **kw)
+        finally:
+            spec_adapt.disable(model)
+    return out, stats
+
+
+def assert_scripted_acceptance(stats, oracle):
+    assert stats.fallback is None
+    for rec in stats.trace:
+        for row, drafted, accepted in zip(rec.rows, rec.drafted, rec.accepted):
+            assert accepted == oracle.expected_accepted(row, drafted), (row, drafted, accepted)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+@pytest.mark.parametrize("gamma", [0, 1, 3, 8])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_identity_scripted(arch, batch, gamma, mode):
+    model = cached_model(arch)
+    ids, mask = ragged_batch(batch, seed=batch)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    oracle = Oracle(reference, mask, MODES[mode])
+    entry = "custom" if (gamma + batch) % 2 else "enable"
+    out, stats = run_spec(model, ids, mask, oracle.drafter(), FixedLength(gamma), entry=entry, eos_token_id=None)
+    assert torch.equal(out, reference)
+    assert_scripted_acceptance(stats, oracle)
+    if gamma:
+        assert stats.drafted > 0
+    else:
+        assert stats.drafted == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 5, 8])
+def test_eos_mid_batch(arch, batch):
+    """Rows stop at EOS at different steps; finished rows are padded exactly like stock generate pads them."""
+    model = cached_model(arch)
+    ids, mask = ragged_batch(batch, seed=10 + batch)
+    free = stock_greedy(model, ids, mask, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 4])   # row 0 emits this token at its 5th step: make it the EOS
+    reference = stock_greedy(model, ids, mask, eos_token_id=eos)
+    oracle = Oracle(reference, mask, MODES["mixed"], eos=(eos,))
+    out, stats = run_spec(model, ids, mask, oracle.drafter(), FixedLength(3), eos_token_id=eos)
+    assert torch.equal(out, reference)
+    assert_scripted_acceptance(stats, oracle)
+    assert min(stats.per_row_new_tokens) < max(stats.per_row_new_tokens) or batch == 1
+    assert [r.batch_size for r in stats.trace] == sorted((r.batch_size for r in stats.trace), reverse=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("mode", ["right", "mixed"])
+def test_heuristic_policy(arch, batch, mode):
+    model = cached_model(arch)
+    ids, mask = ragged_batch(batch, seed=3)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    oracle = Oracle(reference, mask, MODES[mode])
+    out, stats = run_spec(model, ids, mask, oracle.drafter(), Heuristic(initial=2), max_new_tokens=40,
+                          eos_token_id=None)
+    assert torch.equal(out, reference)
+    assert_scripted_acceptance(stats, oracle)
+    if mode == "right":   # all accepted: +2 per step
+        assert max(max(r.gammas) for r in stats.trace) > 2
+
+
+def test_eos_several_ids_and_min_new_tokens(llama):
+    ids, mask = ragged_batch(4, seed=5)
+    free = stock_greedy(llama, ids, mask, eos_token_id=None)
+    eos = [int(free[0, ids.shape[1] + 2]), int(free[1, ids.shape[1] + 6])]
+    kw = dict(eos_token_id=eos, min_new_tokens=4)
+    reference = stock_greedy(llama, ids, mask, **kw)
+    oracle = Oracle(reference, mask, MODES["mixed"], eos=eos)
+    out, _ = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(4), **kw)
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("processors", [
+    dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2), dict(suppress_tokens=[5, 6, 7]),
+])
+def test_logits_processors_position_by_position(llama, processors):
+    ids, mask = ragged_batch(5, seed=6)
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None, **processors)
+    oracle = Oracle(reference, mask, MODES["mixed"])
+    out, stats = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(3), eos_token_id=None, **processors)
+    assert torch.equal(out, reference)
+    assert_scripted_acceptance(stats, oracle)
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria(llama):
+    ids, mask = ragged_batch(4, seed=7)
+    free = stock_greedy(llama, ids, mask, eos_token_id=None)
+    token = int(free[2, ids.shape[1] + 3])
+    criteria = StoppingCriteriaList([StopAfterToken(token)])
+    reference = stock_greedy(llama, ids, mask, eos_token_id=EOS, stopping_criteria=criteria)
+    oracle = Oracle(reference, mask, MODES["right"], eos=(EOS, token))
+    out, _ = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(5), eos_token_id=EOS,
+                      stopping_criteria=StoppingCriteriaList([StopAfterToken(token)]))
+    assert torch.equal(out, reference)
+
+
+def test_scores_and_dict_output(llama):
+    ids, mask = ragged_batch(3, seed=8)
+    kw = dict(eos_token_id=None, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    reference = stock_greedy(llama, ids, mask, **kw)
+    oracle = Oracle(reference.sequences, mask, MODES["mixed"])
+    out, stats = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(3), **kw)
+    assert isinstance(out, spec_adapt.SpecGenerateOutput)
+    assert out.spec_stats is stats
+    assert torch.equal(out.sequences, reference.sequences)
+    assert len(out.scores) == len(reference.scores)
+    for ours, theirs in zip(out.scores, reference.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(out.logits, reference.logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_streamer_receives_every_token(llama):
+    class Collect:
+        def __init__(self):
+            self.tokens, self.ended = [], False
+
+        def put(self, value):
+            self.tokens.extend(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    ids, mask = ragged_batch(1, seed=9)
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None)
+    oracle = Oracle(reference, mask, [2])
+    streamer = Collect()
+    spec_adapt.enable(llama)
+    try:
+        out = llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24,
+                             eos_token_id=None, pad_token_id=PAD, assistant_model=oracle.drafter(),
+                             assistant_policy=FixedLength(4), streamer=streamer)
+    finally:
+        spec_adapt.disable(llama)
+    assert torch.equal(out, reference)
+    assert streamer.tokens == reference[0].tolist() and streamer.ended
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_draft_model_same_weights_accepts_everything(arch):
+    model = cached_model(arch)
+    ids, mask = ragged_batch(5, seed=11)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    out, stats = run_spec(model, ids, mask, model, FixedLength(4), eos_token_id=None)
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.drafted > 0 and stats.accepted == stats.drafted
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("policy", [FixedLength(3), Heuristic(initial=4)])
+def test_draft_model_random_weights(arch, policy):
+    model = cached_model(arch)
+    draft = tiny_model(arch, seed=123, layers=1)
+    ids, mask = ragged_batch(8, seed=12)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    out, stats = run_spec(model, ids, mask, draft, policy, eos_token_id=None)
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.drafted > 0 and stats.acceptance_rate < 0.5
+
+
+def test_draft_with_padded_superset_vocabulary(llama):
+    """A draft whose embedding matrix is rounded up past the target's vocabulary is sliced, not rejected."""
+    draft = tiny_model("llama", seed=0, vocab=VOCAB + 32)
+    with torch.no_grad():   # same weights on the shared part: it must accept everything
+        for name, p in draft.named_parameters():
+            q = dict(llama.named_parameters())[name]
+            p.copy_(q if p.shape == q.shape else torch.cat([q, torch.full_like(p[q.shape[0]:], -1e3)]))
+    ids, mask = ragged_batch(4, seed=13)
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None)
+    out, stats = run_spec(llama, ids, mask, draft, FixedLength(3), eos_token_id=None)
+    assert torch.equal(out, reference)
+    assert stats.accepted == stats.drafted > 0
+
+
+def test_draft_in_other_dtype(llama):
+    """The draft's inputs and outputs cross explicitly to and from its own device/dtype."""
+    draft = tiny_model("llama", seed=0).to(torch.bfloat16)
+    ids, mask = ragged_batch(4, seed=14)
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None)
+    out, stats = run_spec(llama, ids, mask, draft, FixedLength(3), eos_token_id=None)
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.accepted > 0
+
+
+def test_compaction_keeps_identity(llama, monkeypatch):
+    """Force compaction after every rollback: moving valid entries must not change a single token."""
+    from spec_adapt import ledger
+
+    original = ledger.KVLedger.__init__
+
+    def always_compact(self, model, cache=None, compact_threshold=0.5, compact_min=64):
+        original(self, model, cache, compact_threshold=0.0, compact_min=1)
+
+    monkeypatch.setattr(ledger.KVLedger, "__init__", always_compact)
+    ids, mask = ragged_batch(6, seed=15)
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None, max_new_tokens=40)
+    oracle = Oracle(reference, mask, MODES["mixed"])
+    out, stats = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(5), eos_token_id=None,
+                          max_new_tokens=40)
+    assert torch.equal(out, reference)
+    assert stats.compactions > 5
+
+
+def test_plain_generate_untouched_after_enable(llama):
+    ids, mask = ragged_batch(3, seed=16)
+    before = stock_greedy(llama, ids, mask, eos_token_id=None)
+    spec_adapt.enable(llama)
+    try:
+        after = stock_greedy(llama, ids, mask, eos_token_id=None)
+        assert "generate" in llama.__dict__
+    finally:
+        spec_adapt.disable(llama)
+    assert "generate" not in llama.__dict__
+    assert torch.equal(before, after)
+
+
+def test_no_drafter_is_plain_decoding(llama):
+    ids, mask = ragged_batch(5, seed=17)
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None)
+    out, stats = run_spec(llama, ids, mask, None, FixedLength(3), eos_token_id=None)
+    assert torch.equal(out, reference)
+    assert stats.drafted == 0 and stats.steps == 23
