@@ -264,3 +264,26 @@ def test_no_drafter_is_plain_decoding(llama):
     out, stats = run_spec(llama, ids, mask, None, FixedLength(3), eos_token_id=None)
     assert torch.equal(out, reference)
     assert stats.drafted == 0 and stats.steps == 23
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch", [1, 5, 8])
+@pytest.mark.parametrize("policy", [FixedLength(4), Heuristic(initial=3)])
+def test_prompt_lookup_identity(arch, batch, policy):
+    model = cached_model(arch)
+    ids, mask = ragged_batch(batch, seed=20 + batch)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    out, stats = run_spec(model, ids, mask, spec_adapt.PromptLookupDrafter(), policy, eos_token_id=None,
+                          max_new_tokens=40)
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.drafted > 0 and stats.accepted > 0   # tiny models loop: lookup hits
+
+
+def test_prompt_lookup_worked_example():
+    from spec_adapt.drafters.lookup import lookup_continuation
+
+    context = torch.tensor([5, 8, 3, 9, 4, 5, 8])
+    assert lookup_continuation(context, 3, 2, 1).tolist() == [3, 9, 4]
+    assert lookup_continuation(torch.tensor([1, 2, 3]), 3, 2, 1).tolist() == []
+    # The most recent match wins: [7] occurs at 0 and 2; the one at 2 is followed by 6.
+    assert lookup_continuation(torch.tensor([7, 5, 7, 6, 7]), 2, 1, 1).tolist() == [6, 7]

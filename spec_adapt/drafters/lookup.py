@@ -1,0 +1,62 @@
+"""Prompt lookup: a model-free drafter that copies what followed the latest earlier occurrence of the row's last
+n tokens (n-gram match in the prompt and everything generated so far).
+
+Worked example, max_ngram = 2: context [5 8 3 9 4 5 8], last 2 tokens [5 8] occurred at 0..1, followed by
+[3 9 4 ...] -> propose [3 9 4] for gamma = 3. With no 2-gram match it tries the last token alone, then gives up
+(proposes nothing for that row: the row takes a plain step)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Drafter, DraftRequest, Proposal
+
+
+def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
+    """context [L] long -> up to gamma tokens that followed the most recent earlier match of its longest suffix."""
+    length = context.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = context[length - n:]
+        windows = context[: length - 1].unfold(0, n, 1)             # [L-n, n]: every earlier n-gram
+        hits = (windows == suffix).all(dim=1).nonzero().squeeze(1)
+        hits = hits[hits + n < length]                               # it must be followed by something
+        if hits.numel():
+            start = int(hits[-1]) + n                                # the most recent match
+            return context[start : start + gamma]
+    return context[:0]
+
+
+class PromptLookupDrafter(Drafter):
+    """Batched, per row: every row searches its own prompt and generated tokens. Proposals are point masses."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise ValueError(f"PromptLookupDrafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}.")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.pad = None
+
+    def begin(self, input_ids, attention_mask):
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        self.pad = (mask == 0).sum(dim=1).tolist()
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        tokens = request.tokens.cpu()
+        drafts = []
+        for b, (row, length, gamma) in enumerate(
+            zip(request.rows.tolist(), request.lengths.tolist(), request.gammas.tolist())
+        ):
+            if gamma == 0:
+                drafts.append(tokens[b, :0])
+                continue
+            context = tokens[b, self.pad[row] : length]
+            drafts.append(lookup_continuation(context, gamma, self.max_ngram, self.min_ngram))
+        return _pack(drafts, request.tokens.device)
+
+
+def _pack(drafts, device) -> Proposal:
+    width = max((d.numel() for d in drafts), default=0)
+    out = torch.zeros(len(drafts), width, dtype=torch.long)
+    for b, d in enumerate(drafts):
+        out[b, : d.numel()] = d
+    lengths = torch.tensor([d.numel() for d in drafts], dtype=torch.long)
+    return Proposal(out.to(device), lengths.to(device))
