@@ -12,6 +12,8 @@ the start. Everything else follows from `slots`:
 - rollback of row b to its first k buffer tokens: slots[b][slots[b] >= k] = -1 (no data moves);
 - physical trim: drop trailing columns that are holes in every row (`DynamicLayer` tensors are sliced);
 - compaction: when holes waste too much memory, gather each row's valid slots to the front (one gather per layer).
+  "Too much" is measured by what compaction would give back: the physical length minus the longest row's valid
+  count. Holes that padding for shorter rows forces anyway (ragged prompts) are not waste and never trigger it.
 
 Worked example, B = 2, row 0 left-padded by 1:
     prefill [pad, a, b] / [c, d, e]          slots = [[-1, 1, 2], [0, 1, 2]]
@@ -53,7 +55,8 @@ class KVLedger:
 
     def __init__(self, model, cache: DynamicCache | None = None, compact_threshold: float = 0.5, compact_min: int = 64):
         self.model = model
-        # Compact when more than `compact_threshold` of the cache is holes and it is at least `compact_min` long.
+        # Compact when compaction would free more than `compact_threshold` of the physical length and at least
+        # `compact_min` slots.
         self.compact_threshold, self.compact_min = compact_threshold, compact_min
         self.compactions = 0
         self.device = model.device
@@ -115,7 +118,8 @@ class KVLedger:
         self.slots = torch.where(self.slots < keep_len[:, None], self.slots, -1)
         self.n_cached = torch.minimum(self.n_cached, keep_len)
         self._trim()
-        if self.physical_length >= self.compact_min and self.hole_fraction() > self.compact_threshold:
+        free = self.reclaimable()
+        if free >= self.compact_min and free > self.compact_threshold * self.physical_length:
             self.compact()
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -126,8 +130,11 @@ class KVLedger:
             layer.keys, layer.values = layer.keys[index], layer.values[index]
         self._trim()
 
-    def hole_fraction(self) -> float:
-        return float((self.slots < 0).float().mean()) if self.slots.numel() else 0.0
+    def reclaimable(self) -> int:
+        """Slots compaction would free: physical length minus the longest row's count of valid entries."""
+        if not self.slots.numel():
+            return 0
+        return self.physical_length - int((self.slots >= 0).sum(dim=1).max())
 
     def compact(self) -> None:
         """Move each row's valid entries to the front of the cache (stable), then trim. Attention is unchanged."""

@@ -230,19 +230,20 @@ def test_compaction_keeps_identity(llama, monkeypatch):
     """Force compaction after every rollback: moving valid entries must not change a single token."""
     from spec_adapt import ledger
 
-    original = ledger.KVLedger.__init__
+    original = ledger.KVLedger.rollback
 
-    def always_compact(self, model, cache=None, compact_threshold=0.5, compact_min=64):
-        original(self, model, cache, compact_threshold=0.0, compact_min=1)
+    def rollback_then_compact(self, keep_len):
+        original(self, keep_len)
+        self.compact()
 
-    monkeypatch.setattr(ledger.KVLedger, "__init__", always_compact)
+    monkeypatch.setattr(ledger.KVLedger, "rollback", rollback_then_compact)
     ids, mask = ragged_batch(6, seed=15)
     reference = stock_greedy(llama, ids, mask, eos_token_id=None, max_new_tokens=40)
     oracle = Oracle(reference, mask, MODES["mixed"])
     out, stats = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(5), eos_token_id=None,
                           max_new_tokens=40)
     assert torch.equal(out, reference)
-    assert stats.compactions > 5
+    assert stats.compactions >= stats.steps
 
 
 def test_plain_generate_untouched_after_enable(llama):
