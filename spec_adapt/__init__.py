@@ -9,7 +9,7 @@ or, after `spec_adapt.enable(model)`:
 
 from .accept import greedy_accept, rejection_sample
 from .api import SpecGenerateOutput, disable, enable, generate
-from .drafters import Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter
+from .drafters import Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord, last_stats
 from .policies import FixedLength, Heuristic, Policy, StepInfo
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "generate", "enable", "disable", "SpecGenerateOutput",
-    "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter",
+    "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
     "Policy", "StepInfo", "FixedLength", "Heuristic",
     "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
 ]

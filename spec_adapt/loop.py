@@ -66,7 +66,7 @@ class SpeculativeLoop:
         while len(self.rows):
             self.step()
         if self.drafter is not None:
-            self.drafter.end()
+            self._guard("end", self.drafter.end, self.buffer, self.lengths)
         if self.streamer is not None:
             self.streamer.end()
         self.stats.compactions = self.target.compactions

@@ -288,3 +288,29 @@ def test_prompt_lookup_worked_example():
     assert lookup_continuation(torch.tensor([1, 2, 3]), 3, 2, 1).tolist() == []
     # The most recent match wins: [7] occurs at 0 and 2; the one at 2 is followed by 6.
     assert lookup_continuation(torch.tensor([7, 5, 7, 6, 7]), 2, 1, 1).tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch", [1, 5, 8])
+def test_suffix_drafter_identity_and_memory_across_calls(arch, batch):
+    model = cached_model(arch)
+    ids, mask = ragged_batch(batch, seed=30 + batch)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    drafter = spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex(depth=6), min_share=0.0)
+    first, stats1 = run_spec(model, ids, mask, drafter, Heuristic(initial=3), eos_token_id=None, max_new_tokens=40)
+    second, stats2 = run_spec(model, ids, mask, drafter, Heuristic(initial=3), eos_token_id=None, max_new_tokens=40)
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    assert stats1.fallback is None and stats2.fallback is None and stats2.accepted > 0
+    # The second call has the first call's outputs in its index: it drafts the same text and needs far fewer steps
+    # (drafts that run past the end of what was seen are still rejected, as they should be).
+    assert stats2.acceptance_rate > stats1.acceptance_rate
+    assert stats2.steps < stats1.steps / 2
+
+
+def test_suffix_index_worked_example():
+    index = spec_adapt.SuffixIndex(depth=2)
+    a, b, c, d = 10, 11, 12, 13
+    index.add([a, b, c, a, b, d, a, b, c])
+    assert index.continuation([99, a, b], 2, min_share=0.0) == [c, a]
+    assert index.continuation([99, a, b], 2, min_share=0.7) == []      # c has only 2/3 of "a b"
+    assert index.continuation([99, 98], 2, min_share=0.0) == []        # nothing known

@@ -55,5 +55,6 @@ class Drafter:
     def select_rows(self, index: torch.Tensor) -> None:
         """Only these active rows remain (indices into the current active batch)."""
 
-    def end(self) -> None:
-        """End of the call: free per-call state."""
+    def end(self, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
+        """End of the call: free per-call state. `tokens` [B0, L] / `lengths` [B0] are the final sequences of the
+        user's whole batch (None after a failure), for drafters that learn from outputs."""

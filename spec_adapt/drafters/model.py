@@ -88,5 +88,5 @@ class ModelDrafter(Drafter):
     def select_rows(self, index):
         self.ledger.select_rows(index)
 
-    def end(self):
+    def end(self, tokens=None, lengths=None):
         self.ledger = None

@@ -1,0 +1,94 @@
+"""Suffix drafter (SuffixDecoding-style): a frequency index over everything seen in this process, prompts and
+outputs of earlier generate calls included, proposing the most frequent continuation of the row's longest suffix.
+
+The index maps every context of up to `depth` tokens to a count of the tokens that followed it (a suffix trie cut
+at `depth`, stored as a dict). Proposing walks greedily: find the longest indexed suffix of the row's tokens, take
+its most frequent next token, append it, repeat up to gamma times; it stops early when the best continuation's
+share of its context's count falls below `min_share` (a confidence early exit that costs nothing to compute).
+
+Worked example, depth 2, index built from "a b c a b d a b c": context "x a b" -> longest suffix "a b", seen followed
+by c twice and d once -> propose c (share 2/3); then suffix "b c" -> followed by a -> propose a; and so on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch
+
+from .base import Drafter, DraftRequest, Proposal
+from .lookup import _pack
+
+
+class SuffixIndex:
+    """Counts of next tokens after every context of 1..depth tokens. Shared by drafters; grows as text is added."""
+
+    def __init__(self, depth: int = 8, max_contexts: int = 2_000_000):
+        self.depth, self.max_contexts = depth, max_contexts
+        self.next: dict[tuple, Counter] = defaultdict(Counter)
+
+    def add(self, tokens: list[int], start: int = 0) -> None:
+        """Index the transitions into tokens[start:], each with up to `depth` tokens of left context."""
+        if len(self.next) > self.max_contexts:   # bounded memory in a long-lived process: start afresh
+            self.next.clear()
+        for i in range(max(start, 1), len(tokens)):
+            token = tokens[i]
+            for n in range(1, min(self.depth, i) + 1):
+                self.next[tuple(tokens[i - n : i])][token] += 1
+
+    def continuation(self, context: list[int], gamma: int, min_share: float, min_depth: int = 1) -> list[int]:
+        out, ctx = [], list(context[-self.depth:])
+        while len(out) < gamma:
+            counts = None
+            for n in range(min(self.depth, len(ctx)), min_depth - 1, -1):
+                counts = self.next.get(tuple(ctx[-n:]))
+                if counts:
+                    break
+            if not counts:
+                break
+            token, count = counts.most_common(1)[0]
+            if count / sum(counts.values()) < min_share:
+                break
+            out.append(token)
+            ctx = (ctx + [token])[-self.depth:]
+        return out
+
+
+_SHARED = SuffixIndex()
+
+
+class SuffixDrafter(Drafter):
+    """Batched, per row. Every row's prompt and committed tokens are indexed as they appear, so the drafter also
+    does prompt lookup; the index outlives the call (by default one index per process, shared by all drafters)."""
+
+    def __init__(self, index: SuffixIndex | None = None, min_share: float = 0.3, min_depth: int = 2):
+        if not 0.0 <= min_share <= 1.0:
+            raise ValueError(f"SuffixDrafter(min_share) must be within [0, 1], got {min_share!r}.")
+        self.index = index if index is not None else _SHARED
+        self.min_share, self.min_depth = min_share, min_depth
+        self.pad, self.indexed = None, None
+
+    def begin(self, input_ids, attention_mask):
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        self.pad = (mask == 0).sum(dim=1).tolist()
+        self.indexed = [0] * len(self.pad)   # per user row: tokens of its context already in the index
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        tokens = request.tokens.cpu()
+        drafts = []
+        for b, (row, length, gamma) in enumerate(
+            zip(request.rows.tolist(), request.lengths.tolist(), request.gammas.tolist())
+        ):
+            context = tokens[b, self.pad[row] : length].tolist()
+            self.index.add(context, start=self.indexed[row])
+            self.indexed[row] = len(context)
+            found = self.index.continuation(context, gamma, self.min_share, self.min_depth) if gamma else []
+            drafts.append(torch.tensor(found, dtype=torch.long))
+        return _pack(drafts, request.tokens.device)
+
+    def end(self, tokens=None, lengths=None):
+        if tokens is None or self.pad is None:
+            return
+        for row, (pad, length) in enumerate(zip(self.pad, lengths.tolist())):
+            self.index.add(tokens[row, pad:length].tolist(), start=self.indexed[row])
+        self.pad = self.indexed = None
