@@ -1,4 +1,4 @@
-"""The `spec-adapt` command: `demo` (the main job)."""
+"""The `spec-adapt` command: `demo` (the main job) and `bench` (configurations side by side)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,30 @@ def demo(args) -> None:
           f"median of {args.repeats} alternating repeats, measured now on this machine.")
 
 
+def bench(args) -> None:
+    from pathlib import Path
+
+    from spec_adapt import bench as b
+    from spec_adapt.models import load_model
+    from spec_adapt.recipes import datasets as workloads
+
+    dtype = getattr(torch, args.dtype)
+    model, tok = load_model(args.model, dtype=dtype)
+    draft = load_model(args.draft, dtype=dtype)[0] if args.draft else None
+    ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
+    prompts = list(ds["input_text"])
+    cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft)
+    summary = b.summarize(cells)
+    b.print_table(summary)
+    name = Path(args.prompts).stem if args.prompts else args.workload
+    meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
+            "new_tokens": args.new_tokens, "prompts": len(prompts), "repeats": args.repeats,
+            "command": "spec-adapt bench " + " ".join(args.argv)}
+    out = Path(args.out or f"results/bench-{name}-{args.dtype}")
+    b.write_results(cells, summary, out, meta)
+    print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="spec-adapt", description="Adaptive, batched, lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,7 +104,24 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2)
     p.set_defaults(func=demo)
+    p = sub.add_parser("bench", help="configurations side by side on a workload (see spec_adapt/bench.py)")
+    p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval or mixed")
+    p.add_argument("--prompts", help="a JSONL file of prompts (overrides --workload)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--configs", nargs="+", default=["target", "hf-lookup", "lookup:fixed3", "suffix:heuristic4"])
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--draft", help="a draft model path (enables draft:<policy> and hf-assisted)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
+    p.set_defaults(func=bench)
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.argv = argv
     torch.set_grad_enabled(False)
     args.func(args)
 

@@ -1,0 +1,231 @@
+"""`spec-adapt bench`: configurations side by side on a workload, at several batch sizes, in one process.
+
+Every repeat runs every batch of prompts through every configuration in turn (interleaved, so machine noise hits
+all of them alike). Reported per configuration and batch size: tokens/s, time per output token, acceptance
+length, alpha, per-position acceptance, and the speedup over target-only (median and spread over repeats). Greedy
+outputs are checked against target-only outputs. Acceptance traces (per step: batch size, gammas, drafted,
+accepted) are saved for the policy lab.
+
+Configuration names:
+  target                        stock `generate`, target only (always included: the baseline)
+  hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
+  hf-assisted                   stock assisted generation with --draft, batch size 1 only
+  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft}, policy in {fixed<k>, heuristic}
+                                (suffix starts every call with an empty index: it never sees the outputs it is
+                                measured on, so its numbers are those of a cold start)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Cell:
+    config: str
+    batch_size: int
+    times: list[float] = field(default_factory=list)       # per repeat, seconds for all batches
+    tokens: list[int] = field(default_factory=list)        # per repeat, new tokens generated
+    drafted: int = 0
+    accepted: int = 0
+    row_steps: int = 0
+    step_tokens: int = 0
+    per_position: list[list[int]] = field(default_factory=list)   # [drafted, accepted] per position
+    identical: bool = True
+    trace: list[dict] = field(default_factory=list)
+
+    def add_stats(self, stats) -> None:
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.row_steps += stats.row_steps
+        self.step_tokens += sum(sum(r.committed) for r in stats.trace)
+        for i, (d, a) in enumerate(zip(stats.per_position_drafted, stats.per_position_accepted)):
+            if i >= len(self.per_position):
+                self.per_position.append([0, 0])
+            self.per_position[i][0] += d
+            self.per_position[i][1] += a
+        self.trace.extend(
+            {"batch_size": r.batch_size, "gammas": r.gammas, "drafted": r.drafted, "accepted": r.accepted,
+             "step_time": r.step_time}
+            for r in stats.trace
+        )
+
+
+def build_config(name: str, model, tok, new_tokens: int, draft=None):
+    """Return fn(encoded batch) -> (sequences, SpecStats | None), or None if the config cannot run."""
+    import spec_adapt
+
+    common = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    if name == "target":
+        return lambda enc: (model.generate(**enc, **common), None)
+    if name == "hf-lookup":
+        return lambda enc: (model.generate(**enc, **common, prompt_lookup_num_tokens=10), None)
+    if name == "hf-assisted":
+        if draft is None:
+            return None
+        return lambda enc: (model.generate(**enc, **common, assistant_model=draft), None)
+    drafter_name, _, policy_name = name.partition(":")
+    make_drafter = {
+        "none": lambda: None,
+        "lookup": lambda: spec_adapt.PromptLookupDrafter(max_ngram=3, min_ngram=2),
+        # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
+        "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
+        "draft": (lambda: draft) if draft is not None else None,
+    }.get(drafter_name)
+    if make_drafter is None:
+        raise ValueError(f"Unknown drafter in config {name!r} (or --draft missing for 'draft').")
+    policy = parse_policy(policy_name or "heuristic")
+
+    def run(enc):
+        out = model.generate(**enc, **common, custom_generate=spec_adapt.generate, drafter=make_drafter(),
+                             assistant_policy=policy)
+        return out, spec_adapt.last_stats()
+
+    return run
+
+
+def parse_policy(name: str):
+    from spec_adapt import FixedLength, Heuristic
+
+    if name.startswith("fixed"):
+        return FixedLength(int(name[5:] or 4))
+    if name == "heuristic":
+        return Heuristic()
+    if name.startswith("heuristic"):
+        return Heuristic(initial=int(name[9:]))
+    raise ValueError(f"Unknown policy {name!r}: use fixed<k>, heuristic or heuristic<initial>.")
+
+
+def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
+              repeats: int, draft=None, progress=True) -> list[Cell]:
+    from tqdm import tqdm
+
+    names = ["target"] + [c for c in configs if c != "target"]
+    cells = []
+    for batch in batch_sizes:
+        runnable = {}
+        for name in names:
+            if name.startswith("hf-") and batch != 1:
+                continue            # stock transformers speculation refuses batches
+            fn = build_config(name, model, tok, new_tokens, draft)
+            if fn is not None:
+                runnable[name] = fn
+        batches = [tok(prompts[i : i + batch], return_tensors="pt", padding=True)
+                   for i in range(0, len(prompts) - batch + 1, batch)]
+        row = {name: Cell(name, batch) for name in runnable}
+        for fn in runnable.values():       # warm-up on the first batch
+            fn(batches[0])
+        for _ in tqdm(range(repeats), desc=f"B={batch}", disable=not progress):
+            elapsed = {name: 0.0 for name in runnable}
+            produced = {name: 0 for name in runnable}
+            for enc in batches:
+                reference = None
+                for name, fn in runnable.items():
+                    start = time.perf_counter()
+                    out, stats = fn(enc)
+                    elapsed[name] += time.perf_counter() - start
+                    new = out[:, enc["input_ids"].shape[1]:]
+                    produced[name] += _count_new(new, tok.pad_token_id, tok.eos_token_id)
+                    if name == "target":
+                        reference = out
+                    elif not torch.equal(out, reference):
+                        row[name].identical = False
+                    if stats is not None:
+                        row[name].add_stats(stats)
+            for name in runnable:
+                row[name].times.append(elapsed[name])
+                row[name].tokens.append(produced[name])
+        cells.extend(row.values())
+    return cells
+
+
+def _count_new(new: torch.Tensor, pad_id, eos_id) -> int:
+    """Generated tokens per row up to and including EOS (what the user gets), summed over the batch."""
+    total = 0
+    for row in new.tolist():
+        n = len(row)
+        if eos_id is not None and eos_id in row:
+            n = row.index(eos_id) + 1
+        total += n
+    return total
+
+
+def summarize(cells: list[Cell]) -> list[dict]:
+    base = {c.batch_size: c for c in cells if c.config == "target"}
+    out = []
+    for c in cells:
+        rates = [n / t for n, t in zip(c.tokens, c.times)]
+        speedups = [b / t for b, t in zip(base[c.batch_size].times, c.times)]
+        out.append({
+            "config": c.config, "batch_size": c.batch_size,
+            "tok_s": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
+            "ms_per_token": 1000 * statistics.median(t / n for n, t in zip(c.tokens, c.times)),
+            "speedup": statistics.median(speedups), "speedup_min": min(speedups), "speedup_max": max(speedups),
+            "alpha": c.accepted / c.drafted if c.drafted else None,
+            "acceptance_length": c.step_tokens / c.row_steps if c.row_steps else None,
+            "per_position_acceptance": [a / d if d else 0.0 for d, a in c.per_position],
+            "identical": c.identical, "repeats": len(c.times),
+        })
+    return out
+
+
+def write_results(cells: list[Cell], summary: list[dict], out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    (out_dir / "traces.json").write_text(json.dumps(
+        [{"config": c.config, "batch_size": c.batch_size, "trace": c.trace} for c in cells if c.trace]))
+    with open(out_dir / "summary.csv", "w", newline="") as f:
+        fields = [k for k in summary[0] if k != "per_position_acceptance"]
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summary)
+    _plot(summary, out_dir, meta)
+
+
+def _plot(summary: list[dict], out_dir: Path, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(s["config"] for s in summary))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for config in configs:
+        rows = [s for s in summary if s["config"] == config]
+        bs = [s["batch_size"] for s in rows]
+        axes[0].plot(bs, [s["tok_s"] for s in rows], marker="o", label=config)
+        if rows[0]["acceptance_length"] is not None:
+            axes[1].plot(bs, [s["acceptance_length"] for s in rows], marker="o", label=config)
+            biggest = rows[-1]["per_position_acceptance"]
+            axes[2].plot(range(1, len(biggest) + 1), biggest, marker=".", label=f"{config} (B={rows[-1]['batch_size']})")
+    sizes = sorted({s["batch_size"] for s in summary})
+    axes[0].set(xlabel="batch size", ylabel="tokens/s", title="throughput")
+    axes[1].set(xlabel="batch size", ylabel="tokens per row per step", title="acceptance length")
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+    axes[2].set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta.get('workload')}: {meta.get('model')} {meta.get('dtype')}, {meta.get('new_tokens')} new tokens")
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=110)
+    plt.close(fig)
+
+
+def print_table(summary: list[dict]) -> None:
+    print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} {'alpha':>6} {'acc.len':>7} identical")
+    for s in summary:
+        alpha = f"{s['alpha']:.2f}" if s["alpha"] is not None else "-"
+        length = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] is not None else "-"
+        spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
+        print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
+              f"{alpha:>6} {length:>7} {s['identical']}")
