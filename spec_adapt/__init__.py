@@ -12,13 +12,16 @@ from .api import SpecGenerateOutput, disable, enable, generate
 from .drafters import Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord, last_stats
-from .policies import FixedLength, Heuristic, Policy, StepInfo
+from .policies import (BanditSpecUCB, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar, PerRequest,
+                       Policy, StepInfo)
+from .profiling import LatencyTable
 
 __version__ = "0.1.0"
 
 __all__ = [
     "generate", "enable", "disable", "SpecGenerateOutput",
     "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
-    "Policy", "StepInfo", "FixedLength", "Heuristic",
+    "Policy", "StepInfo", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
+    "PerRequest", "LatencyTable",
     "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
 ]

@@ -92,7 +92,9 @@ class SpeculativeLoop:
         remaining = self.stopper.max_length - self.lengths[self.rows]
         if self.drafter is None:
             return torch.zeros(batch, dtype=torch.long, device=self.device)
-        info = StepInfo(batch, self.rows, self.lengths[self.rows] - self.prompt_length, remaining, self.stats.steps)
+        lengths = self.lengths[self.rows]
+        info = StepInfo(batch, self.rows, lengths - self.prompt_length, remaining, self.stats.steps,
+                        self.drafter.lag(lengths))
         gammas = check_gammas(self.policy, self.policy.choose(info), batch).to(self.device)
         return torch.minimum(gammas, remaining - 1)          # a step commits up to gamma + 1 tokens
 

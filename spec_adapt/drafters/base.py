@@ -49,6 +49,10 @@ class Drafter:
     def propose(self, request: DraftRequest) -> Proposal:
         raise NotImplementedError
 
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """[B] committed tokens (of `lengths`) this drafter would have to catch up on first; None = no such cost."""
+        return None
+
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Buffer tokens [0, keep_len[b]) of each active row are committed; anything drafted past them is not."""
 

@@ -21,10 +21,17 @@ class ModelDrafter(Drafter):
     device and proposals move back, so a draft on another device (or offloaded) works the same.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, confidence_threshold: float | None = None):
+        """`confidence_threshold`: Elastic Speculation's early exit. A row stops drafting once the draft's top
+        probability (after the logits processors) falls below it; its remaining draft slots are holes that write
+        no KV. None = always draft the full length."""
+        if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be within [0, 1], got {confidence_threshold!r}.")
         self.model = model
+        self.threshold = confidence_threshold
         self.ledger: KVLedger | None = None
         self.vocab = None
+        self.kv_writes = 0          # draft tokens whose KV was written (all calls), to measure early exit
 
     def validate(self, target) -> None:
         target_vocab, draft_vocab = _vocab_size(target), _vocab_size(self.model)
@@ -65,22 +72,33 @@ class ModelDrafter(Drafter):
         logits = self.ledger.forward(tokens.gather(1, index), pending)                     # [B, W, V']
         last = logits[torch.arange(batch, device=device), (pending - 1).clamp(min=0)]      # [B, V']
 
+        self.kv_writes += int(pending.sum())
+        drafted = torch.zeros_like(gammas)            # per row: tokens drafted so far
         for k in range(most):
             scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))
-            if request.sampling:
-                q = scores.softmax(dim=-1)
-                token = torch.multinomial(q, 1).squeeze(1)
+            q = scores.softmax(dim=-1)
+            token = torch.multinomial(q, 1).squeeze(1) if request.sampling else scores.argmax(dim=-1)
+            drafting = (drafted == k) & (k < gammas)
+            if self.threshold is not None:            # early exit: stop before a low-confidence token
+                drafting &= q.max(dim=-1).values >= self.threshold
+            if probs is not None:
                 probs[:, k] = q
-            else:
-                token = scores.argmax(dim=-1)
-            drafting = k < gammas
             drafts[:, k] = torch.where(drafting, token, 0)
+            drafted += drafting.long()
             context.scatter_(1, (lengths + k)[:, None].clamp(max=context.shape[1] - 1), drafts[:, k : k + 1])
-            if k + 1 < most:   # the last draft token is not fed: it becomes pending if accepted
-                last = self.ledger.forward(drafts[:, k : k + 1], (k + 1 < gammas).long())[:, 0]
+            feed = drafting & (k + 1 < gammas)        # the last draft token is not fed: pending if accepted
+            if k + 1 == most or not bool(feed.any()):
+                break
+            self.kv_writes += int(feed.sum())
+            last = self.ledger.forward(drafts[:, k : k + 1], feed.long())[:, 0]
 
         out_probs = probs.to(target_device) if probs is not None else None
-        return Proposal(drafts.to(target_device), gammas.to(target_device), out_probs)
+        return Proposal(drafts.to(target_device), drafted.to(target_device), out_probs)
+
+    def lag(self, lengths):
+        if self.ledger is None:
+            return None
+        return lengths.to(self.ledger.device) - self.ledger.n_cached
 
     def rollback(self, keep_len):
         self.ledger.rollback(keep_len)

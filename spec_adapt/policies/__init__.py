@@ -1,4 +1,6 @@
+from .adaptive import BanditSpecUCB, ElasticEWMA, GoodputModel, Nightjar, PerRequest, bucket, goodput
 from .base import Policy, StepInfo, check_gammas
 from .fixed import FixedLength, Heuristic
 
-__all__ = ["Policy", "StepInfo", "check_gammas", "FixedLength", "Heuristic"]
+__all__ = ["Policy", "StepInfo", "check_gammas", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB",
+           "GoodputModel", "ElasticEWMA", "PerRequest", "bucket", "goodput"]

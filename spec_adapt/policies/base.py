@@ -23,6 +23,7 @@ class StepInfo:
     generated: torch.Tensor   # [B] tokens generated so far per row
     remaining: torch.Tensor   # [B] tokens each row may still generate
     step: int                 # verification steps done so far in this call
+    draft_lag: torch.Tensor | None = None   # [B] committed tokens a draft model has not cached (catch-up cost)
 
 
 class Policy:

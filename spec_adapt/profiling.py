@@ -1,0 +1,154 @@
+"""Latency models for the policies: a profiled table (T(B, s), draft cost, c_prefill(L, B)) and an online fit.
+
+- `LatencyTable`: what `spec-adapt profile` measures on this machine, saved as JSON; `step_time(B, s)` interpolates
+  linearly between grid points (and extrapolates from the last two), `switch_cost(L, B)` likewise.
+- `OnlineLatency`: least squares on the step times the loop observes, T ~ a + b*B + c*B*s + d*s (the verify pass
+  grows with the tokens it scores, drafting grows with s), used where no table was measured; falls back to the table
+  (or a flat prior) until it has enough varied samples.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class LatencyTable:
+    step: dict[int, dict[int, float]] = field(default_factory=dict)       # B -> s -> seconds (verify s+1 tokens)
+    draft_token: dict[int, float] = field(default_factory=dict)           # B -> seconds per drafted token
+    prefill: dict[int, dict[int, float]] = field(default_factory=dict)    # L -> B -> seconds (draft catch-up)
+    meta: dict = field(default_factory=dict)
+
+    def step_time(self, batch: int, s: int, with_draft: bool = True) -> float:
+        """Seconds of one step at batch `batch` drafting `s` tokens: verify(s+1) + s draft tokens."""
+        sizes = sorted(self.step)
+        per_b = [_interp(sorted(self.step[b]), [self.step[b][k] for k in sorted(self.step[b])], s) for b in sizes]
+        verify = _interp(sizes, per_b, batch)
+        if not with_draft or s == 0 or not self.draft_token:
+            return verify
+        ds = sorted(self.draft_token)
+        return verify + s * _interp(ds, [self.draft_token[b] for b in ds], batch)
+
+    def switch_cost(self, lag: int, batch: int) -> float:
+        """c_prefill(L_max, B): seconds for the draft to catch up `lag` tokens at batch `batch`."""
+        if not self.prefill or lag <= 0:
+            return 0.0
+        lags = sorted(self.prefill)
+        per_l = [_interp(sorted(self.prefill[l]), [self.prefill[l][b] for b in sorted(self.prefill[l])], batch)
+                 for l in lags]
+        return max(0.0, _interp([0] + lags, [0.0] + per_l, lag))
+
+    def save(self, path) -> None:
+        data = {"step": self.step, "draft_token": self.draft_token, "prefill": self.prefill, "meta": self.meta}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, path) -> "LatencyTable":
+        data = json.loads(Path(path).read_text())
+        ints = lambda d: {int(k): (ints(v) if isinstance(v, dict) else v) for k, v in d.items()}  # noqa: E731
+        return cls(ints(data["step"]), ints(data["draft_token"]), ints(data["prefill"]), data.get("meta", {}))
+
+
+class OnlineLatency:
+    """Step-time model fitted online: T(B, s) = a + b*B + c*B*s + d*s, least squares over a sliding window."""
+
+    def __init__(self, table: LatencyTable | None = None, window: int = 512, min_samples: int = 12):
+        self.table, self.window, self.min_samples = table, window, min_samples
+        self.samples: list[tuple[int, int, float]] = []
+        self.coef: torch.Tensor | None = None
+
+    def add(self, batch: int, s: int, seconds: float) -> None:
+        self.samples.append((batch, s, seconds))
+        if len(self.samples) > self.window:
+            del self.samples[: len(self.samples) - self.window]
+        self.coef = None
+
+    def _features(self, batch, s):
+        return [1.0, float(batch), float(batch * s), float(s)]
+
+    def _fit(self) -> bool:
+        distinct = {(b, s) for b, s, _ in self.samples}
+        if len(self.samples) < self.min_samples or len({s for _, s in distinct}) < 2:
+            return False
+        if self.coef is None:
+            x = torch.tensor([self._features(b, s) for b, s, _ in self.samples], dtype=torch.float64)
+            y = torch.tensor([t for _, _, t in self.samples], dtype=torch.float64)
+            self.coef = torch.linalg.lstsq(x, y[:, None], driver="gelsd").solution[:, 0]
+        return True
+
+    def step_time(self, batch: int, s: int) -> float:
+        if self._fit():
+            value = float(torch.tensor(self._features(batch, s), dtype=torch.float64) @ self.coef)
+            floor = min(t for _, _, t in self.samples) * 0.5
+            return max(value, floor)
+        if self.table is not None and self.table.step:
+            return self.table.step_time(batch, s)
+        return 1.0 + 0.1 * s      # flat prior: verification nearly free, so speculation gets tried
+
+    def state_dict(self) -> dict:
+        return {"samples": list(self.samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples = [tuple(x) for x in state["samples"]]
+        self.coef = None
+
+
+def profile(model, draft=None, batch_sizes=(1, 4, 16), lengths=(0, 1, 2, 4, 8), lags=(32, 128, 512),
+            context: int = 256, repeats: int = 5, progress: bool = True) -> LatencyTable:
+    """Measure T(B, s) for `model`, the draft's per-token time and catch-up cost c_prefill(L, B) on this machine."""
+    from tqdm import tqdm
+
+    from .ledger import KVLedger
+
+    def timed(fn) -> float:
+        fn()                                                  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def primed(m, batch, length):
+        ledger = KVLedger(m)
+        ids = torch.randint(3, m.config.vocab_size, (batch, length))
+        ledger.prefill(ids, None)
+        return ledger
+
+    def forward_then_rollback(ledger, width):
+        tokens = torch.randint(3, ledger.model.config.vocab_size, (ledger.slots.shape[0], width))
+        keep = ledger.n_cached.clone()
+        ledger.forward(tokens, torch.full((tokens.shape[0],), width))
+        ledger.rollback(keep)
+
+    table = LatencyTable(meta={"context": context, "repeats": repeats, "batch_sizes": list(batch_sizes)})
+    jobs = [("step", b, s) for b in batch_sizes for s in lengths]
+    if draft is not None:
+        jobs += [("draft", b, 1) for b in batch_sizes] + [("prefill", b, l) for b in batch_sizes for l in lags]
+    with torch.no_grad():
+        for kind, batch, n in tqdm(jobs, desc="profiling", disable=not progress):
+            if kind == "step":
+                ledger = primed(model, batch, context)
+                table.step.setdefault(batch, {})[n] = timed(lambda: forward_then_rollback(ledger, n + 1))
+            elif kind == "draft":
+                ledger = primed(draft, batch, context)
+                table.draft_token[batch] = timed(lambda: forward_then_rollback(ledger, 1))
+            else:
+                ledger = primed(draft, batch, context)
+                table.prefill.setdefault(n, {})[batch] = timed(lambda: forward_then_rollback(ledger, n))
+    return table
