@@ -10,7 +10,9 @@ Configuration names:
   target                        stock `generate`, target only (always included: the baseline)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
-  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft}, policy in {fixed<k>, heuristic}
+  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, wrong}, policy in {fixed<k>,
+                                heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore,
+                                ewma, per-request} ("wrong" drafts tokens that are never right)
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
 """
@@ -58,7 +60,7 @@ class Cell:
         )
 
 
-def build_config(name: str, model, tok, new_tokens: int, draft=None):
+def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=None):
     """Return fn(encoded batch) -> (sequences, SpecStats | None), or None if the config cannot run."""
     import spec_adapt
 
@@ -78,10 +80,12 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None):
         # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
         "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
         "draft": (lambda: draft) if draft is not None else None,
+        "wrong": lambda: spec_adapt.ScriptedDrafter(lambda row, context, gamma: [(context[-1] + 1) % 49152] * gamma),
     }.get(drafter_name)
     if make_drafter is None:
         raise ValueError(f"Unknown drafter in config {name!r} (or --draft missing for 'draft').")
-    policy = parse_policy(policy_name or "heuristic")
+    # One policy object per configuration: what it learns carries over from call to call, as in serving.
+    policy = parse_policy(policy_name or "heuristic", latency)
 
     def run(enc):
         out = model.generate(**enc, **common, custom_generate=spec_adapt.generate, drafter=make_drafter(),
@@ -91,9 +95,21 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None):
     return run
 
 
-def parse_policy(name: str):
-    from spec_adapt import FixedLength, Heuristic
+def parse_policy(name: str, latency=None):
+    from spec_adapt import (BanditSpecUCB, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar,
+                            PerRequest)
 
+    presets = {
+        "nightjar": lambda: Nightjar(max_gamma=8, latency=latency),
+        "nightjar-local": lambda: Nightjar(max_gamma=8, latency=latency, exploration="local"),
+        "ucb": lambda: BanditSpecUCB(max_gamma=8),
+        "goodput": lambda: GoodputModel(max_gamma=8, latency=latency),
+        "goodput-explore": lambda: GoodputModel(max_gamma=8, latency=latency, explore=0.05),
+        "ewma": lambda: ElasticEWMA(),
+        "per-request": lambda: PerRequest(max_gamma=8, latency=latency),
+    }
+    if name in presets:
+        return presets[name]()
     if name.startswith("fixed"):
         return FixedLength(int(name[5:] or 4))
     if name == "heuristic":
@@ -104,7 +120,8 @@ def parse_policy(name: str):
 
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
-              repeats: int, draft=None, progress=True) -> list[Cell]:
+              repeats: int, draft=None, progress=True, rows: int = 8, latency=None) -> list[Cell]:
+    """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU)."""
     from tqdm import tqdm
 
     names = ["target"] + [c for c in configs if c != "target"]
@@ -114,11 +131,12 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
         for name in names:
             if name.startswith("hf-") and batch != 1:
                 continue            # stock transformers speculation refuses batches
-            fn = build_config(name, model, tok, new_tokens, draft)
+            fn = build_config(name, model, tok, new_tokens, draft, latency)
             if fn is not None:
                 runnable[name] = fn
-        batches = [tok(prompts[i : i + batch], return_tensors="pt", padding=True)
-                   for i in range(0, len(prompts) - batch + 1, batch)]
+        used = prompts[: max(batch, rows)]
+        batches = [tok(used[i : i + batch], return_tensors="pt", padding=True)
+                   for i in range(0, len(used) - batch + 1, batch)]
         row = {name: Cell(name, batch) for name in runnable}
         for fn in runnable.values():       # warm-up on the first batch
             fn(batches[0])

@@ -84,7 +84,11 @@ def bench(args) -> None:
     draft = load_model(args.draft, dtype=dtype)[0] if args.draft else None
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
-    cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft)
+    from spec_adapt.profiling import LatencyTable
+
+    latency = LatencyTable.load(args.latency) if args.latency else None
+    cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
+                        rows=args.rows, latency=latency)
     summary = b.summarize(cells)
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
@@ -94,6 +98,131 @@ def bench(args) -> None:
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
+
+
+def truncated_copy(model, layers: int):
+    """The target's first `layers` layers with its embeddings and head: a draft of realistic cost (not quality)."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    draft = type(model)(config).to(model.dtype).eval()
+    draft.load_state_dict(model.state_dict(), strict=False)
+    return draft
+
+
+def profile_cmd(args) -> None:
+    from spec_adapt.models import load_model
+    from spec_adapt.profiling import profile
+
+    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
+    draft = None
+    if args.draft:
+        draft = load_model(args.draft, dtype=getattr(torch, args.dtype))[0]
+    elif args.draft_layers:
+        draft = truncated_copy(model, args.draft_layers)
+    table = profile(model, draft, args.batch_sizes, args.lengths, args.lags, args.context, args.repeats)
+    table.meta.update({"model": args.model, "dtype": args.dtype, "draft": args.draft or
+                       (f"first {args.draft_layers} layers" if args.draft_layers else None)})
+    table.save(args.out)
+    print(f"\nT(B, s) in ms (verify s+1 tokens, context {args.context}):")
+    print("   B " + "".join(f"{f's={s}':>9}" for s in args.lengths))
+    for b in args.batch_sizes:
+        print(f"{b:>4} " + "".join(f"{1000 * table.step[b][s]:>9.1f}" for s in args.lengths))
+    if draft is not None:
+        print("draft ms/token: " + ", ".join(f"B={b}: {1000 * t:.1f}" for b, t in table.draft_token.items()))
+        print("c_prefill ms:   " + ", ".join(f"L={l},B={b}: {1000 * t:.1f}" for l, row in table.prefill.items()
+                                              for b, t in row.items()))
+    print(f"wrote {args.out}")
+
+
+def lab_cmd(args) -> None:
+    import json
+    from pathlib import Path
+
+    from spec_adapt import lab
+    from spec_adapt.bench import parse_policy
+    from spec_adapt.profiling import LatencyTable
+
+    out = Path(args.out or f"results/lab-{args.workload}-{args.drafter}")
+    out.mkdir(parents=True, exist_ok=True)
+    traces_path = Path(args.traces) if args.traces else out / "traces.json"
+    if traces_path.exists():
+        pool = [lab.Request(**r) for r in json.loads(traces_path.read_text())]
+    else:
+        pool = _record(args)
+        traces_path.write_text(json.dumps([r.__dict__ for r in pool]))
+    table = LatencyTable.load(args.latency)
+    requests = [lab.Request(r.runs, name=r.name, lengths=r.lengths) for _ in range(args.cycles) for r in pool]
+    report = {}
+    for spec in args.schedules:
+        kind, _, value = spec.partition(":")
+        schedule = {"static": lambda: lab.Static(int(value)), "poisson": lambda: lab.Poisson(float(value)),
+                    "curve": lambda: lab.RateCurve([(60.0, 0.5), (60.0, float(value or 20))])}[kind]()
+        policies = {name: parse_policy(name, table) for name in args.policies}
+        # Model-free drafters cost nothing to run: only the verification part of the table applies.
+        result = lab.compare(policies, requests, table, schedule, max_batch=args.max_batch, draft_cost=False)
+        report[spec] = result
+        _print_lab(spec, result)
+    _plot_lab(report, out)
+    summary = {spec: {"best_fixed_gamma": r["best_fixed_gamma"], "best_fixed_goodput": r["best_fixed"].goodput,
+                      "oracle_goodput": r["oracle"].goodput,
+                      "fixed": {g: x.goodput for g, x in r["fixed"].items()},
+                      "policies": {n: {k: v for k, v in p.items() if k != "result"} for n, p in r["policies"].items()}}
+               for spec, r in report.items()}
+    summary["command"] = "spec-adapt lab " + " ".join(args.argv)
+    (out / "lab.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out}/lab.json, lab.png")
+
+
+def _record(args):
+    from spec_adapt import PromptLookupDrafter, SuffixDrafter, SuffixIndex, lab
+    from spec_adapt.models import load_model
+    from spec_adapt.recipes import datasets as workloads
+
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    prompts = list(workloads.with_inputs(workloads.load(args.workload, args.num_prompts), tok)["input_text"])
+    drafter = {"lookup": lambda: PromptLookupDrafter(3, 2), "suffix": lambda: SuffixDrafter(SuffixIndex())}[args.drafter]()
+    return lab.record_traces(model, tok, prompts, drafter, args.new_tokens)
+
+
+def _print_lab(spec, result) -> None:
+    print(f"\n[{spec}] best fixed gamma in hindsight: {result['best_fixed_gamma']} "
+          f"({result['best_fixed'].goodput:.2f} tok/s); per-step oracle {result['oracle'].goodput:.2f} tok/s")
+    print(f"{'policy':<18} {'tok/s':>8} {'vs best fixed':>14} {'vs oracle':>10} {'latency s':>10} {'switches':>9} "
+          f"{'decision us':>12}")
+    for name, row in result["policies"].items():
+        print(f"{name:<18} {row['goodput']:>8.2f} {100 * row['vs_best_fixed']:>13.1f}% {100 * row['vs_oracle']:>9.1f}% "
+              f"{row['mean_latency']:>10.2f} {row['switches']:>9} {1e6 * row['decision_time']:>12.1f}")
+
+
+def _plot_lab(report, out) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(report), figsize=(6 * len(report), 8), squeeze=False)
+    for col, (spec, result) in enumerate(report.items()):
+        for name, row in result["policies"].items():
+            history = row["result"].history
+            window = max(1, len(history) // 100)
+            xs = [h[0] for h in history][::window]
+            ys = [sum(h[2] for h in history[i : i + window]) / len(history[i : i + window])
+                  for i in range(0, len(history), window)]
+            axes[0][col].plot(xs, ys, label=name, lw=1)
+            curve = row["result"].regret_curve
+            axes[1][col].plot([c[0] for c in curve], [c[1] for c in curve], label=name, lw=1)
+        axes[0][col].set(title=f"{spec}: mean gamma chosen", xlabel="simulated seconds", ylabel="gamma")
+        axes[1][col].set(title=f"{spec}: regret vs best fixed gamma", xlabel="step", ylabel="extra seconds")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "lab.png", dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -108,6 +237,8 @@ def main(argv=None) -> None:
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval or mixed")
     p.add_argument("--prompts", help="a JSONL file of prompts (overrides --workload)")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--rows", type=int, default=8, help="batch size B runs the first max(B, rows) prompts")
+    p.add_argument("--latency", help="a latency table from `spec-adapt profile`, for the policies that use one")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -117,6 +248,34 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
     p.set_defaults(func=bench)
+    p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--draft", help="draft model path")
+    p.add_argument("--draft-layers", type=int, help="use the target's first N layers as a draft (cost stand-in)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--lengths", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    p.add_argument("--lags", type=int, nargs="+", default=[32, 128, 512])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--out", default="results/latency-float32.json")
+    p.set_defaults(func=profile_cmd)
+    p = sub.add_parser("lab", help="replay recorded acceptance traces: every policy vs best fixed gamma and oracle")
+    p.add_argument("--workload", default="humaneval")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--drafter", choices=["lookup", "suffix"], default="suffix")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--traces", help="traces JSON to replay (default: <out>/traces.json, recorded if missing)")
+    p.add_argument("--latency", required=True, help="latency table from `spec-adapt profile`")
+    p.add_argument("--schedules", nargs="+", default=["static:1", "static:4", "static:16", "curve:20"])
+    p.add_argument("--policies", nargs="+", default=["nightjar", "nightjar-local", "ucb", "goodput",
+                                                     "goodput-explore", "ewma", "per-request", "heuristic4"])
+    p.add_argument("--cycles", type=int, default=20, help="replay the recorded requests this many times")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--out")
+    p.set_defaults(func=lab_cmd)
     import sys
 
     argv = sys.argv[1:] if argv is None else argv

@@ -6,8 +6,9 @@ accept if the drafter proposed from position t (unbounded γ). Under greedy deco
 exact. `record_traces` measures runs[t] for a real target and drafter; `synthetic_requests` draws them with a
 known acceptance rate, so the best fixed γ is known analytically.
 
-Step time = table.step_time(B, max γ in the batch) (+ the draft's catch-up cost c_prefill(L_max, B) when a row
-drafts after sitting out steps). Schedules: `Static(B)` keeps B requests running (closed loop), `Poisson(rate)`
+Step time = table.step_time(B, max tokens drafted in the batch) (+ with `draft_cost`, the draft model's per-token
+cost and its catch-up cost c_prefill(L_max, B) when a row drafts after sitting out steps; a model-free drafter
+costs neither). A row drafts min(γ, lengths[t]) tokens and accepts min(that, runs[t]). Schedules: `Static(B)` keeps B requests running (closed loop), `Poisson(rate)`
 and `RateCurve([(seconds, rate), ...])` admit arrivals up to `max_batch`.
 """
 
@@ -30,6 +31,7 @@ class Request:
     runs: list[int]                 # runs[t]: draft tokens accepted in a row when drafting at output position t
     arrival: float = 0.0
     name: str = ""
+    lengths: list[int] | None = None   # lengths[t]: most tokens the drafter proposes at t (None: as many as asked)
 
 
 @dataclass
@@ -106,7 +108,7 @@ class Oracle(Policy):
 
 def simulate(policy: Policy, requests: list[Request], table: LatencyTable, schedule=Static(1),
              max_batch: int | None = None, seed: int = 0, reference_goodput: float | None = None,
-             name: str | None = None) -> SimResult:
+             name: str | None = None, draft_cost: bool = True) -> SimResult:
     """Run `policy` over `requests` (all of them, in order) and return what happened."""
     rng = random.Random(seed)
     limit = schedule.batch if isinstance(schedule, Static) else (max_batch or 16)
@@ -120,7 +122,8 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
         while pending and len(active) < limit and (pending[0][0] <= now or isinstance(schedule, Static)):
             arrival, index = pending.pop(0)
             active.append({"id": index, "pos": 0, "lag": 0, "arrival": max(arrival, 0.0) if not
-                           isinstance(schedule, Static) else now, "runs": requests[index].runs})
+                           isinstance(schedule, Static) else now, "runs": requests[index].runs,
+                           "lengths": requests[index].lengths})
         if not active:
             now = pending[0][0]
             continue
@@ -133,12 +136,14 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
         start = time.perf_counter()
         gammas = torch.minimum(check_gammas(policy, policy.choose(info), batch), remaining - 1).tolist()
         result.decision_seconds += time.perf_counter() - start
-        accepted = [min(g, r["runs"][r["pos"]]) for g, r in zip(gammas, active)]
+        drafted = [g if r["lengths"] is None else min(g, r["lengths"][r["pos"]]) for g, r in zip(gammas, active)]
+        accepted = [min(d, r["runs"][r["pos"]]) for d, r in zip(drafted, active)]
         committed = [a + 1 for a in accepted]
-        top = max(gammas)
+        top = max(drafted)
         lag = max((r["lag"] for r, g in zip(active, gammas) if g > 0), default=0)
-        seconds = table.step_time(batch, top) + table.switch_cost(lag, batch)
-        record = StepRecord(batch, info.rows.tolist(), gammas, gammas, accepted, committed, seconds, 0.0, seconds)
+        seconds = table.step_time(batch, top, with_draft=draft_cost)
+        seconds += table.switch_cost(lag, batch) if draft_cost else 0.0
+        record = StepRecord(batch, info.rows.tolist(), gammas, drafted, accepted, committed, seconds, 0.0, seconds)
         start = time.perf_counter()
         policy.observe(record)
         result.decision_seconds += time.perf_counter() - start
@@ -161,24 +166,26 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
     return result
 
 
-def best_fixed(requests, table, schedule=Static(1), arms=range(0, 9), max_batch=None, seed=0):
+def best_fixed(requests, table, schedule=Static(1), arms=range(0, 9), max_batch=None, seed=0, draft_cost=True):
     """The best fixed γ in hindsight on this workload: (γ, SimResult)."""
     from .policies.fixed import FixedLength
 
-    results = {g: simulate(FixedLength(g), requests, table, schedule, max_batch, seed) for g in arms}
+    results = {g: simulate(FixedLength(g), requests, table, schedule, max_batch, seed, draft_cost=draft_cost)
+               for g in arms}
     best = max(results, key=lambda g: results[g].goodput)
     return best, results[best], results
 
 
 def compare(policies: dict[str, Policy], requests, table, schedule=Static(1), arms=range(0, 9), max_batch=None,
-            seed=0) -> dict:
+            seed=0, draft_cost=True) -> dict:
     """Every policy against the best fixed γ in hindsight and against the per-step oracle."""
-    gamma, best, fixed = best_fixed(requests, table, schedule, arms, max_batch, seed)
-    oracle = simulate(Oracle(), requests, table, schedule, max_batch, seed, name="oracle")
+    gamma, best, fixed = best_fixed(requests, table, schedule, arms, max_batch, seed, draft_cost)
+    oracle = simulate(Oracle(), requests, table, schedule, max_batch, seed, name="oracle", draft_cost=draft_cost)
     rows = {}
     for name, policy in policies.items():
         policy.reset()
-        r = simulate(policy, requests, table, schedule, max_batch, seed, reference_goodput=best.goodput, name=name)
+        r = simulate(policy, requests, table, schedule, max_batch, seed, reference_goodput=best.goodput, name=name,
+                     draft_cost=draft_cost)
         rows[name] = {
             "goodput": r.goodput, "mean_latency": r.mean_latency, "switches": r.switches,
             "decision_time": r.decision_time, "vs_best_fixed": r.goodput / best.goodput - 1,
@@ -230,7 +237,7 @@ def record_traces(model, tok, prompts: list[str], drafter, new_tokens: int = 128
             if tok.eos_token_id in generated:
                 generated = generated[: generated.index(tok.eos_token_id) + 1]
             drafter.begin(row[:, :prompt_len], mask[:, :prompt_len])
-            runs = []
+            runs, lengths = [], []
             for t in range(len(generated)):
                 request = DraftRequest(row, torch.tensor([prompt_len + t]), torch.tensor([max_run]),
                                        torch.tensor([0]), False, ScoreProcessor(None))
@@ -242,6 +249,7 @@ def record_traces(model, tok, prompts: list[str], drafter, new_tokens: int = 128
                 while run < min(len(guess), len(truth)) and guess[run] == truth[run]:
                     run += 1
                 runs.append(run)
+                lengths.append(len(guess))
             drafter.end(row, torch.tensor([prompt_len + len(generated)]))
-            requests.append(Request(runs, name=f"prompt-{start + b}"))
+            requests.append(Request(runs, name=f"prompt-{start + b}", lengths=lengths))
     return requests
