@@ -205,7 +205,8 @@ class BanditSpecUCB(Policy):
 
 
 class _PositionAcceptance:
-    """Per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted), exponentially decayed counts."""
+    """Per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted), counts decayed once per
+    observation (a position reached by n rows in a step decays by decay**n), so memory is counted in rows."""
 
     def __init__(self, size: int, decay: float = 0.98, prior: float = 0.5, prior_weight: float = 1.0):
         self.tried = [prior_weight] * size
@@ -213,9 +214,21 @@ class _PositionAcceptance:
         self.decay = decay
 
     def update(self, drafted: int, accepted: int) -> None:
-        for i in range(min(accepted + 1, drafted)):      # positions 1..a+1 were reached (if drafted)
-            self.tried[i] = self.decay * self.tried[i] + 1.0
-            self.accepted[i] = self.decay * self.accepted[i] + float(i < accepted)
+        self.update_many([drafted], [accepted])
+
+    def update_many(self, drafted: list[int], accepted: list[int]) -> None:
+        """One step's rows: position i+1 was reached by rows with min(a + 1, d) > i and accepted if a > i."""
+        reached = [0] * len(self.tried)
+        hits = [0] * len(self.tried)
+        for d, a in zip(drafted, accepted):
+            for i in range(min(a + 1, d, len(reached))):
+                reached[i] += 1
+                hits[i] += i < a
+        for i, n in enumerate(reached):
+            if n:
+                factor = self.decay ** n
+                self.tried[i] = factor * self.tried[i] + n
+                self.accepted[i] = factor * self.accepted[i] + hits[i]
 
     def rates(self) -> list[float]:
         return [a / t for a, t in zip(self.accepted, self.tried)]
@@ -253,9 +266,13 @@ class GoodputModel(Policy):
         self.rng = random.Random(self.seed)
 
     def predict(self, batch_size: int) -> list[float]:
-        rates = self.acceptance.rates()
-        return [batch_size * self.acceptance.expected_tokens(g, rates) / self.latency.step_time(batch_size, g)
-                for g in range(self.max_gamma + 1)]
+        out, expected, run = [], 1.0, 1.0
+        for g, p in enumerate([1.0] + self.acceptance.rates()[: self.max_gamma]):
+            if g:
+                run *= p
+                expected += run
+            out.append(batch_size * expected / self.latency.step_time(batch_size, g))
+        return out
 
     def choose(self, info):
         predicted = self.predict(info.batch_size)
@@ -265,8 +282,7 @@ class GoodputModel(Policy):
         return gamma
 
     def observe(self, record):
-        for d, a in zip(record.drafted, record.accepted):
-            self.acceptance.update(d, a)
+        self.acceptance.update_many(record.drafted, record.accepted)
         self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time)
 
     def state_dict(self):
@@ -354,13 +370,18 @@ class PerRequest(Policy):
         out = []
         for row in info.rows.tolist():
             rates = self._optimistic_rates(row)
-            costs = [times[s] / self.pooled.expected_tokens(s, rates) for s in range(self.max_gamma + 1)]
-            out.append(min(range(len(costs)), key=lambda s: costs[s]))
+            best, best_cost, expected, run = 0, times[0], 1.0, 1.0
+            for s in range(1, self.max_gamma + 1):      # E[committed | s] built up incrementally
+                run *= rates[s - 1]
+                expected += run
+                if times[s] / expected < best_cost:
+                    best, best_cost = s, times[s] / expected
+            out.append(best)
         return out
 
     def observe(self, record):
+        self.pooled.update_many(record.drafted, record.accepted)
         for row, d, a in zip(record.rows, record.drafted, record.accepted):
-            self.pooled.update(d, a)
             own = self.rows.setdefault(row, _PositionAcceptance(max(self.max_gamma, 1), prior_weight=0.0))
             own.update(d, a)
         self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time)
