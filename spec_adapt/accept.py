@@ -59,8 +59,11 @@ def rejection_sample(
     Accept d_i iff u_i < p_{i-1}(d_i) / q_i(d_i). At the first rejection, sample from norm(max(0, p - q)); when all
     are accepted, sample the bonus from p_n. Sampling uses the exponential race: argmax_v(w_v / E_v) with
     E ~ Exp(1) is a draw from w / sum(w), so the result is a pure function of the given randoms.
+    Arithmetic is float32 whatever the input dtype (the Triton kernel does the same, bit for bit).
     Returns (accepted [B], next_token [B]).
     """
+    target_probs, uniforms, exponentials = target_probs.float(), uniforms.float(), exponentials.float()
+    draft_probs = draft_probs.float() if draft_probs is not None else None
     batch, width = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
     p_draft = target_probs[:, :width].gather(-1, draft_tokens[..., None]).squeeze(-1)      # [B, S]

@@ -138,12 +138,14 @@ class KVLedger:
 
     def compact(self) -> None:
         """Move each row's valid entries to the front of the cache (stable), then trim. Attention is unchanged."""
+        from .fast import gather_slots
+
         valid = self.slots >= 0
-        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices     # valid slots first, in order
+        keep = int(valid.sum(dim=1).max())
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]   # valid slots first
         self.slots = torch.where(valid.gather(1, order), self.slots.gather(1, order), -1)
         for layer in self._layers():
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+            layer.keys, layer.values = gather_slots(layer.keys, order), gather_slots(layer.values, order)
         self.compactions += 1
         self._trim()
 

@@ -16,7 +16,8 @@ import warnings
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .accept import committed_tokens, greedy_accept, rejection_sample, sample_randoms
+from . import fast
+from .accept import committed_tokens, sample_randoms
 from .drafters.base import Drafter, DraftRequest, Proposal
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
@@ -70,6 +71,7 @@ class SpeculativeLoop:
         if self.streamer is not None:
             self.streamer.end()
         self.stats.compactions = self.target.compactions
+        self.stats.kernel_paths = dict(fast.paths)
         self.stats.time_total = self._now() - start
         return self.buffer[:, : int(self.lengths.max())]
 
@@ -127,10 +129,10 @@ class SpeculativeLoop:
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal):
         if not self.sampling:
-            return greedy_accept(scores, proposal.tokens, proposal.lengths)
+            return fast.greedy(scores, proposal.tokens, proposal.lengths)
         batch, width = proposal.tokens.shape
         uniforms, exponentials = sample_randoms(batch, width, scores.shape[-1], self.device)
-        return rejection_sample(
+        return fast.rejection(
             scores.softmax(dim=-1), proposal.tokens, proposal.probs, proposal.lengths, uniforms, exponentials
         )
 

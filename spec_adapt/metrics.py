@@ -48,6 +48,7 @@ class SpecStats:
     time_total: float = 0.0
     fallback: str | None = None    # why speculation was switched off mid-call, if it was
     compactions: int = 0
+    kernel_paths: dict = field(default_factory=dict)   # operation -> "triton" or "torch" (the path that ran)
     trace: list[StepRecord] = field(default_factory=list)
 
     def start(self, batch_size: int) -> None:
@@ -118,6 +119,7 @@ class SpecStats:
             "time_total": round(self.time_total, 4),
             "fallback": self.fallback,
             "compactions": self.compactions,
+            "kernel_paths": self.kernel_paths,
         }
 
 

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
+
+# Triton kernels run under Triton's interpreter on machines without a GPU (read when kernels are first imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from spec_adapt import ScriptedDrafter

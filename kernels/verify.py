@@ -1,0 +1,174 @@
+"""Triton kernels for verification: greedy acceptance, lossless rejection sampling, and the rank test.
+
+References (the kernels must match them exactly; tests compare both):
+- greedy_verify     <-> spec_adapt.accept.greedy_accept
+- rejection_verify  <-> spec_adapt.accept.rejection_sample
+- token_rank        <-> token_rank_reference below
+One program per row scans the vocabulary in blocks, so no [B, S+1] argmax tensor (nor a [B, V] residual) is
+written to memory; a row stops reading logits after its first rejection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_argmax(ptr, vocab, BLOCK: tl.constexpr):
+    """First index of the maximum of ptr[0:vocab] (float32 comparison; the first occurrence wins ties)."""
+    best = tl.full([], float("-inf"), tl.float32)
+    index = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        vals = tl.load(ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(vals, axis=0)
+        block_arg = tl.argmax(vals, axis=0).to(tl.int64) + start
+        better = block_max > best
+        index = tl.where(better, block_arg, index)
+        best = tl.where(better, block_max, best)
+    return index
+
+
+@triton.jit
+def _greedy_kernel(logits, drafts, lengths, accepted_out, next_out, width, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    length = tl.load(lengths + row)
+    accepted = tl.full([], 0, tl.int64)
+    next_token = tl.full([], 0, tl.int64)
+    done = tl.full([], 0, tl.int32)
+    for i in range(0, width + 1):
+        if done == 0:
+            token = _row_argmax(logits + (row * (width + 1) + i).to(tl.int64) * vocab, vocab, BLOCK)
+            draft = tl.load(drafts + row * width + i, mask=i < width, other=-1)
+            if (i < length) & (token == draft):
+                accepted += 1
+            else:
+                next_token = token
+                done = 1
+    tl.store(accepted_out + row, accepted)
+    tl.store(next_out + row, next_token)
+
+
+def greedy_verify(logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor, block: int = 1024):
+    """logits [B, S+1, V] (fp32/bf16/fp16), draft_tokens [B, S], lengths [B] -> (accepted [B], next_token [B])."""
+    batch, width = draft_tokens.shape
+    vocab = logits.shape[-1]
+    logits = logits.contiguous()
+    drafts = draft_tokens.contiguous().long()
+    accepted = torch.empty(batch, dtype=torch.long, device=logits.device)
+    next_token = torch.empty_like(accepted)
+    if batch:
+        _greedy_kernel[(batch,)](logits, drafts, lengths.contiguous().long(), accepted, next_token, width, vocab,
+                                 BLOCK=block)
+    return accepted, next_token
+
+
+@triton.jit
+def _rejection_kernel(probs, drafts, qprobs, lengths, uniforms, expo, accepted_out, next_out, width, vocab,
+                      HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    length = tl.load(lengths + row)
+    accepted = tl.full([], 0, tl.int64)
+    done = tl.full([], 0, tl.int32)
+    for i in range(0, width):
+        if done == 0:
+            if i < length:
+                token = tl.load(drafts + row * width + i)
+                p = tl.load(probs + (row * (width + 1) + i).to(tl.int64) * vocab + token).to(tl.float32)
+                if HAS_Q:
+                    q = tl.load(qprobs + (row * width + i).to(tl.int64) * vocab + token).to(tl.float32)
+                else:
+                    q = 1.0
+                u = tl.load(uniforms + row * width + i).to(tl.float32)
+                if u < p / q:
+                    accepted += 1
+                else:
+                    done = 1
+            else:
+                done = 1
+    # The next token: residual max(0, p_a - q_a) after a rejection (p itself if that is all zeros), else p_n.
+    rejected = accepted < length
+    p_row = probs + (row * (width + 1) + accepted).to(tl.int64) * vocab
+    at = tl.minimum(accepted, tl.maximum(width - 1, 0))
+    q_row = qprobs + (row * width + at).to(tl.int64) * vocab
+    draft_at = tl.load(drafts + row * width + at, mask=width > 0, other=-1)
+    total = tl.full([], 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        residual = _residual(p_row, q_row, draft_at, offs, vocab, rejected, HAS_Q)
+        total += tl.sum(residual, axis=0)
+    use_residual = rejected & (total > 0)
+    best = tl.full([], float("-inf"), tl.float32)
+    index = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < vocab
+        p = tl.load(p_row + offs, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.where(use_residual, _residual(p_row, q_row, draft_at, offs, vocab, rejected, HAS_Q), p)
+        e = tl.load(expo + row.to(tl.int64) * vocab + offs, mask=mask, other=1.0).to(tl.float32)
+        score = tl.where(mask, weight / e, float("-inf"))
+        block_max = tl.max(score, axis=0)
+        block_arg = tl.argmax(score, axis=0).to(tl.int64) + start
+        better = block_max > best
+        index = tl.where(better, block_arg, index)
+        best = tl.where(better, block_max, best)
+    tl.store(accepted_out + row, accepted)
+    tl.store(next_out + row, index)
+
+
+@triton.jit
+def _residual(p_row, q_row, draft_at, offs, vocab, rejected, HAS_Q: tl.constexpr):
+    """max(0, p - q) over a block; reads nothing when the row was not rejected (q may not exist then)."""
+    mask = (offs < vocab) & ((offs * 0 + rejected.to(tl.int32)) != 0)   # scalar broadcast to the block
+    p = tl.load(p_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Q:
+        q = tl.load(q_row + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        q = tl.where(offs == draft_at, 1.0, 0.0)
+    return tl.where(mask, tl.maximum(p - q, 0.0), 0.0)
+
+
+def rejection_verify(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials, block: int = 1024):
+    """Same contract as spec_adapt.accept.rejection_sample (draft_probs None = point mass)."""
+    batch, width = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    device = target_probs.device
+    accepted = torch.empty(batch, dtype=torch.long, device=device)
+    next_token = torch.empty_like(accepted)
+    if batch:
+        q = draft_probs.contiguous() if draft_probs is not None else target_probs   # unused when HAS_Q is False
+        _rejection_kernel[(batch,)](
+            target_probs.contiguous(), draft_tokens.contiguous().long(), q, lengths.contiguous().long(),
+            uniforms.contiguous().float(), exponentials.contiguous().float(), accepted, next_token, width, vocab,
+            HAS_Q=draft_probs is not None, BLOCK=block)
+    return accepted, next_token
+
+
+@triton.jit
+def _rank_kernel(logits, tokens, out, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = logits + row.to(tl.int64) * vocab
+    value = tl.load(base + tl.load(tokens + row)).to(tl.float32)
+    count = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        vals = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        count += tl.sum((vals > value).to(tl.int64), axis=0)
+    tl.store(out + row, count)
+
+
+def token_rank_reference(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[N, V], [N] -> [N]: how many vocabulary entries have a logit strictly above the token's ("in the top K" is
+    rank < K), with no top-k materialized."""
+    values = logits.float().gather(1, tokens[:, None].long())
+    return (logits.float() > values).sum(dim=1)
+
+
+def token_rank(logits: torch.Tensor, tokens: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    if n:
+        _rank_kernel[(n,)](logits.contiguous(), tokens.contiguous().long(), out, vocab, BLOCK=block)
+    return out

@@ -1,0 +1,127 @@
+"""Every Triton kernel against its PyTorch reference (exact for integer outputs and data movement), under Triton's
+interpreter on the CPU, across odd vocabularies, empty drafts, batch sizes, dtypes and seeds; and the loop with
+kernels on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import spec_adapt  # noqa: E402
+from spec_adapt import FixedLength, fast  # noqa: E402
+from spec_adapt.accept import greedy_accept, rejection_sample, sample_randoms  # noqa: E402
+from spec_adapt.kernels.compact import gather_slots  # noqa: E402
+from spec_adapt.kernels.verify import greedy_verify, rejection_verify, token_rank, token_rank_reference  # noqa: E402
+
+from conftest import PAD, cached_model, ragged_batch, tiny_model  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1, 0, 1000), (3, 1, 4099), (5, 4, 32005), (16, 3, 151), (2, 8, 49152)]
+
+
+def drafts_agreeing(logits, width, gen):
+    """Drafts that match the target's argmax for a random prefix of each row, then differ."""
+    batch = logits.shape[0]
+    target = logits.float().argmax(-1)
+    agree = torch.randint(0, width + 1, (batch,), generator=gen)
+    noise = torch.randint(0, logits.shape[-1], (batch, width), generator=gen)
+    pos = torch.arange(width)[None, :]
+    return torch.where(pos < agree[:, None], target[:, :width], noise)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_kernel_matches_reference(shape, dtype, seed):
+    batch, width, vocab = shape
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, width + 1, vocab, generator=gen).to(dtype)
+    drafts = drafts_agreeing(logits, width, gen)
+    lengths = torch.randint(0, width + 1, (batch,), generator=gen)
+    ref = greedy_accept(logits, drafts, lengths)
+    out = greedy_verify(logits, drafts, lengths)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("point_mass", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rejection_kernel_matches_reference_bit_for_bit(shape, dtype, point_mass, seed):
+    batch, width, vocab = shape
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(batch, width + 1, vocab, generator=gen).mul(3).softmax(-1).to(dtype)
+    q = None if point_mass else torch.randn(batch, width, vocab, generator=gen).mul(3).softmax(-1).to(dtype)
+    source = q.float() if q is not None else p[:, :width].float()
+    drafts = torch.multinomial(source.reshape(-1, vocab), 1, generator=gen).reshape(batch, width) if width else \
+        torch.zeros(batch, 0, dtype=torch.long)
+    lengths = torch.randint(0, width + 1, (batch,), generator=gen)
+    u, e = sample_randoms(batch, width, vocab, torch.device("cpu"), gen)
+    ref = rejection_sample(p, drafts, q, lengths, u, e)
+    out = rejection_verify(p, drafts, q, lengths, u, e)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@pytest.mark.parametrize("n, vocab", [(1, 1000), (7, 32005), (33, 151), (4, 151936)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rank_kernel_matches_reference(n, vocab, dtype):
+    gen = torch.Generator().manual_seed(n)
+    logits = torch.randn(n, vocab, generator=gen).to(dtype)
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    tokens[0] = logits[0].float().argmax()                       # rank 0 case
+    assert torch.equal(token_rank(logits, tokens), token_rank_reference(logits, tokens))
+
+
+@pytest.mark.parametrize("batch, heads, length, dim", [(1, 1, 5, 8), (3, 4, 37, 64), (16, 2, 9, 48)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compaction_kernel_matches_reference(batch, heads, length, dim, dtype):
+    gen = torch.Generator().manual_seed(length)
+    cache = torch.randn(batch, heads, length, dim, generator=gen).to(dtype)
+    keep = max(1, length // 2)
+    index = torch.stack([torch.randperm(length, generator=gen)[:keep].sort().values for _ in range(batch)])
+    assert torch.equal(gather_slots(cache, index), fast.gather_slots_reference(cache, index))
+
+
+@pytest.fixture
+def kernels_forced():
+    fast.set_mode("force")
+    yield
+    fast.set_mode("auto")
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_loop_identical_with_kernels_on_and_off(kernels_forced, do_sample):
+    model = cached_model("llama")
+    draft = tiny_model("llama", seed=9, layers=1)
+    ids, mask = ragged_batch(4, seed=60)
+    outputs = {}
+    for mode in ("force", "off"):
+        fast.set_mode(mode)
+        torch.manual_seed(0)
+        stats = spec_adapt.SpecStats()
+        outputs[mode] = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=do_sample, pad_token_id=PAD, eos_token_id=None,
+            max_new_tokens=20, custom_generate=spec_adapt.generate, drafter=draft, assistant_policy=FixedLength(3),
+            spec_stats=stats)
+        path = "rejection" if do_sample else "greedy"
+        assert stats.kernel_paths[path] == ("triton" if mode == "force" else "torch")
+    assert torch.equal(outputs["force"], outputs["off"])
+
+
+def test_compaction_through_the_ledger_with_kernels(kernels_forced):
+    from spec_adapt.ledger import KVLedger
+
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=61)
+    results = []
+    for mode in ("force", "off"):
+        fast.set_mode(mode)
+        ledger = KVLedger(model)
+        ledger.prefill(ids, mask)
+        ledger.forward(torch.randint(3, 90, (3, 4), generator=torch.Generator().manual_seed(0)), torch.tensor([4, 2, 3]))
+        ledger.rollback(ledger.n_cached - torch.tensor([2, 1, 3]))
+        ledger.compact()
+        results.append([layer.keys.clone() for layer in ledger.cache.layers] + [ledger.slots.clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
