@@ -225,6 +225,33 @@ def _plot_lab(report, out) -> None:
     plt.close(fig)
 
 
+def eval_cmd(args) -> None:
+    from pathlib import Path
+
+    from spec_adapt.eval.lossy import lossy_topk_acceptance
+    from spec_adapt.eval.suite import Config, default_configs, run_suite, write_report
+    from spec_adapt.models import load_model
+    from spec_adapt.recipes import datasets as workloads
+
+    model, tok = load_model(args.model)
+    names = args.workloads
+    prompts = []
+    for name in names:
+        ds = workloads.with_inputs(workloads.load(name, args.num_prompts), tok)
+        prompts += list(ds["input_text"])
+    configs = default_configs()
+    if args.with_lossy:
+        fixed = configs[1]
+        configs.append(Config("lossy-top5", fixed.drafter, fixed.policy, lambda: lossy_topk_acceptance(5)))
+    report = run_suite(model, tok, prompts, configs, args.new_tokens, args.batch_size, args.temperature,
+                       reward_model=args.reward_model)
+    out = Path(args.out)
+    meta = {"workload": "+".join(names), "command": "spec-adapt eval " + " ".join(args.argv)}
+    write_report(report, out, meta)
+    print((out / "quality.md").read_text())
+    print(f"wrote {out}/quality.json, quality.md, quality.png")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="spec-adapt", description="Adaptive, batched, lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -276,6 +303,17 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out")
     p.set_defaults(func=lab_cmd)
+    p = sub.add_parser("eval", help="quality suite: BERTScore, cosine, reward deltas vs target-only and fixed-length")
+    p.add_argument("--workloads", nargs="+", default=["sharegpt", "humaneval"])
+    p.add_argument("--num-prompts", type=int, default=32, help="per workload")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--reward-model", help="path of an AutoModelForSequenceClassification reward model")
+    p.add_argument("--with-lossy", action="store_true", help="add the deliberately lossy top-5 configuration")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--out", default="results/quality")
+    p.set_defaults(func=eval_cmd)
     import sys
 
     argv = sys.argv[1:] if argv is None else argv

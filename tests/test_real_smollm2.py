@@ -14,14 +14,6 @@ pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    from spec_adapt.models import load_model
-
-    torch.manual_seed(0)
-    return load_model()
-
-
-@pytest.fixture(scope="session")
 def batch4(smollm2):
     _, tok = smollm2
     prompts = list(workloads.with_inputs(workloads.sharegpt(limit=2), tok)["input_text"])
