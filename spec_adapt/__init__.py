@@ -9,17 +9,17 @@ or, after `spec_adapt.enable(model)`:
 
 from .accept import greedy_accept, rejection_sample
 from .api import SpecGenerateOutput, disable, enable, generate
-from .drafters import Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
+from .drafters import ChainDrafter, Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord, last_stats
-from .policies import (BanditSpecUCB, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar, PerRequest,
+from .policies import (BanditSpecUCB, ChainScheduler, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar, PerRequest,
                        Policy, StepInfo)
 from .profiling import LatencyTable
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "generate", "enable", "disable", "SpecGenerateOutput",
+    "generate", "enable", "disable", "SpecGenerateOutput", "ChainDrafter", "ChainScheduler",
     "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
     "Policy", "StepInfo", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
     "PerRequest", "LatencyTable",

@@ -72,6 +72,7 @@ class SpeculativeLoop:
             self.streamer.end()
         self.stats.compactions = self.target.compactions
         self.stats.kernel_paths = dict(fast.paths)
+        self.stats.drafter_events = list(getattr(self.drafter, "events", []))
         self.stats.time_total = self._now() - start
         return self.buffer[:, : int(self.lengths.max())]
 

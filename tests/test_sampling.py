@@ -96,3 +96,23 @@ def test_seeded_runs_are_deterministic(small):
     b = sample(target, draft, 64, seed=123)
     c = sample(target, draft, 64, seed=124)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_three_level_chain_sampling_follows_target_distribution(small):
+    """draft model -> intermediate model (a noisy copy of the target) -> target: still the target's distribution."""
+    from spec_adapt import ChainDrafter
+    from spec_adapt.synthetic import perturbed_copy
+
+    target, draft = small
+    n = 6000
+    marginals = exact_marginals(target, [3, 7, 9, 4])
+    chain = ChainDrafter([draft, perturbed_copy(target, 0.5, seed=1)])
+    tokens = sample(target, chain, n, seed=3)
+    stats = spec_adapt.last_stats()
+    middle = chain.level_stats[1]
+    assert stats.fallback is None and not stats.drafter_events and stats.drafted > 0
+    assert 0 < middle["accepted"] < middle["drafted"]          # the intermediate level really verified and rejected
+    for position, exact in enumerate(marginals):
+        empirical = torch.bincount(tokens[:, position], minlength=VOCAB_SMALL).float() / n
+        tolerance = 5 * (exact * (1 - exact) / n).sqrt() + 2e-3
+        assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)

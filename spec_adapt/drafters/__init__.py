@@ -1,7 +1,8 @@
 from .base import Drafter, DraftRequest, Proposal
+from .chain import ChainDrafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
 from .scripted import ScriptedDrafter
 from .suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]
+__all__ = ["ChainDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]

@@ -1,0 +1,119 @@
+"""ChainScheduler: SpecRouter's online choice of chain and draft width W.
+
+For each candidate chain C (level 0, any subset of the intermediate levels in order, then the target; level 0 and
+the target alone is the plain 2-level pair) and W in `widths`, it predicts the time per committed target token
+    T_eff(C, W) = [W t_0 + sum_j P(reach j) t_j + t_target] / E[tokens the target commits]
+with, between consecutive members i -> j of the chain, E[accepted] = sum_{k=1..w} alpha_ij^k (w = what reaches j)
+and each intermediate level adding one token of its own. Inputs are exponential moving averages updated from what
+the chain and the loop measure: t_0 per drafted token, t_j per call of each verifier, t_target per verification
+step, alpha_ij per pair of adjacent members, and SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to
+alpha through a ratio calibrated on pairs observed both ways. Pairs never observed start optimistic (0.6), so every
+chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
+always a candidate. `length_policy`, if given, chooses W instead (the two compose: the scheduler then only picks
+the levels).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from ..metrics import StepRecord
+from .base import Policy, StepInfo
+
+
+class ChainScheduler(Policy):
+    def __init__(self, chain, widths=(1, 2, 4, 6, 8), length_policy: Policy | None = None, ema: float = 0.2,
+                 explore: float = 0.05, prior_alpha: float = 0.6, seed: int = 0):
+        self.chain, self.widths, self.length_policy = chain, tuple(widths), length_policy
+        self.ema, self.explore, self.prior_alpha, self.seed = ema, explore, prior_alpha, seed
+        n = len(chain.verifiers)
+        self.candidates = [tuple(c) for r in range(n + 1) for c in itertools.combinations(range(n), r)]
+        self.reset()
+
+    def reset(self):
+        self.rng = random.Random(self.seed)
+        self.alpha: dict[tuple, float] = {}        # (i, j) members (0 = level 0, k+1 = verifier k, "T" = target)
+        self.sim: dict[tuple, float] = {}
+        self.t_level: dict[int, float] = {}        # seconds: level 0 per drafted token, verifiers per call
+        self.t_target: float | None = None
+        self.t_plain: float | None = None          # a target step with nothing drafted
+        self.current = (tuple(range(len(self.chain.verifiers))), self.widths[-1])
+        self.history: list[tuple] = []
+
+    # -- prediction ---------------------------------------------------------------------------------------------
+    def _alpha(self, i, j) -> float:
+        if (i, j) in self.alpha:
+            return self.alpha[(i, j)]
+        if (i, j) in self.sim and self.alpha:
+            ratio = sum(self.alpha[k] / max(self.sim[k], 1e-3) for k in self.alpha if k in self.sim) or None
+            if ratio:
+                count = sum(1 for k in self.alpha if k in self.sim)
+                return min(1.0, self.sim[(i, j)] * ratio / count)
+        return self.prior_alpha
+
+    def predict(self, levels: tuple, width: int) -> float:
+        """Predicted seconds per committed target token for this chain and width."""
+        t_target = self.t_target if self.t_target is not None else 1.0
+        if width == 0:
+            return (self.t_plain if self.t_plain is not None else t_target)
+        members = [0] + [k + 1 for k in levels] + ["T"]
+        cost = width * self.t_level.get(0, 0.0) + t_target
+        reaching = float(width)
+        for a, b in zip(members, members[1:]):
+            alpha = self._alpha(a, b)
+            accepted = sum(alpha ** k for k in range(1, int(round(reaching)) + 1))
+            if b == "T":
+                return cost / (accepted + 1.0)
+            cost += self.t_level.get(b, 0.0) * (1.0 if reaching > 0 else 0.0)
+            reaching = min(float(width), accepted + 1.0)
+        raise AssertionError("unreachable")
+
+    # -- the Policy contract ------------------------------------------------------------------------------------
+    def choose(self, info: StepInfo):
+        options = [(c, w) for c in self.candidates for w in self.widths] + [((), 0)]
+        if self.rng.random() < self.explore:
+            levels, width = self.rng.choice(options)
+        else:
+            levels, width = min(options, key=lambda o: self.predict(*o))
+        if self.length_policy is not None:
+            width = self.length_policy.choose(info)
+        self.current = (levels, width)
+        self.chain.use(list(levels))
+        self.history.append((info.batch_size, levels, width if isinstance(width, int) else max(width)))
+        return width
+
+    def observe(self, record: StepRecord):
+        if self.length_policy is not None:
+            self.length_policy.observe(record)
+        levels, width = self.current
+        stats = self.chain.level_stats
+        first = stats[0]
+        if first["tokens"]:
+            self._update(self.t_level, 0, first["seconds"] / first["tokens"])
+        members = [0] + [k + 1 for k in levels if k not in self.chain.failed]
+        for a, b in zip(members, members[1:]):
+            s = stats[b]
+            if s["calls"]:
+                self._update(self.t_level, b, s["seconds"] / s["calls"])
+            if s["drafted"]:
+                self._update(self.alpha, (a, b), s["accepted"] / s["drafted"])
+            if s["tv"]:
+                self._update(self.sim, (a, b), 1.0 - sum(s["tv"]) / len(s["tv"]))
+        drafted = sum(record.drafted)
+        if drafted:
+            self._update(self.alpha, (members[-1], "T"), sum(record.accepted) / drafted)
+            self.t_target = self._ema(self.t_target, record.verify_time)
+        else:
+            self.t_plain = self._ema(self.t_plain, record.step_time)
+        self.chain.reset_stats()
+
+    def _ema(self, old, new):
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def _update(self, table, key, value):
+        table[key] = self._ema(table.get(key), value)
+
+    def state_dict(self):
+        return {"alpha": [[list(map(str, k)), v] for k, v in self.alpha.items()],
+                "t_level": self.t_level, "t_target": self.t_target, "t_plain": self.t_plain}

@@ -1,0 +1,138 @@
+"""Multi-level chains: lossless through every level, synchronized rollback, failures, and the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spec_adapt
+from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, ScriptedDrafter
+from spec_adapt.synthetic import agreement, perturbed_copy
+
+from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
+
+
+def run(model, ids, mask, drafter, policy, **kw):
+    stats = spec_adapt.SpecStats()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                         max_new_tokens=kw.pop("max_new_tokens", 28), custom_generate=spec_adapt.generate,
+                         drafter=drafter, assistant_policy=policy, spec_stats=stats, **kw)
+    return out, stats
+
+
+@pytest.mark.parametrize("levels", [2, 3, 4])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_chain_greedy_identity(levels, batch, arch):
+    """Level 1 is scripted (right / wrong / right for j, per row); intermediate levels are noisy copies of the
+    target that reject some of what the level below proposed: rows are rejected at different levels."""
+    model = cached_model(arch)
+    ids, mask = ragged_batch(batch, seed=70 + batch)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=28)
+    oracle = Oracle(reference, mask, ["right", "wrong", 2, 4, "right"])
+    middle = [perturbed_copy(model, noise, seed=i) for i, noise in enumerate([0.6, 0.2][: levels - 2])]
+    chain = ChainDrafter([oracle.drafter()] + middle)
+    out, stats = run(model, ids, mask, chain, FixedLength(4))
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.drafted > 0 and not stats.drafter_events
+
+
+def test_rows_are_rejected_at_intermediate_levels_and_at_the_target():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(6, seed=80)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=28)
+    oracle = Oracle(reference, mask, ["right", "wrong", 2])
+    chain = ChainDrafter([oracle.drafter(), perturbed_copy(model, 0.8, seed=1)])
+    seen = {"level": 0, "target": 0}
+    original = chain.verifiers[0].verify
+
+    def spy(request, proposal, gammas, stats):
+        out = original(request, proposal, gammas, stats)
+        seen["level"] += int((out.lengths - 1 < proposal.lengths).sum())   # rows the middle level cut short
+        return out
+
+    chain.verifiers[0].verify = spy
+    out, stats = run(model, ids, mask, chain, FixedLength(4))
+    seen["target"] = sum(a < d for rec in stats.trace for a, d in zip(rec.accepted, rec.drafted))
+    assert torch.equal(out, reference)
+    assert seen["level"] > 0 and seen["target"] > 0
+
+
+def test_chain_of_models_drafting_from_a_model():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(5, seed=81)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    chain = ChainDrafter([tiny_model("llama", seed=3, layers=1), perturbed_copy(model, 0.3), model])
+    out, stats = run(model, ids, mask, chain, FixedLength(3), max_new_tokens=24)
+    assert torch.equal(out, reference)
+    # The last intermediate level is the target itself: everything it lets through is accepted by the target.
+    assert stats.accepted == stats.drafted > 0
+
+
+class Breaks(torch.nn.Module):
+    """Wraps a model; its forward raises an out-of-memory error from the n-th call on."""
+
+    def __init__(self, model, after):
+        super().__init__()
+        self.inner, self.after, self.calls = model, after, 0
+        self.config, self.device, self.forward_signature = model.config, model.device, None
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        if self.calls > self.after:
+            raise torch.OutOfMemoryError("simulated out of memory in an intermediate level")
+        return self.inner(**kwargs)
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_failing_level_is_dropped_without_losing_tokens(after):
+    model = cached_model("llama")
+    ids, mask = ragged_batch(4, seed=82)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    oracle = Oracle(reference, mask, ["right", 1])
+    chain = ChainDrafter([oracle.drafter(), Breaks(perturbed_copy(model, 0.2), after)])
+    out, stats = run(model, ids, mask, chain, FixedLength(3), max_new_tokens=24)
+    assert torch.equal(out, reference)
+    assert any("OutOfMemoryError" in e for e in stats.drafter_events)
+    assert stats.fallback is None and stats.accepted > 0        # the chain went on as a 2-level draft
+
+
+def test_scheduler_composes_and_stays_lossless():
+    model = cached_model("gpt2")
+    ids, mask = ragged_batch(5, seed=83)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    oracle = Oracle(reference, mask, ["right", "wrong", 3])
+    chain = ChainDrafter([oracle.drafter(), perturbed_copy(model, 0.5), perturbed_copy(model, 0.1, seed=2)])
+    scheduler = ChainScheduler(chain, explore=0.3, seed=0)
+    out, stats = run(model, ids, mask, chain, scheduler, max_new_tokens=40)
+    assert torch.equal(out, reference)
+    assert len({levels for _, levels, _ in scheduler.history}) > 1        # it tried several chains
+
+
+def test_scheduler_prediction_picks_three_levels_where_theory_says():
+    """Cheap bad level 0, mid-cost good intermediate, expensive target: the 3-level chain has the lowest T_eff;
+    make the intermediate level useless and the 2-level pair wins."""
+    chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: [])] + [cached_model("llama")])
+    s = ChainScheduler(chain, widths=(4,), explore=0.0)
+    s.t_level = {0: 0.001, 1: 0.02}
+    s.t_target, s.t_plain = 0.1, 0.09
+    s.alpha = {(0, 1): 0.5, (1, "T"): 0.95, (0, "T"): 0.45}
+    three, two = s.predict((0,), 4), s.predict((), 4)
+    assert three < two
+    info = spec_adapt.StepInfo(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([50]), 0)
+    assert s.choose(info) == 4 and s.current[0] == (0,)
+    s.alpha[(1, "T")] = 0.3
+    s.alpha[(0, 1)] = 0.3
+    assert s.predict((0,), 4) > s.predict((), 4)
+    s.choose(info)
+    assert s.current[0] == ()
+
+
+def test_synthetic_family_controls_agreement():
+    model = cached_model("llama")
+    ids, _ = ragged_batch(4, seed=84)
+    scores = [agreement(model, perturbed_copy(model, noise), ids) for noise in (0.0, 0.2, 1.0)]
+    assert scores[0] == 1.0 and scores[0] > scores[1] > scores[2]
