@@ -12,7 +12,8 @@ Configuration names:
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
   <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, wrong}, policy in {fixed<k>,
                                 heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore,
-                                ewma, per-request} ("wrong" drafts tokens that are never right)
+                                ewma, per-request, chain} ("wrong" drafts tokens that are never right)
+  chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
 """
@@ -81,11 +82,18 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
         "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
         "draft": (lambda: draft) if draft is not None else None,
         "wrong": lambda: spec_adapt.ScriptedDrafter(lambda row, context, gamma: [(context[-1] + 1) % 49152] * gamma),
+        "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
+        if draft is not None else None,
     }.get(drafter_name)
     if make_drafter is None:
         raise ValueError(f"Unknown drafter in config {name!r} (or --draft missing for 'draft').")
     # One policy object per configuration: what it learns carries over from call to call, as in serving.
-    policy = parse_policy(policy_name or "heuristic", latency)
+    if policy_name == "chain":            # the scheduler steers one chain object, kept across calls
+        chain = make_drafter()
+        policy = spec_adapt.ChainScheduler(chain)
+        make_drafter = lambda: chain      # noqa: E731
+    else:
+        policy = parse_policy(policy_name or "heuristic", latency)
 
     def run(enc):
         out = model.generate(**enc, **common, custom_generate=spec_adapt.generate, drafter=make_drafter(),

@@ -82,6 +82,8 @@ def bench(args) -> None:
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
     draft = load_model(args.draft, dtype=dtype)[0] if args.draft else None
+    if args.draft_layers:
+        draft = truncated_copy(model, args.draft_layers)
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
     from spec_adapt.profiling import LatencyTable
@@ -271,7 +273,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--configs", nargs="+", default=["target", "hf-lookup", "lookup:fixed3", "suffix:heuristic4"])
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
-    p.add_argument("--draft", help="a draft model path (enables draft:<policy> and hf-assisted)")
+    p.add_argument("--draft", help="a draft model path (enables draft:<policy>, chain:<policy> and hf-assisted)")
+    p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
     p.set_defaults(func=bench)
