@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 import spec_adapt
 from spec_adapt.models import load_model
-from spec_adapt.recipes import datasets as workloads
+from spec_adapt.recipes import workloads
 
 
 def main():

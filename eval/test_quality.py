@@ -10,7 +10,7 @@ import pytest
 
 from spec_adapt.eval.lossy import lossy_topk_acceptance
 from spec_adapt.eval.suite import Config, default_configs, run_suite
-from spec_adapt.recipes import datasets as workloads
+from spec_adapt.recipes import workloads
 
 pytestmark = pytest.mark.real
 

@@ -11,7 +11,7 @@ import torch
 import spec_adapt
 from spec_adapt import Nightjar, SuffixDrafter
 from spec_adapt.models import load_model
-from spec_adapt.recipes import datasets as workloads
+from spec_adapt.recipes import workloads
 
 model, tok = load_model()
 prompts = list(workloads.with_inputs(workloads.humaneval(limit=8), tok)["input_text"])

@@ -57,7 +57,7 @@ def make_data(target, tok, n: int, new_tokens: int, batch: int, cache: Path) -> 
     """Token sequences (prompt + the target's greedy output), with the index where the output starts."""
     if cache.exists():
         return torch.load(cache)
-    from spec_adapt.recipes import datasets as workloads
+    from spec_adapt.recipes import workloads
 
     prompts = list(workloads.with_inputs(workloads.sharegpt(limit=n, max_chars=1000), tok)["input_text"])
     data = []
@@ -116,8 +116,11 @@ def main():
     target, tok = load_model()
     for p in target.parameters():
         p.requires_grad_(False)
-    meta = json.loads((out / "draft.json").read_text()) if args.resume else {"layers": args.layers, "step": 0,
-                                                                            "history": []}
+    meta = json.loads((out / "draft.json").read_text()) if args.resume else {
+        "layers": args.layers, "step": 0, "history": [], "prompts": args.prompts, "heldout": args.heldout,
+        "new_tokens": args.new_tokens}
+    if args.resume:     # the data split and its sizes belong to the run, not to the resuming command
+        args.prompts, args.heldout, args.new_tokens = meta["prompts"], meta["heldout"], meta["new_tokens"]
     draft = build_draft(target, meta["layers"])
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr)
     if args.resume:

@@ -30,7 +30,7 @@ def demo(args) -> None:
     from tqdm import tqdm
 
     from spec_adapt.models import load_model
-    from spec_adapt.recipes import datasets as workloads
+    from spec_adapt.recipes import workloads
 
     torch.manual_seed(0)
     print("Loading SmolLM2-135M-Instruct (fp32)...")
@@ -77,7 +77,7 @@ def bench(args) -> None:
 
     from spec_adapt import bench as b
     from spec_adapt.models import load_model
-    from spec_adapt.recipes import datasets as workloads
+    from spec_adapt.recipes import workloads
 
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
@@ -182,7 +182,7 @@ def lab_cmd(args) -> None:
 def _record(args):
     from spec_adapt import PromptLookupDrafter, SuffixDrafter, SuffixIndex, lab
     from spec_adapt.models import load_model
-    from spec_adapt.recipes import datasets as workloads
+    from spec_adapt.recipes import workloads
 
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     prompts = list(workloads.with_inputs(workloads.load(args.workload, args.num_prompts), tok)["input_text"])
@@ -233,7 +233,7 @@ def eval_cmd(args) -> None:
     from spec_adapt.eval.lossy import lossy_topk_acceptance
     from spec_adapt.eval.suite import Config, default_configs, run_suite, write_report
     from spec_adapt.models import load_model
-    from spec_adapt.recipes import datasets as workloads
+    from spec_adapt.recipes import workloads
 
     model, tok = load_model(args.model)
     names = args.workloads

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import spec_adapt
 from spec_adapt import FixedLength, Heuristic, PromptLookupDrafter
-from spec_adapt.recipes import datasets as workloads
+from spec_adapt.recipes import workloads
 
 pytestmark = pytest.mark.real
 
