@@ -14,6 +14,7 @@ from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord, last_stats
 from .policies import (BanditSpecUCB, ChainScheduler, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar, PerRequest,
                        Policy, StepInfo)
+from .pool import ModelPool
 from .profiling import LatencyTable
 
 __version__ = "0.1.0"
@@ -23,5 +24,5 @@ __all__ = [
     "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
     "Policy", "StepInfo", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
     "PerRequest", "LatencyTable",
-    "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
+    "ModelPool", "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
 ]

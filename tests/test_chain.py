@@ -136,3 +136,28 @@ def test_synthetic_family_controls_agreement():
     ids, _ = ragged_batch(4, seed=84)
     scores = [agreement(model, perturbed_copy(model, noise), ids) for noise in (0.0, 0.2, 1.0)]
     assert scores[0] == 1.0 and scores[0] > scores[1] > scores[2]
+
+
+def test_model_pool_loads_lazily_and_builds_chains():
+    from spec_adapt import ModelPool, PromptLookupDrafter
+
+    model = cached_model("llama")
+    calls = []
+    pool = ModelPool()
+    pool.register("lookup", PromptLookupDrafter())
+    pool.register("noisy", lambda: calls.append(1) or perturbed_copy(model, 0.2))
+    assert pool.loaded() == [] and calls == []
+    chain = pool.chain(["lookup", "noisy"])
+    assert calls == [1] and set(pool.loaded()) == {"lookup", "noisy"}
+    memory = pool.memory()
+    assert memory["noisy"]["bytes"] == sum(p.numel() * 4 for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    assert memory["noisy"]["devices"] == ["cpu"]
+    with pytest.raises(ValueError):
+        pool.register("noisy", model)
+    with pytest.raises(KeyError, match="registered"):
+        pool.get("missing")
+    ids, mask = ragged_batch(3, seed=85)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    out, stats = run(model, ids, mask, chain, FixedLength(3), max_new_tokens=24)
+    assert torch.equal(out, reference)
