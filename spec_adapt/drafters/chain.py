@@ -71,6 +71,7 @@ class VerifierLevel:
             accepted, nxt = fast.greedy(scores, drafts, n)
         stats["drafted"] += int(n.sum())
         stats["accepted"] += int(accepted.sum())
+        stats["tried"] += int((accepted + (accepted < n).long()).sum())   # positions where a decision was made
         self.ledger.rollback(lengths + accepted)        # keep committed + accepted; the new token is pending
         out_len = torch.minimum(accepted + 1, gammas.to(device))
         out_tokens = committed_tokens(drafts, accepted, nxt, fill=0)[:, : max(int(out_len.max()), 0)]
@@ -111,7 +112,8 @@ class ChainDrafter(Drafter):
 
     def reset_stats(self) -> None:
         """Per-level counters since the last reset: drafted/accepted at each verifier, seconds spent, D_TV."""
-        self.level_stats = [{"drafted": 0, "accepted": 0, "seconds": 0.0, "calls": 0, "tokens": 0, "tv": []}
+        self.level_stats = [{"drafted": 0, "accepted": 0, "tried": 0, "seconds": 0.0, "calls": 0, "tokens": 0,
+                             "tv": []}
                             for _ in range(len(self.verifiers) + 1)]
 
     def use(self, levels: list[int]) -> None:

@@ -44,9 +44,10 @@ class ChainScheduler(Policy):
     # -- prediction ---------------------------------------------------------------------------------------------
     def _alpha(self, i, j) -> float:
         if (i, j) in self.alpha:
-            return self.alpha[(i, j)]
+            accepted, tried = self.alpha[(i, j)]
+            return accepted / tried if tried > 0 else self.prior_alpha
         if (i, j) in self.sim and self.alpha:
-            ratio = sum(self.alpha[k] / max(self.sim[k], 1e-3) for k in self.alpha if k in self.sim) or None
+            ratio = sum(self._alpha(*k) / max(self.sim[k], 1e-3) for k in self.alpha if k in self.sim) or None
             if ratio:
                 count = sum(1 for k in self.alpha if k in self.sim)
                 return min(1.0, self.sim[(i, j)] * ratio / count)
@@ -96,17 +97,26 @@ class ChainScheduler(Policy):
             s = stats[b]
             if s["calls"]:
                 self._update(self.t_level, b, s["seconds"] / s["calls"])
-            if s["drafted"]:
-                self._update(self.alpha, (a, b), s["accepted"] / s["drafted"])
+            if s["tried"]:      # alpha = P(accept | reached): accepted over positions decided, not over drafted
+                self._count(a, b, s["accepted"], s["tried"])
             if s["tv"]:
                 self._update(self.sim, (a, b), 1.0 - sum(s["tv"]) / len(s["tv"]))
         drafted = sum(record.drafted)
+        tried = sum(a + (a < d) for a, d in zip(record.accepted, record.drafted))
         if drafted:
-            self._update(self.alpha, (members[-1], "T"), sum(record.accepted) / drafted)
+            if tried:
+                self._count(members[-1], "T", sum(record.accepted), tried)
             self.t_target = self._ema(self.t_target, record.verify_time)
         else:
             self.t_plain = self._ema(self.t_plain, record.step_time)
         self.chain.reset_stats()
+
+    def _count(self, a, b, accepted, tried) -> None:
+        """alpha is a ratio of moving averages (EMA accepted / EMA decided): an EMA of per-step ratios is biased low
+        when runs are long (a step that stops after 1 of 8 reads 0.5, one that stops at once reads 0)."""
+        old = self.alpha.get((a, b))
+        self.alpha[(a, b)] = [accepted, tried] if old is None else [
+            (1 - self.ema) * old[0] + self.ema * accepted, (1 - self.ema) * old[1] + self.ema * tried]
 
     def _ema(self, old, new):
         return new if old is None else (1 - self.ema) * old + self.ema * new
@@ -115,5 +125,5 @@ class ChainScheduler(Policy):
         table[key] = self._ema(table.get(key), value)
 
     def state_dict(self):
-        return {"alpha": [[list(map(str, k)), v] for k, v in self.alpha.items()],
+        return {"alpha": [[list(map(str, k)), list(v)] for k, v in self.alpha.items()],
                 "t_level": self.t_level, "t_target": self.t_target, "t_plain": self.t_plain}
