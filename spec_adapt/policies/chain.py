@@ -9,8 +9,9 @@ the chain and the loop measure: t_0 per drafted token, t_j per call of each veri
 step, alpha_ij per pair of adjacent members, and SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to
 alpha through a ratio calibrated on pairs observed both ways. Pairs never observed start optimistic (0.6), so every
 chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
-always a candidate. `length_policy`, if given, chooses W instead (the two compose: the scheduler then only picks
-the levels).
+always a candidate; since target-only steps observe nothing about the draft, after `probe_every` of them in a row
+the best speculative option runs once (without it a noisy low estimate would switch speculation off for good).
+`length_policy`, if given, chooses W instead (the two compose: the scheduler then only picks the levels).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from .base import Policy, StepInfo
 
 class ChainScheduler(Policy):
     def __init__(self, chain, widths=(1, 2, 4, 6, 8), length_policy: Policy | None = None, ema: float = 0.2,
-                 explore: float = 0.05, prior_alpha: float = 0.6, seed: int = 0):
+                 explore: float = 0.05, prior_alpha: float = 0.6, probe_every: int = 16, seed: int = 0):
         self.chain, self.widths, self.length_policy = chain, tuple(widths), length_policy
         self.ema, self.explore, self.prior_alpha, self.seed = ema, explore, prior_alpha, seed
+        self.probe_every = probe_every
         n = len(chain.verifiers)
         self.candidates = [tuple(c) for r in range(n + 1) for c in itertools.combinations(range(n), r)]
         self.reset()
@@ -40,6 +42,7 @@ class ChainScheduler(Policy):
         self.t_plain: float | None = None          # a target step with nothing drafted
         self.current = (tuple(range(len(self.chain.verifiers))), self.widths[-1])
         self.history: list[tuple] = []
+        self.idle = 0                              # target-only steps in a row
 
     # -- prediction ---------------------------------------------------------------------------------------------
     def _alpha(self, i, j) -> float:
@@ -77,6 +80,10 @@ class ChainScheduler(Policy):
             levels, width = self.rng.choice(options)
         else:
             levels, width = min(options, key=lambda o: self.predict(*o))
+        self.idle = self.idle + 1 if width == 0 else 0
+        if width == 0 and self.idle >= self.probe_every:
+            levels, width = min(options[:-1], key=lambda o: self.predict(*o))
+            self.idle = 0
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
         self.current = (levels, width)
