@@ -24,14 +24,9 @@ from tqdm import tqdm
 
 
 def build_draft(target, layers: int):
-    import copy
+    from spec_adapt.synthetic import truncated_copy
 
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:layers]
-    draft = type(target)(config).to(target.dtype)
-    draft.load_state_dict(target.state_dict(), strict=False)     # first layers, embeddings, norm, head
+    draft = truncated_copy(target, layers).train()               # first layers, embeddings, norm, head
     draft.model.embed_tokens = target.model.embed_tokens          # shared, frozen
     draft.lm_head = target.lm_head
     for p in list(draft.model.embed_tokens.parameters()) + list(draft.lm_head.parameters()):

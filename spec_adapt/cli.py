@@ -1,4 +1,4 @@
-"""The `spec-adapt` command: `demo` (the main job) and `bench` (configurations side by side)."""
+"""The `spec-adapt` command: demo (the main job), bench, profile, lab and eval."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import statistics
 import time
 
 import torch
+
+from spec_adapt.synthetic import truncated_copy
 
 
 def _demo_configs(model, tok, new_tokens):
@@ -100,19 +102,6 @@ def bench(args) -> None:
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
-
-
-def truncated_copy(model, layers: int):
-    """The target's first `layers` layers with its embeddings and head: a draft of realistic cost (not quality)."""
-    import copy
-
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:layers]
-    draft = type(model)(config).to(model.dtype).eval()
-    draft.load_state_dict(model.state_dict(), strict=False)
-    return draft
 
 
 def profile_cmd(args) -> None:
