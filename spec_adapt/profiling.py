@@ -33,9 +33,16 @@ class LatencyTable:
     draft_token: dict[int, float] = field(default_factory=dict)           # B -> seconds per drafted token
     prefill: dict[int, dict[int, float]] = field(default_factory=dict)    # L -> B -> seconds (draft catch-up)
     meta: dict = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)   # policies ask the same points every step
 
     def step_time(self, batch: int, s: int, with_draft: bool = True) -> float:
         """Seconds of one step at batch `batch` drafting `s` tokens: verify(s+1) + s draft tokens."""
+        key = (batch, s, with_draft)
+        if key not in self._memo:
+            self._memo[key] = self._step_time(batch, s, with_draft)
+        return self._memo[key]
+
+    def _step_time(self, batch: int, s: int, with_draft: bool) -> float:
         sizes = sorted(self.step)
         per_b = [_interp(sorted(self.step[b]), [self.step[b][k] for k in sorted(self.step[b])], s) for b in sizes]
         verify = _interp(sizes, per_b, batch)
@@ -75,30 +82,50 @@ class OnlineLatency:
         self.coef: torch.Tensor | None = None
         self._since_fit = 0
         self._floor = math.inf
+        self._fitted: bool | None = None      # None: unknown since the last sample
+        self._xtx = [[0.0] * 4 for _ in range(4)]   # running sums over the window: refits are a 4x4 solve
+        self._xty = [0.0] * 4
+        self._lengths: dict[int, int] = {}          # draft length -> samples in the window
+
+    def _accumulate(self, sample, sign: float) -> None:
+        batch, s, seconds = sample
+        f = self._features(batch, s)
+        for i in range(4):
+            self._xty[i] += sign * f[i] * seconds
+            for j in range(4):
+                self._xtx[i][j] += sign * f[i] * f[j]
+        self._lengths[s] = self._lengths.get(s, 0) + int(sign)
+        if not self._lengths[s]:
+            del self._lengths[s]
 
     def add(self, batch: int, s: int, seconds: float) -> None:
         self.samples.append((batch, s, seconds))
-        if len(self.samples) > self.window:
-            del self.samples[: len(self.samples) - self.window]
+        self._accumulate(self.samples[-1], 1.0)
+        while len(self.samples) > self.window:
+            self._accumulate(self.samples.pop(0), -1.0)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:   # refitting every step would cost more than the decision budget
             self.coef = None
+        if self.coef is None:
+            self._fitted = None
 
     def _features(self, batch, s):
         return [1.0, float(batch), float(batch * s), float(s)]
 
     def _fit(self) -> bool:
         """Fit when due; False while there are too few samples, or all at one draft length (s unidentifiable)."""
+        if self._fitted is not None:
+            return self._fitted
+        self._fitted = False
         if self.coef is None:
-            if len(self.samples) < self.min_samples or len({s for _, s, _ in self.samples}) < 2:
+            if len(self.samples) < self.min_samples or len(self._lengths) < 2:
                 return False
-            x = torch.tensor([self._features(b, s) for b, s, _ in self.samples], dtype=torch.float64)
-            y = torch.tensor([t for _, _, t in self.samples], dtype=torch.float64)
-            # Normal equations with a tiny ridge: four coefficients, microseconds (lstsq/gelsd took ~40 ms here).
-            gram = x.T @ x + 1e-9 * torch.eye(x.shape[1], dtype=x.dtype)
-            self.coef = torch.linalg.solve(gram, x.T @ y).tolist()
+            # Normal equations with a tiny ridge: four coefficients (lstsq/gelsd took ~40 ms here).
+            gram = torch.tensor(self._xtx, dtype=torch.float64) + 1e-9 * torch.eye(4, dtype=torch.float64)
+            self.coef = torch.linalg.solve(gram, torch.tensor(self._xty, dtype=torch.float64)).tolist()
             self._floor = 0.5 * min(t for _, _, t in self.samples)
             self._since_fit = 0
+        self._fitted = True
         return True
 
     def step_time(self, batch: int, s: int) -> float:
@@ -113,8 +140,9 @@ class OnlineLatency:
         return {"samples": list(self.samples)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.samples = [tuple(x) for x in state["samples"]]
-        self.coef, self._since_fit = None, 0
+        self.__init__(self.table, self.window, self.min_samples, self.refit_every)
+        for sample in state["samples"]:
+            self.add(*sample)
 
 
 def profile(model, draft=None, batch_sizes=(1, 4, 16), lengths=(0, 1, 2, 4, 8), lags=(32, 128, 512),
