@@ -19,7 +19,7 @@ demo: setup
 	spec-adapt demo
 
 test: setup
-	$(PYTHON) -m pytest -q -x tests
+	$(PYTHON) -m pytest -q -x
 
 bench: setup
 	$(PYTHON) benchmarks/overhead.py
