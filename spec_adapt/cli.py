@@ -112,7 +112,7 @@ def bench(args) -> None:
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
             "new_tokens": args.new_tokens, "prompts": len(prompts), "repeats": args.repeats,
-            "command": "spec-adapt bench " + " ".join(args.argv)}
+            "command": "spec-adapt " + " ".join(args.argv)}
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
@@ -177,7 +177,7 @@ def lab_cmd(args) -> None:
                       "fixed": {g: x.goodput for g, x in r["fixed"].items()},
                       "policies": {n: {k: v for k, v in p.items() if k != "result"} for n, p in r["policies"].items()}}
                for spec, r in report.items()}
-    summary["command"] = "spec-adapt lab " + " ".join(args.argv)
+    summary["command"] = "spec-adapt " + " ".join(args.argv)
     (out / "lab.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {out}/lab.json, lab.png")
 
@@ -251,7 +251,7 @@ def eval_cmd(args) -> None:
     report = run_suite(model, tok, prompts, configs, args.new_tokens, args.batch_size, args.temperature,
                        reward_model=args.reward_model)
     out = Path(args.out)
-    meta = {"workload": "+".join(names), "command": "spec-adapt eval " + " ".join(args.argv)}
+    meta = {"workload": "+".join(names), "command": "spec-adapt " + " ".join(args.argv)}
     write_report(report, out, meta)
     print((out / "quality.md").read_text())
     print(f"wrote {out}/quality.json, quality.md, quality.png")
