@@ -88,7 +88,8 @@ def reward_scores(prompts: list[str], responses: list[str], reward_model: str | 
         with torch.no_grad():
             logits = model(ids).logits[0, prompt_ids.shape[1] - 1 : -1].float()
         scores.append(float(logits.log_softmax(-1).gather(1, response_ids[0][:, None]).mean()))
-    return scores, f"lm-loglik:{getattr(model.config, 'name_or_path', '') or type(model).__name__}"
+    name = Path(getattr(model.config, "name_or_path", "") or type(model).__name__).name   # a name, not a local path
+    return scores, f"lm-loglik:{name}"
 
 
 def _reward_model_scores(prompts, responses, path, batch_size, progress):

@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from . import fast
 from .accept import committed_tokens, sample_randoms
-from .drafters.base import Drafter, DraftRequest, Proposal
+from .drafters.base import Drafter, DraftRequest, Proposal, with_drafts
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_gammas
@@ -121,11 +121,7 @@ class SpeculativeLoop:
         last = self.buffer[self.rows, lengths - 1]
         chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
         logits = self.target.forward(chunk, proposal.lengths + 1).float()                 # [B, S+1, V]
-        context = self.buffer[self.rows].clone()
-        if proposal.tokens.shape[1]:
-            index = (lengths[:, None] + torch.arange(proposal.tokens.shape[1], device=self.device)).clamp(
-                max=context.shape[1] - 1)
-            context.scatter_(1, index, proposal.tokens)
+        context = with_drafts(self.buffer[self.rows], lengths, proposal.tokens)
         return self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows), logits
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal):

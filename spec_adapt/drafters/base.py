@@ -36,6 +36,32 @@ class Proposal:
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
         return Proposal(torch.zeros(batch, 0, dtype=torch.long, device=device), zeros)
 
+    @staticmethod
+    def pack(drafts: list[torch.Tensor], device) -> "Proposal":
+        """Per-row 1-D token tensors of different lengths -> a point-mass Proposal (rows padded with 0)."""
+        width = max((d.numel() for d in drafts), default=0)
+        tokens = torch.zeros(len(drafts), width, dtype=torch.long)
+        for b, d in enumerate(drafts):
+            tokens[b, : d.numel()] = d
+        lengths = torch.tensor([d.numel() for d in drafts], dtype=torch.long)
+        return Proposal(tokens.to(device), lengths.to(device))
+
+
+def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Left-padding length of each row of a prompt batch (its real tokens start there)."""
+    if attention_mask is None:
+        return [0] * input_ids.shape[0]
+    return (attention_mask == 0).sum(dim=1).tolist()
+
+
+def with_drafts(tokens: torch.Tensor, lengths: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """A copy of the token buffer [B, L] with each row's drafts [B, S] written after its committed tokens."""
+    out = tokens.clone()
+    if drafts.shape[1]:
+        index = (lengths[:, None] + torch.arange(drafts.shape[1], device=tokens.device)).clamp(max=tokens.shape[1] - 1)
+        out.scatter_(1, index, drafts)
+    return out
+
 
 class Drafter:
     """Base class. Model-free drafters override `propose` only."""

@@ -24,8 +24,8 @@ import torch
 from .. import fast
 from ..accept import committed_tokens, sample_randoms
 from ..ledger import KVLedger
-from .base import Drafter, DraftRequest, Proposal
-from .model import ModelDrafter
+from .base import Drafter, DraftRequest, Proposal, with_drafts
+from .model import ModelDrafter, _vocab_size
 
 
 class VerifierLevel:
@@ -49,10 +49,7 @@ class VerifierLevel:
         chunk_width = int((pending + n).max())
         offset = torch.arange(chunk_width, device=device)[None, :]
         index = (self.ledger.n_cached[:, None] + offset).clamp(max=tokens.shape[1] - 1)
-        context = tokens.clone()
-        if width:
-            context.scatter_(1, (lengths[:, None] + torch.arange(width, device=device)).clamp(
-                max=tokens.shape[1] - 1), drafts)
+        context = with_drafts(tokens, lengths, drafts)
         chunk = context.gather(1, index)
         logits = self.ledger.forward(chunk, pending + n)                             # [B, W', V']
         # Position i of the proposal is scored by the chunk position just before it.
@@ -124,7 +121,7 @@ class ChainDrafter(Drafter):
         self.first.validate(target)
         for level in self.verifiers:
             ModelDrafter(level.model).validate(target)
-            level.vocab = target.get_output_embeddings().weight.shape[0]
+            level.vocab = _vocab_size(target)
 
     def begin(self, input_ids, attention_mask):
         self.failed.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal
+from .base import Drafter, DraftRequest, Proposal, left_padding
 
 
 def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
@@ -36,8 +36,7 @@ class PromptLookupDrafter(Drafter):
         self.pad = None
 
     def begin(self, input_ids, attention_mask):
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        self.pad = (mask == 0).sum(dim=1).tolist()
+        self.pad = left_padding(input_ids, attention_mask)
 
     def propose(self, request: DraftRequest) -> Proposal:
         tokens = request.tokens.cpu()
@@ -50,13 +49,4 @@ class PromptLookupDrafter(Drafter):
                 continue
             context = tokens[b, self.pad[row] : length]
             drafts.append(lookup_continuation(context, gamma, self.max_ngram, self.min_ngram))
-        return _pack(drafts, request.tokens.device)
-
-
-def _pack(drafts, device) -> Proposal:
-    width = max((d.numel() for d in drafts), default=0)
-    out = torch.zeros(len(drafts), width, dtype=torch.long)
-    for b, d in enumerate(drafts):
-        out[b, : d.numel()] = d
-    lengths = torch.tensor([d.numel() for d in drafts], dtype=torch.long)
-    return Proposal(out.to(device), lengths.to(device))
+        return Proposal.pack(drafts, request.tokens.device)

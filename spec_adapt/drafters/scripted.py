@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal
+from .base import Drafter, DraftRequest, Proposal, left_padding
 
 # script(row, context, gamma) -> up to gamma token ids. `row` is the row's index in the user's batch, `context` the
 # row's committed tokens (prompt without padding, then generated tokens).
@@ -22,8 +22,7 @@ class ScriptedDrafter(Drafter):
         self.pad = None
 
     def begin(self, input_ids, attention_mask):
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        self.pad = (mask == 0).sum(dim=1).tolist()
+        self.pad = left_padding(input_ids, attention_mask)
 
     def propose(self, request: DraftRequest) -> Proposal:
         batch = request.tokens.shape[0]
@@ -36,10 +35,4 @@ class ScriptedDrafter(Drafter):
                 continue
             context = request.tokens[b, self.pad[row] : int(request.lengths[b])].tolist()
             drafts.append([int(t) for t in self.script(row, context, gamma)][:gamma])
-        width = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-        device = request.tokens.device
-        return Proposal(tokens.to(device), lengths.to(device))
+        return Proposal.pack([torch.tensor(d, dtype=torch.long) for d in drafts], request.tokens.device)

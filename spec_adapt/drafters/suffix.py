@@ -16,8 +16,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal
-from .lookup import _pack
+from .base import Drafter, DraftRequest, Proposal, left_padding
 
 
 class SuffixIndex:
@@ -69,8 +68,7 @@ class SuffixDrafter(Drafter):
         self.pad, self.indexed = None, None
 
     def begin(self, input_ids, attention_mask):
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        self.pad = (mask == 0).sum(dim=1).tolist()
+        self.pad = left_padding(input_ids, attention_mask)
         self.indexed = [0] * len(self.pad)   # per user row: tokens of its context already in the index
 
     def propose(self, request: DraftRequest) -> Proposal:
@@ -84,7 +82,7 @@ class SuffixDrafter(Drafter):
             self.indexed[row] = len(context)
             found = self.index.continuation(context, gamma, self.min_share, self.min_depth) if gamma else []
             drafts.append(torch.tensor(found, dtype=torch.long))
-        return _pack(drafts, request.tokens.device)
+        return Proposal.pack(drafts, request.tokens.device)
 
     def end(self, tokens=None, lengths=None):
         if tokens is None or self.pad is None:
