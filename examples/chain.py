@@ -22,5 +22,5 @@ plain = model.generate(**batch, max_new_tokens=48, do_sample=False)
 out = model.generate(**batch, max_new_tokens=48, do_sample=False, custom_generate=spec_adapt.generate,
                      drafter=chain, assistant_policy=scheduler)
 print("identical to plain generate:", torch.equal(plain, out))
-print("chains chosen (batch size, intermediate levels, W):", scheduler.history[:10])
+print("chains chosen (batch size, levels used [0 = lookup, 1 = middle model], W):", scheduler.history[:10])
 print(spec_adapt.last_stats().summary())

@@ -3,7 +3,8 @@
     python recipes/distill_draft.py --layers 2 --minutes 10 --out results/draft-2l
     python recipes/distill_draft.py --resume results/draft-2l          # continue where it stopped
 
-The draft is the target's architecture with `--layers` decoder layers, initialized from the target's first layers;
+The draft is the target's architecture with `--layers` decoder layers, initialized from the target's first layers
+(or from the layers listed in `--keep`, e.g. `--keep 0,1,28,29`: the last layers already map into the head's space);
 the embeddings and LM head are the target's own, shared and frozen, so only the layers and the final norm are
 trained and saved (`draft.safetensors`, a few MB per layer). Training data: the target's own greedy outputs for
 ShareGPT first turns (generated once, cached in the output folder), distilled with KL(p_target || p_draft) on every
@@ -23,10 +24,10 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 
-def build_draft(target, layers: int):
-    from spec_adapt.synthetic import truncated_copy
+def build_draft(target, layers: int, keep: list[int] | None = None):
+    from spec_adapt.synthetic import layer_subset_copy
 
-    draft = truncated_copy(target, layers).train()               # first layers, embeddings, norm, head
+    draft = layer_subset_copy(target, keep or list(range(layers))).train()   # chosen layers, embeddings, norm, head
     draft.model.embed_tokens = target.model.embed_tokens          # shared, frozen
     draft.lm_head = target.lm_head
     for p in list(draft.model.embed_tokens.parameters()) + list(draft.lm_head.parameters()):
@@ -43,9 +44,13 @@ def load_draft(target, path: str | Path):
     """Rebuild a distilled draft: the target's shared weights plus the saved layers."""
     path = Path(path)
     meta = json.loads((path / "draft.json").read_text())
-    draft = build_draft(target, meta["layers"])
+    draft = build_draft(target, meta["layers"], meta.get("keep"))
     draft.load_state_dict(load_file(path / "draft.safetensors"), strict=False)
     return draft.eval()
+
+
+def is_distilled(path) -> bool:
+    return (Path(path) / "draft.json").exists() and (Path(path) / "draft.safetensors").exists()
 
 
 def make_data(target, tok, n: int, new_tokens: int, batch: int, cache: Path) -> list[torch.Tensor]:
@@ -68,10 +73,30 @@ def make_data(target, tok, n: int, new_tokens: int, batch: int, cache: Path) -> 
     return data
 
 
-def kd_loss(target, draft, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, float]:
+def batches(train: list[dict], size: int, seed: int):
+    """Shuffled batches of sequences of similar length (little padding)."""
+    order = sorted(range(len(train)), key=lambda i: len(train[i]["ids"]))
+    groups = [order[i : i + size] for i in range(0, len(order), size)]
+    gen = torch.Generator().manual_seed(seed)
+    return [groups[i] for i in torch.randperm(len(groups), generator=gen).tolist()]
+
+
+def kd_loss(target, draft, items: list[dict], pad_id: int) -> tuple[torch.Tensor, float]:
+    """KL(p_target || p_draft) on the output positions of a right-padded batch; logits only where needed."""
+    length = max(len(it["ids"]) for it in items)
+    ids = torch.full((len(items), length), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, it in enumerate(items):
+        ids[b, : len(it["ids"])] = it["ids"]
+        mask[b, : len(it["ids"])] = 1
+    first = min(it["output_start"] for it in items) - 1          # first position whose logits are trained
+    keep = length - first
+    scored = torch.zeros(len(items), keep, dtype=torch.bool)      # position p predicts token p + 1 of the output
+    for b, it in enumerate(items):
+        scored[b, it["output_start"] - 1 - first : len(it["ids"]) - 1 - first] = True
     with torch.no_grad():
-        teacher = target(ids[None]).logits[0, start - 1 : -1].float()
-    student = draft(ids[None]).logits[0, start - 1 : -1].float()
+        teacher = target(ids, attention_mask=mask, logits_to_keep=keep).logits[scored].float()
+    student = draft(ids, attention_mask=mask, logits_to_keep=keep).logits[scored].float()
     loss = torch.nn.functional.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True,
                                       reduction="batchmean")
     agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean().item()
@@ -93,6 +118,8 @@ def agreement(target, draft, data) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--keep", help="comma-separated target layers to start from (default: the first --layers)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
     parser.add_argument("--minutes", type=float, default=10.0, help="training time budget")
     parser.add_argument("--prompts", type=int, default=96)
     parser.add_argument("--heldout", type=int, default=8)
@@ -112,11 +139,15 @@ def main():
     for p in target.parameters():
         p.requires_grad_(False)
     meta = json.loads((out / "draft.json").read_text()) if args.resume else {
-        "layers": args.layers, "step": 0, "history": [], "prompts": args.prompts, "heldout": args.heldout,
+        "layers": args.layers, "keep": [int(i) for i in args.keep.split(",")] if args.keep else None,
+        "step": 0, "optimizer_steps": 0, "batch": args.batch, "history": [], "prompts": args.prompts,
+        "heldout": args.heldout,
         "new_tokens": args.new_tokens}
+    if meta.get("keep"):
+        meta["layers"] = len(meta["keep"])
     if args.resume:     # the data split and its sizes belong to the run, not to the resuming command
         args.prompts, args.heldout, args.new_tokens = meta["prompts"], meta["heldout"], meta["new_tokens"]
-    draft = build_draft(target, meta["layers"])
+    draft = build_draft(target, meta["layers"], meta.get("keep"))
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr)
     if args.resume:
         draft.load_state_dict(load_file(out / "draft.safetensors"), strict=False)
@@ -132,16 +163,20 @@ def main():
     bar = tqdm(desc="distilling", unit="seq")
     recent = []
     while time.time() < deadline:
-        item = train[meta["step"] % len(train)]
-        loss, agree = kd_loss(target, draft, item["ids"], item["output_start"])
+        groups = batches(train, meta.get("batch", 1), seed=0)
+        epoch, g = divmod(meta.setdefault("optimizer_steps", 0), len(groups))
+        group = [train[i] for i in batches(train, meta.get("batch", 1), seed=epoch)[g]]
+        loss, agree = kd_loss(target, draft, group, tok.pad_token_id)
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        meta["step"] += 1
-        recent = (recent + [agree])[-50:]
-        bar.update(1)
+        meta["step"] += len(group)
+        meta["optimizer_steps"] += 1
+        recent = (recent + [agree])[-20:]
+        bar.update(len(group))
         bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{sum(recent) / len(recent):.3f}")
-        if meta["step"] % 200 == 0:
+        if meta["optimizer_steps"] % 50 == 0:
             _checkpoint(draft, opt, meta, out)
     bar.close()
     draft.eval()

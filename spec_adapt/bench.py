@@ -43,6 +43,7 @@ class Cell:
     per_position: list[list[int]] = field(default_factory=list)   # [drafted, accepted] per position
     identical: bool = True
     trace: list[dict] = field(default_factory=list)
+    choices: list[tuple] = field(default_factory=list)     # a ChainScheduler's (batch size, chain, W) per step
 
     def add_stats(self, stats) -> None:
         self.drafted += stats.drafted
@@ -100,7 +101,23 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
                              assistant_policy=policy)
         return out, spec_adapt.last_stats()
 
+    run.policy = policy
     return run
+
+
+CHAIN_LEVELS = ["lookup", "draft"]      # the levels of the bench's chain, for naming what a scheduler chose
+
+
+def chain_windows(choices: list[tuple], parts: int = 4) -> list[dict]:
+    """The most chosen chain and W in each of `parts` consecutive stretches of steps, with its share."""
+    out, size = [], max(1, -(-len(choices) // parts))
+    for start in range(0, len(choices), size):
+        window = [(">".join(CHAIN_LEVELS[m] for m in levels) or "target", w)
+                  for _, levels, w in choices[start : start + size]]
+        (chain, width), count = max(((k, window.count(k)) for k in set(window)), key=lambda kc: kc[1])
+        out.append({"steps": f"{start}-{start + len(window) - 1}", "chain": chain, "W": width,
+                    "share": round(count / len(window), 2)})
+    return out
 
 
 def parse_policy(name: str, latency=None):
@@ -168,6 +185,8 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
             for name in runnable:
                 row[name].times.append(elapsed[name])
                 row[name].tokens.append(produced[name])
+        for name, fn in runnable.items():   # warm-up included: the scheduler's choices from its first step
+            row[name].choices = list(getattr(getattr(fn, "policy", None), "history", None) or [])
         cells.extend(row.values())
     return cells
 
@@ -198,6 +217,7 @@ def summarize(cells: list[Cell]) -> list[dict]:
             "acceptance_length": c.step_tokens / c.row_steps if c.row_steps else None,
             "per_position_acceptance": [a / d if d else 0.0 for d, a in c.per_position],
             "identical": c.identical, "repeats": len(c.times),
+            **({"chains_chosen": chain_windows(c.choices)} if c.choices else {}),
         })
     return out
 
@@ -255,3 +275,7 @@ def print_table(summary: list[dict]) -> None:
         spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
               f"{alpha:>6} {length:>7} {s['identical']}")
+    for s in summary:
+        if s.get("chains_chosen"):
+            print(f"chains chosen by {s['config']} at B={s['batch_size']}: " + "; ".join(
+                f"steps {w['steps']}: {w['chain']} W={w['W']} ({w['share']:.0%})" for w in s["chains_chosen"]))

@@ -97,9 +97,7 @@ def bench(args) -> None:
 
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
-    draft = load_model(args.draft, dtype=dtype)[0] if args.draft else None
-    if args.draft_layers:
-        draft = truncated_copy(model, args.draft_layers)
+    draft = _draft(model, args)
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
     from spec_adapt.profiling import LatencyTable
@@ -118,16 +116,27 @@ def bench(args) -> None:
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
 
 
+def _draft(model, args):
+    """--draft: a model folder or hub id, or a folder written by recipes/distill_draft.py (its saved layers on
+    the target's own embeddings and head); --draft-layers N: the target's first N layers."""
+    from spec_adapt.models import load_model
+    from spec_adapt.recipes.distill_draft import is_distilled, load_draft
+
+    if args.draft and is_distilled(args.draft):
+        return load_draft(model, args.draft)
+    if args.draft:
+        return load_model(args.draft, dtype=model.dtype)[0]
+    if args.draft_layers:
+        return truncated_copy(model, args.draft_layers)
+    return None
+
+
 def profile_cmd(args) -> None:
     from spec_adapt.models import load_model
     from spec_adapt.profiling import profile
 
     model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
-    draft = None
-    if args.draft:
-        draft = load_model(args.draft, dtype=getattr(torch, args.dtype))[0]
-    elif args.draft_layers:
-        draft = truncated_copy(model, args.draft_layers)
+    draft = _draft(model, args)
     table = profile(model, draft, args.batch_sizes, args.lengths, args.lags, args.context, args.repeats)
     table.meta.update({"model": args.model, "dtype": args.dtype, "draft": args.draft or
                        (f"first {args.draft_layers} layers" if args.draft_layers else None)})

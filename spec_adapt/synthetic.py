@@ -24,12 +24,25 @@ def perturbed_copy(target, noise: float, seed: int = 0):
 
 
 def truncated_copy(target, layers: int):
+    return layer_subset_copy(target, list(range(layers)))
+
+
+def layer_subset_copy(target, keep: list[int]):
+    """A copy of the target with only the decoder layers in `keep` (in that order), plus embeddings, norm, head."""
     config = copy.deepcopy(target.config)
-    config.num_hidden_layers = layers
+    config.num_hidden_layers = len(keep)
     if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:layers]
+        config.layer_types = [config.layer_types[i] for i in keep]
     model = type(target)(config).to(target.dtype).eval()
-    model.load_state_dict(target.state_dict(), strict=False)
+    state = {}
+    for name, tensor in target.state_dict().items():
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+            if int(parts[2]) not in keep:
+                continue
+            parts[2] = str(keep.index(int(parts[2])))
+        state[".".join(parts)] = tensor
+    model.load_state_dict(state, strict=False)
     return model
 
 
@@ -39,3 +52,32 @@ def agreement(target, draft, input_ids) -> float:
         a = target(input_ids).logits.argmax(-1)
         b = draft(input_ids).logits[..., : target.config.vocab_size].argmax(-1)
     return float((a == b).float().mean())
+
+
+def layered_family(vocab: int = 8192, hidden: int = 512, layers: int = 24, cuts=(1, 4), scales=(1.0, 0.05),
+                   seed: int = 0, tie: bool = False):
+    """A random Llama target and drafts that are its first `cuts` layers, so their costs follow their depth.
+
+    Agreement is set by how much the dropped layers change the residual stream: the output projections of
+    layers [cuts[i], cuts[i+1]) are multiplied by scales[i] (layers from cuts[-1] on by scales[-1]). Small scales
+    after the last cut make the deepest draft agree with the target; scale 1 leaves a random model's own layers.
+    The head is not tied to the embeddings by default: a tied random model mostly repeats its input, and greedy
+    outputs collapse into short loops that any draft predicts. Returns (target, [draft_1, ..., draft_k]),
+    cheapest first.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if len(scales) != len(cuts):
+        raise ValueError(f"layered_family needs one scale per cut, got cuts={cuts!r} and scales={scales!r}.")
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    target = LlamaForCausalLM(config).eval()
+    bounds = list(cuts) + [layers]
+    with torch.no_grad():
+        for (start, stop), scale in zip(zip(bounds, bounds[1:]), scales):
+            for layer in target.model.layers[start:stop]:
+                layer.self_attn.o_proj.weight.mul_(scale)
+                layer.mlp.down_proj.weight.mul_(scale)
+    return target, [truncated_copy(target, cut) for cut in cuts]

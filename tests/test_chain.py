@@ -87,13 +87,18 @@ class Breaks(torch.nn.Module):
         return self.inner(**kwargs)
 
 
+@pytest.mark.parametrize("drafting", [False, True])
 @pytest.mark.parametrize("after", [0, 3])
-def test_failing_level_is_dropped_without_losing_tokens(after):
+def test_failing_level_is_dropped_without_losing_tokens(after, drafting):
+    """The intermediate level fails at prefill (after=0) or mid-call, while verifying or while drafting alone
+    (chain [1]): it is dropped, level 0 drafts instead, every committed token stays."""
     model = cached_model("llama")
     ids, mask = ragged_batch(4, seed=82)
     reference = stock_greedy(model, ids, mask, eos_token_id=None)
     oracle = Oracle(reference, mask, ["right", 1])
     chain = ChainDrafter([oracle.drafter(), Breaks(perturbed_copy(model, 0.2), after)])
+    if drafting:
+        chain.use([1])
     out, stats = run(model, ids, mask, chain, FixedLength(3), max_new_tokens=24)
     assert torch.equal(out, reference)
     assert any("OutOfMemoryError" in e for e in stats.drafter_events)
@@ -113,22 +118,46 @@ def test_scheduler_composes_and_stays_lossless():
 
 
 def test_scheduler_prediction_picks_three_levels_where_theory_says():
-    """Cheap bad level 0, mid-cost good intermediate, expensive target: the 3-level chain has the lowest T_eff;
-    make the intermediate level useless and the 2-level pair wins."""
+    """Cheap poor level 0, mid-cost good intermediate, expensive target: the 3-level chain [0, 1] has the lowest
+    T_eff, below both pairs ([0] and the intermediate drafting alone, [1]); make the intermediate level useless and
+    the level-0 pair wins."""
     chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: [])] + [cached_model("llama")])
     s = ChainScheduler(chain, widths=(4,), explore=0.0)
-    s.t_level = {0: 0.001, 1: 0.02}
+    s.t_draft, s.t_verify = {0: 0.001, 1: 0.03}, {1: 0.03}
     s.t_target, s.t_plain = 0.1, 0.09
-    s.alpha = {(0, 1): [0.5, 1.0], (1, "T"): [0.95, 1.0], (0, "T"): [0.45, 1.0]}
-    three, two = s.predict((0,), 4), s.predict((), 4)
-    assert three < two
+    s.alpha = {(0, 1): [0.8, 1.0], (1, "T"): [0.9, 1.0], (0, "T"): [0.5, 1.0]}
+    three, pair0, pair1 = s.predict((0, 1), 4), s.predict((0,), 4), s.predict((1,), 4)
+    assert three < min(pair0, pair1)
+    assert s.candidates == [(0,), (1,), (0, 1)]
     info = spec_adapt.StepInfo(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([50]), 0)
-    assert s.choose(info) == 4 and s.current[0] == (0,)
+    assert s.choose(info) == 4 and s.current[0] == (0, 1) and chain.members == [0, 1]
     s.alpha[(1, "T")] = [0.3, 1.0]
     s.alpha[(0, 1)] = [0.3, 1.0]
-    assert s.predict((0,), 4) > s.predict((), 4)
+    assert s.predict((0, 1), 4) > s.predict((0,), 4)
     s.choose(info)
-    assert s.current[0] == ()
+    assert s.current[0] == (0,) and chain.members == [0]
+
+
+def test_intermediate_level_drafting_alone_is_lossless():
+    """The chain [level 1 -> target]: the intermediate model drafts by itself; level 0 idles and catches up."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(4, seed=86)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=28)
+    chain = ChainDrafter([Oracle(reference, mask, ["right", "wrong", 2, 4]).drafter(), perturbed_copy(model, 0.1)])
+
+    class Alternate(FixedLength):           # [1], [0, 1], [0] in turn: every level joins and leaves mid-call
+        def choose(self, info):
+            chain.use([[1], [0, 1], [0]][self.calls % 3])
+            self.calls += 1
+            return super().choose(info)
+
+    policy = Alternate(4)
+    policy.calls = 0
+    out, stats = run(model, ids, mask, chain, policy)
+    assert torch.equal(out, reference)
+    assert stats.accepted > 0 and chain.level_stats is not None
+    with pytest.raises(ValueError, match="ascending"):
+        chain.use([1, 0])
 
 
 def test_synthetic_family_controls_agreement():
@@ -164,65 +193,91 @@ def test_model_pool_loads_lazily_and_builds_chains():
 
 
 def _simulated_chain_run(alpha, times, steps=600, seed=0):
-    """Drive a ChainScheduler with a simulated chain: level costs `times` (0: per drafted token, 1: per call,
-    "T": per verification) and true acceptance `alpha` between members. Returns the scheduler and the true mean
-    seconds per target token of every (levels, W) it could pick, measured by Monte Carlo."""
+    """Drive a ChainScheduler with a simulated chain: level costs `times` ("draft": per drafted token, "verify":
+    per call, "T": per verification) and true acceptance `alpha` between members. Returns the scheduler and the
+    true mean seconds per target token of every (chain, W) it could pick, measured by Monte Carlo."""
     import random
 
     rng = random.Random(seed)
     chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: [])] + [cached_model("llama")])
     sched = ChainScheduler(chain, widths=(2, 4, 8), explore=0.05, seed=seed)
 
-    def one_step(levels, width):
+    def one_step(members, width, record=False):
         if width == 0:
             return times["plain"], 1, 0, 0
-        members = [0] + [k + 1 for k in levels] + ["T"]
-        seconds, reach = width * times[0], width
-        for a, b in zip(members, members[1:]):
+        if record:
+            chain.level_stats[members[0]].update(draft_seconds=width * times["draft"][members[0]],
+                                                 draft_tokens=width, draft_calls=1)
+        seconds, reach = width * times["draft"][members[0]], width
+        for a, b in zip(members, list(members[1:]) + ["T"]):
             run = 0
             while run < reach and rng.random() < alpha[(a, b)]:
                 run += 1
             if b == "T":
                 return seconds + times["T"], run + 1, reach, run
-            seconds += times[b]
-            chain.level_stats[b].update(drafted=reach, accepted=run, tried=run + (run < reach), calls=1,
-                                        seconds=times[b])
+            seconds += times["verify"][b]
+            if record:
+                chain.level_stats[b].update(drafted=reach, accepted=run, tried=run + (run < reach), calls=1,
+                                            seconds=times["verify"][b])
             reach = min(width, run + 1)
 
     truth = {}
-    for levels in sched.candidates:
+    for members in sched.candidates:
         for width in sched.widths:
             total_s = total_t = 0.0
             for _ in range(3000):
-                s, t, _, _ = one_step(levels, width)
+                s, t, _, _ = one_step(members, width)
                 total_s, total_t = total_s + s, total_t + t
-            truth[(levels, width)] = total_s / total_t
+            truth[(members, width)] = total_s / total_t
     truth[((), 0)] = times["plain"]
     chain.reset_stats()
     info = spec_adapt.StepInfo(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([10**6]), 0)
     for _ in range(steps):
         width = sched.choose(info)
-        levels = sched.current[0]
-        chain.level_stats[0].update(seconds=width * times[0], tokens=width, calls=1)
-        seconds, committed, drafted, accepted = one_step(levels, width)
-        sched.observe(spec_adapt.StepRecord(1, [0], [width], [drafted], [accepted], [committed], seconds, 0.0,
-                                            times["T"] if width else seconds))
+        seconds, committed, drafted, accepted = one_step(sched.current[0], width, record=True)
+        verify = times["T"] if width else seconds
+        sched.observe(spec_adapt.StepRecord(1, [0], [width], [drafted], [accepted], [committed], seconds,
+                                            seconds - verify, verify))
     return sched, truth
 
 
 @pytest.mark.parametrize("middle_good", [True, False])
 def test_scheduler_converges_to_the_measured_best_chain(middle_good):
-    """Synthetic family: a cheap, poor level 0, a mid-cost intermediate model, an expensive target. When the
-    intermediate model agrees well with both, the 3-level chain is best (theory and measurement); when it does
-    not, the 2-level pair is. Over its last 200 of 600 steps the scheduler runs the measured-best chain most of the
-    time; its width W is noisier (estimates from short drafts), so the time per token of what it runs is held to
-    within 20% of the best (chain, W)."""
-    alpha = {(0, 1): 0.55, (1, "T"): 0.95 if middle_good else 0.2, (0, "T"): 0.5}
-    times = {0: 0.001, 1: 0.015, "T": 0.1, "plain": 0.09}
+    """Synthetic family: a cheap level 0, a mid-cost intermediate model, an expensive target. When the
+    intermediate model agrees well with both, the 3-level chain [0, 1] is best (theory and measurement), ahead of
+    both 2-level pairs; when it does not, the level-0 pair is. Over its last 200 of 600 steps the scheduler runs
+    the measured-best chain most of the time; its width W is noisier (estimates from short drafts), so the time per
+    token of what it runs is held to within 20% of the best (chain, W)."""
+    alpha = {(0, 1): 0.8, (1, "T"): 0.9 if middle_good else 0.2, (0, "T"): 0.5}
+    times = {"draft": {0: 0.001, 1: 0.03}, "verify": {1: 0.03}, "T": 0.1, "plain": 0.09}
     sched, truth = _simulated_chain_run(alpha, times)
     best = min(truth, key=truth.get)
     late = sched.history[-200:]
     chains = [levels for _, levels, w in late if w > 0]
     assert max(set(chains), key=chains.count) == best[0]
     assert sum(truth[(levels, w)] for _, levels, w in late) / len(late) <= 1.2 * truth[best]
-    assert (len(best[0]) == 1) == middle_good            # measured: 3-level is best exactly when the middle helps
+    assert best[0] == ((0, 1) if middle_good else (0,))   # measured: 3-level is best exactly when the middle helps
+
+
+def test_layered_family_costs_follow_depth_and_scales_set_agreement():
+    from spec_adapt.synthetic import layer_subset_copy, layered_family
+
+    target, (small, middle) = layered_family(vocab=256, hidden=64, layers=6, cuts=(1, 3), scales=(1.0, 0.0))
+    assert [len(m.model.layers) for m in (small, middle, target)] == [1, 3, 6]
+    ids = torch.randint(3, 256, (2, 12))
+    with torch.no_grad():          # layers after the last cut add exactly zero: the deepest draft is the target
+        assert torch.equal(middle(ids).logits, target(ids).logits)
+        assert not torch.equal(small(ids).logits, target(ids).logits)
+    picked = layer_subset_copy(target, [0, 5])
+    assert torch.equal(picked.model.layers[1].mlp.up_proj.weight, target.model.layers[5].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="one scale per cut"):
+        layered_family(cuts=(1, 3), scales=(1.0,))
+
+
+def test_bench_names_the_chains_a_scheduler_chose():
+    from spec_adapt.bench import chain_windows
+
+    choices = [(1, (0,), 4)] * 3 + [(1, (), 0)] + [(1, (0, 1), 2)] * 4
+    assert chain_windows(choices, parts=2) == [
+        {"steps": "0-3", "chain": "lookup", "W": 4, "share": 0.75},
+        {"steps": "4-7", "chain": "lookup>draft", "W": 2, "share": 1.0}]

@@ -12,7 +12,9 @@ A `ChainDrafter` is itself a Drafter, so the loop does not change. For levels [D
 Every model keeps its own KV ledger and rolls back to the committed prefix with everyone else (per row, holes, no
 data movement). An intermediate level that fails (out of memory included) is dropped for the rest of the call,
 the proposal of the level below is used instead, and `events` says what happened; nothing committed is lost.
-`use(levels)` selects which levels run (a ChainScheduler calls it): level 0 always drafts.
+`use(members)` selects the chain for the next step (a ChainScheduler calls it): indices into `levels`, ascending;
+the first member drafts (level 0, or an intermediate model drafting on its own, as in a plain [M_j -> target] pair)
+and the rest verify in order. Every chain ending in the target is thus available.
 """
 
 from __future__ import annotations
@@ -29,16 +31,33 @@ from .model import ModelDrafter, _vocab_size
 
 
 class VerifierLevel:
-    """One intermediate model: scores a proposal in one pass and keeps what its acceptance rule keeps."""
+    """One intermediate model: scores a proposal in one pass and keeps what its acceptance rule keeps. It can also
+    draft on its own (through a ModelDrafter over the same KV ledger) when the chain starts at it."""
 
     def __init__(self, model):
         self.model = model
-        self.ledger: KVLedger | None = None
-        self.vocab = None
+        self.drafter = ModelDrafter(model)
+
+    @property
+    def ledger(self) -> KVLedger | None:
+        return self.drafter.ledger
+
+    @ledger.setter
+    def ledger(self, value) -> None:
+        self.drafter.ledger = value
+
+    @property
+    def vocab(self):
+        return self.drafter.vocab
+
+    def validate(self, target):
+        self.drafter.validate(target)
 
     def begin(self, input_ids, attention_mask):
-        self.ledger = KVLedger(self.model)
-        self.ledger.prefill(input_ids, attention_mask)
+        self.drafter.begin(input_ids, attention_mask)
+
+    def draft(self, request: DraftRequest) -> Proposal:
+        return self.drafter.propose(request)
 
     def verify(self, request: DraftRequest, proposal: Proposal, gammas: torch.Tensor, stats: dict) -> Proposal:
         device, back = self.ledger.device, request.tokens.device
@@ -102,66 +121,90 @@ class ChainDrafter(Drafter):
         first = levels[0]
         self.first = first if isinstance(first, Drafter) else ModelDrafter(first)
         self.verifiers = [VerifierLevel(m) for m in levels[1:]]
-        self.active = list(range(len(self.verifiers)))      # intermediate levels in use (indices into verifiers)
-        self.failed: set[int] = set()
+        self.members = list(range(len(levels)))   # the chain in use: indices into levels, the first one drafts
+        self.failed: set[int] = set()               # intermediate levels dropped for this call (indices into levels)
         self.events: list[str] = []
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Per-level counters since the last reset: drafted/accepted at each verifier, seconds spent, D_TV."""
-        self.level_stats = [{"drafted": 0, "accepted": 0, "tried": 0, "seconds": 0.0, "calls": 0, "tokens": 0,
-                             "tv": []}
+        """Per-level counters since the last reset: as a verifier (drafted/accepted/tried, seconds and calls, D_TV)
+        and as the drafter (draft_seconds, draft_tokens, draft_calls)."""
+        self.level_stats = [{"drafted": 0, "accepted": 0, "tried": 0, "seconds": 0.0, "calls": 0, "tv": [],
+                             "draft_seconds": 0.0, "draft_tokens": 0, "draft_calls": 0}
                             for _ in range(len(self.verifiers) + 1)]
 
-    def use(self, levels: list[int]) -> None:
-        """Run only these intermediate levels (indices into levels[1:]); [] = a plain 2-level draft."""
-        self.active = [i for i in levels if i not in self.failed]
+    def use(self, members: list[int]) -> None:
+        """Run this chain from the next step: ascending indices into levels ([0] = a plain 2-level draft with
+        level 0, [0, 2] = level 0 drafts and level 2 verifies, [1] = level 1 drafts alone)."""
+        members = list(members)
+        if not members or members != sorted(set(members)) or not 0 <= members[0] <= members[-1] <= len(self.verifiers):
+            raise ValueError(f"use() takes ascending level indices within 0..{len(self.verifiers)}, got {members!r}.")
+        self.members = members
+
+    def _chain(self) -> list[int]:
+        members = [m for m in self.members if m not in self.failed]
+        return members or [0]
 
     def validate(self, target):
         self.first.validate(target)
         for level in self.verifiers:
-            ModelDrafter(level.model).validate(target)
-            level.vocab = _vocab_size(target)
+            level.validate(target)
 
     def begin(self, input_ids, attention_mask):
         self.failed.clear()
         self.first.begin(input_ids, attention_mask)
         for i, level in enumerate(self.verifiers):
-            self._guarded(i, level.begin, input_ids, attention_mask)
+            self._guarded(i + 1, level.begin, input_ids, attention_mask)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        start = time.perf_counter()
-        proposal = self.first.propose(request)
-        first = self.level_stats[0]
-        first["seconds"] += time.perf_counter() - start
-        first["calls"] += 1
-        first["tokens"] += int(proposal.lengths.sum())
-        for i in self.active:
-            if i in self.failed or not bool((proposal.lengths > 0).any()):
+        members = self._chain()
+        proposal, members = self._draft(request, members)
+        for m in members[1:]:
+            if m in self.failed or not bool((proposal.lengths > 0).any()):
                 continue
             start = time.perf_counter()
-            stats = self.level_stats[i + 1]
-            checked = self._guarded(i, self.verifiers[i].verify, request, proposal, request.gammas, stats)
+            stats = self.level_stats[m]
+            checked = self._guarded(m, self.verifiers[m - 1].verify, request, proposal, request.gammas, stats)
             stats["seconds"] += time.perf_counter() - start
             stats["calls"] += 1
             if checked is not None:
                 proposal = checked
         return proposal
 
+    def _draft(self, request: DraftRequest, members: list[int]) -> tuple[Proposal, list[int]]:
+        """The first member drafts; an intermediate model that fails while drafting is dropped and level 0 drafts
+        instead. Returns the proposal and the members still to verify it (first one included)."""
+        first = members[0]
+        start = time.perf_counter()
+        proposal = None
+        if first > 0:
+            proposal = self._guarded(first, self.verifiers[first - 1].draft, request)
+            if proposal is None:
+                first, members = 0, [0] + [m for m in members if m not in self.failed]
+                start = time.perf_counter()
+        if proposal is None:
+            proposal = self.first.propose(request)
+        stats = self.level_stats[first]
+        stats["draft_seconds"] += time.perf_counter() - start
+        stats["draft_calls"] += 1
+        stats["draft_tokens"] += int(proposal.lengths.sum())
+        return proposal, members
+
     def rollback(self, keep_len):
         self.first.rollback(keep_len)
-        for i, level in enumerate(self.verifiers):
+        for i, level in enumerate(self.verifiers, start=1):
             if i not in self.failed:
                 self._guarded(i, level.rollback, keep_len)
 
     def select_rows(self, index):
         self.first.select_rows(index)
-        for i, level in enumerate(self.verifiers):
+        for i, level in enumerate(self.verifiers, start=1):
             if i not in self.failed:
                 self._guarded(i, level.select_rows, index)
 
     def lag(self, lengths):
-        return self.first.lag(lengths)
+        first = self._chain()[0]
+        return self.first.lag(lengths) if first == 0 else self.verifiers[first - 1].lag(lengths)
 
     def end(self, tokens=None, lengths=None):
         self.first.end(tokens, lengths)
@@ -169,14 +212,14 @@ class ChainDrafter(Drafter):
             level.ledger = None
 
     def _guarded(self, i, fn, *args):
-        """Run a level's method; on failure drop that level for the rest of the call (committed tokens are safe)."""
+        """Run level i's method (i >= 1: an intermediate model); on failure drop that level for the rest of the
+        call (committed tokens are safe)."""
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - a failing level must not end the user's call
             self.failed.add(i)
-            self.active = [j for j in self.active if j != i]
-            self.verifiers[i].ledger = None
-            self.events.append(f"level {i + 1} dropped: {type(exc).__name__}: {exc}")
+            self.verifiers[i - 1].ledger = None
+            self.events.append(f"level {i} dropped: {type(exc).__name__}: {exc}")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return None

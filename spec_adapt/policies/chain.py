@@ -1,12 +1,14 @@
 """ChainScheduler: SpecRouter's online choice of chain and draft width W.
 
-For each candidate chain C (level 0, any subset of the intermediate levels in order, then the target; level 0 and
-the target alone is the plain 2-level pair) and W in `widths`, it predicts the time per committed target token
-    T_eff(C, W) = [W t_0 + sum_j P(reach j) t_j + t_target] / E[tokens the target commits]
+For each candidate chain C (any ascending subset of the chain's levels, then the target: the first member drafts,
+the others verify; [0] alone is the plain 2-level pair, [j] an intermediate model drafting on its own) and W in
+`widths`, it predicts the time per committed target token
+    T_eff(C, W) = [W d_first + sum_j P(reach j) v_j + t_target] / E[tokens the target commits]
 with, between consecutive members i -> j of the chain, E[accepted] = sum_{k=1..w} alpha_ij^k (w = what reaches j)
 and each intermediate level adding one token of its own. Inputs are exponential moving averages updated from what
-the chain and the loop measure: t_0 per drafted token, t_j per call of each verifier, t_target per verification
-step, alpha_ij per pair of adjacent members, and SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to
+the chain and the loop measure: d_i per token drafted by level i, v_j per verification call of level j (a level
+that has never drafted is assumed to draft a token for the price of one verification call), t_target per
+step apart from drafting (verification, acceptance, bookkeeping), alpha_ij per pair of adjacent members, and SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to
 alpha through a ratio calibrated on pairs observed both ways. Pairs never observed start optimistic (0.6), so every
 chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
 always a candidate; since target-only steps observe nothing about the draft, after `probe_every` of them in a row
@@ -29,18 +31,19 @@ class ChainScheduler(Policy):
         self.chain, self.widths, self.length_policy = chain, tuple(widths), length_policy
         self.ema, self.explore, self.prior_alpha, self.seed = ema, explore, prior_alpha, seed
         self.probe_every = probe_every
-        n = len(chain.verifiers)
-        self.candidates = [tuple(c) for r in range(n + 1) for c in itertools.combinations(range(n), r)]
+        levels = range(len(chain.verifiers) + 1)
+        self.candidates = [tuple(c) for r in range(1, len(levels) + 1) for c in itertools.combinations(levels, r)]
         self.reset()
 
     def reset(self):
         self.rng = random.Random(self.seed)
-        self.alpha: dict[tuple, float] = {}        # (i, j) members (0 = level 0, k+1 = verifier k, "T" = target)
+        self.alpha: dict[tuple, float] = {}        # (i, j) chain members (indices into the levels, "T" = target)
         self.sim: dict[tuple, float] = {}
-        self.t_level: dict[int, float] = {}        # seconds: level 0 per drafted token, verifiers per call
+        self.t_draft: dict[int, float] = {}        # seconds per drafted token, per level
+        self.t_verify: dict[int, float] = {}       # seconds per verification call, per intermediate level
         self.t_target: float | None = None
         self.t_plain: float | None = None          # a target step with nothing drafted
-        self.current = (tuple(range(len(self.chain.verifiers))), self.widths[-1])
+        self.current = (tuple(range(len(self.chain.verifiers) + 1)), self.widths[-1])
         self.history: list[tuple] = []
         self.idle = 0                              # target-only steps in a row
 
@@ -56,20 +59,22 @@ class ChainScheduler(Policy):
                 return min(1.0, self.sim[(i, j)] * ratio / count)
         return self.prior_alpha
 
-    def predict(self, levels: tuple, width: int) -> float:
-        """Predicted seconds per committed target token for this chain and width."""
+    def predict(self, members: tuple, width: int) -> float:
+        """Predicted seconds per committed target token for this chain (levels, first one drafting) and width."""
         t_target = self.t_target if self.t_target is not None else 1.0
         if width == 0:
             return (self.t_plain if self.t_plain is not None else t_target)
-        members = [0] + [k + 1 for k in levels] + ["T"]
-        cost = width * self.t_level.get(0, 0.0) + t_target
+        first = members[0]
+        per_token = self.t_draft.get(first, self.t_verify.get(first, 0.0))
+        cost = width * per_token + t_target
         reaching = float(width)
-        for a, b in zip(members, members[1:]):
+        chain = list(members) + ["T"]
+        for a, b in zip(chain, chain[1:]):
             alpha = self._alpha(a, b)
             accepted = sum(alpha ** k for k in range(1, int(round(reaching)) + 1))
             if b == "T":
                 return cost / (accepted + 1.0)
-            cost += self.t_level.get(b, 0.0) * (1.0 if reaching > 0 else 0.0)
+            cost += self.t_verify.get(b, 0.0)
             reaching = min(float(width), accepted + 1.0)
         raise AssertionError("unreachable")
 
@@ -87,23 +92,25 @@ class ChainScheduler(Policy):
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
         self.current = (levels, width)
-        self.chain.use(list(levels))
+        if levels:                                  # target-only steps leave the chain as it is
+            self.chain.use(list(levels))
         self.history.append((info.batch_size, levels, width if isinstance(width, int) else max(width)))
         return width
 
     def observe(self, record: StepRecord):
         if self.length_policy is not None:
             self.length_policy.observe(record)
-        levels, width = self.current
         stats = self.chain.level_stats
-        first = stats[0]
-        if first["tokens"]:
-            self._update(self.t_level, 0, first["seconds"] / first["tokens"])
-        members = [0] + [k + 1 for k in levels if k not in self.chain.failed]
+        for level, s in enumerate(stats):
+            if s["draft_tokens"]:
+                self._update(self.t_draft, level, s["draft_seconds"] / s["draft_tokens"])
+        drafted_by = [level for level, s in enumerate(stats) if s["draft_calls"]]
+        members = drafted_by[:1] + [m for m in self.chain.members if m not in self.chain.failed
+                                    and drafted_by and m > drafted_by[0]]
         for a, b in zip(members, members[1:]):
             s = stats[b]
             if s["calls"]:
-                self._update(self.t_level, b, s["seconds"] / s["calls"])
+                self._update(self.t_verify, b, s["seconds"] / s["calls"])
             if s["tried"]:      # alpha = P(accept | reached): accepted over positions decided, not over drafted
                 self._count(a, b, s["accepted"], s["tried"])
             if s["tv"]:
@@ -113,7 +120,8 @@ class ChainScheduler(Policy):
         if drafted:
             if tried:
                 self._count(members[-1], "T", sum(record.accepted), tried)
-            self.t_target = self._ema(self.t_target, record.verify_time)
+            # Everything in a step but drafting: verification, acceptance and bookkeeping all grow with steps.
+            self.t_target = self._ema(self.t_target, record.step_time - record.draft_time)
         else:
             self.t_plain = self._ema(self.t_plain, record.step_time)
         self.chain.reset_stats()
@@ -133,4 +141,5 @@ class ChainScheduler(Policy):
 
     def state_dict(self):
         return {"alpha": [[list(map(str, k)), list(v)] for k, v in self.alpha.items()],
-                "t_level": self.t_level, "t_target": self.t_target, "t_plain": self.t_plain}
+                "t_draft": self.t_draft, "t_verify": self.t_verify, "t_target": self.t_target,
+                "t_plain": self.t_plain}
