@@ -53,13 +53,18 @@ def is_distilled(path) -> bool:
     return (Path(path) / "draft.json").exists() and (Path(path) / "draft.safetensors").exists()
 
 
-def make_data(target, tok, n: int, new_tokens: int, batch: int, cache: Path) -> list[torch.Tensor]:
-    """Token sequences (prompt + the target's greedy output), with the index where the output starts."""
+def make_data(target, tok, n: int, new_tokens: int, batch: int, cache: Path, exclude_first: int = 0) -> list:
+    """Token sequences (prompt + the target's greedy output), with the index where the output starts. The first
+    `exclude_first` prompts of the bench's ShareGPT workload are never used, so benchmarks measure unseen text."""
     if cache.exists():
         return torch.load(cache)
     from spec_adapt.recipes import workloads
 
-    prompts = list(workloads.with_inputs(workloads.sharegpt(limit=n, max_chars=1000), tok)["input_text"])
+    excluded = set(workloads.sharegpt(limit=exclude_first)["id"]) if exclude_first else set()
+    pool = workloads.sharegpt(limit=n + exclude_first, max_chars=1000)
+    pool = pool.filter(lambda row: row["id"] not in excluded)
+    pool = pool.select(range(min(n, len(pool))))
+    prompts = list(workloads.with_inputs(pool, tok)["input_text"])
     data = []
     for i in tqdm(range(0, len(prompts), batch), desc="target outputs"):
         enc = tok(prompts[i : i + batch], return_tensors="pt", padding=True)
@@ -127,6 +132,9 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--out", default="results/draft")
     parser.add_argument("--resume", help="an output folder to continue from")
+    parser.add_argument("--init", help="start from the layers saved in this output folder (same --keep/--layers)")
+    parser.add_argument("--exclude-first", type=int, default=64,
+                        help="never train on the first N prompts of the bench's ShareGPT workload")
     parser.add_argument("--report-spec", action="store_true", help="also measure acceptance through spec_adapt")
     args = parser.parse_args()
 
@@ -141,7 +149,7 @@ def main():
     meta = json.loads((out / "draft.json").read_text()) if args.resume else {
         "layers": args.layers, "keep": [int(i) for i in args.keep.split(",")] if args.keep else None,
         "step": 0, "optimizer_steps": 0, "batch": args.batch, "history": [], "prompts": args.prompts,
-        "heldout": args.heldout,
+        "heldout": args.heldout, "exclude_first": args.exclude_first, "init": args.init,
         "new_tokens": args.new_tokens}
     if meta.get("keep"):
         meta["layers"] = len(meta["keep"])
@@ -149,10 +157,13 @@ def main():
         args.prompts, args.heldout, args.new_tokens = meta["prompts"], meta["heldout"], meta["new_tokens"]
     draft = build_draft(target, meta["layers"], meta.get("keep"))
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr)
+    if args.init and not args.resume:
+        draft.load_state_dict(load_file(Path(args.init) / "draft.safetensors"), strict=False)
     if args.resume:
         draft.load_state_dict(load_file(out / "draft.safetensors"), strict=False)
         opt.load_state_dict(torch.load(out / "optimizer.pt"))
-    data = make_data(target, tok, args.prompts + args.heldout, args.new_tokens, 16, out / "data.pt")
+    data = make_data(target, tok, args.prompts + args.heldout, args.new_tokens, 16, out / "data.pt",
+                     meta.get("exclude_first", 0))
     train, heldout = data[args.heldout :], data[: args.heldout]
     if not meta["history"]:
         meta["history"].append({"step": 0, "heldout_agreement": agreement(target, draft.eval(), heldout)})

@@ -281,3 +281,15 @@ def test_bench_names_the_chains_a_scheduler_chose():
     assert chain_windows(choices, parts=2) == [
         {"steps": "0-3", "chain": "lookup", "W": 4, "share": 0.75},
         {"steps": "4-7", "chain": "lookup>draft", "W": 2, "share": 1.0}]
+
+
+def test_intermediate_level_adds_its_token_when_level_zero_has_nothing():
+    """Level 0 never proposes (a prompt lookup without matches); an intermediate copy of the target still adds
+    its own next token every step, which the target accepts."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=87)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=20)
+    chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: []), perturbed_copy(model, 0.0)])
+    out, stats = run(model, ids, mask, chain, FixedLength(3), max_new_tokens=20)
+    assert torch.equal(out, reference)
+    assert stats.drafted > 0 and stats.accepted == stats.drafted

@@ -160,7 +160,9 @@ class ChainDrafter(Drafter):
         members = self._chain()
         proposal, members = self._draft(request, members)
         for m in members[1:]:
-            if m in self.failed or not bool((proposal.lengths > 0).any()):
+            # A level runs even where the level below proposed nothing (prompt lookup often has no match): it
+            # still adds its own next token, which is what a level costs and gives in the scheduler's model.
+            if m in self.failed or not bool((request.gammas > 0).any()):
                 continue
             start = time.perf_counter()
             stats = self.level_stats[m]

@@ -7,9 +7,10 @@ the others verify; [0] alone is the plain 2-level pair, [j] an intermediate mode
 with, between consecutive members i -> j of the chain, E[accepted] = sum_{k=1..w} alpha_ij^k (w = what reaches j)
 and each intermediate level adding one token of its own. Inputs are exponential moving averages updated from what
 the chain and the loop measure: d_i per token drafted by level i, v_j per verification call of level j (a level
-that has never drafted is assumed to draft a token for the price of one verification call), t_target per
-step apart from drafting (verification, acceptance, bookkeeping), alpha_ij per pair of adjacent members, and SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to
-alpha through a ratio calibrated on pairs observed both ways. Pairs never observed start optimistic (0.6), so every
+that has never drafted is assumed to draft a token for the price of one verification call), the fill of the
+drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), t_target per
+step apart from drafting (verification, acceptance, bookkeeping), alpha_ij per pair of adjacent members, and
+SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to alpha through a ratio calibrated on pairs observed both ways. Pairs never observed start optimistic (0.6), so every
 chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
 always a candidate; since target-only steps observe nothing about the draft, after `probe_every` of them in a row
 the best speculative option runs once (without it a noisy low estimate would switch speculation off for good).
@@ -41,6 +42,7 @@ class ChainScheduler(Policy):
         self.sim: dict[tuple, float] = {}
         self.t_draft: dict[int, float] = {}        # seconds per drafted token, per level
         self.t_verify: dict[int, float] = {}       # seconds per verification call, per intermediate level
+        self.fill: dict[int, float] = {}           # tokens a level drafts per token asked (prompt lookup: < 1)
         self.t_target: float | None = None
         self.t_plain: float | None = None          # a target step with nothing drafted
         self.current = (tuple(range(len(self.chain.verifiers) + 1)), self.widths[-1])
@@ -66,8 +68,8 @@ class ChainScheduler(Policy):
             return (self.t_plain if self.t_plain is not None else t_target)
         first = members[0]
         per_token = self.t_draft.get(first, self.t_verify.get(first, 0.0))
-        cost = width * per_token + t_target
-        reaching = float(width)
+        reaching = width * self.fill.get(first, 1.0)
+        cost = reaching * per_token + t_target
         chain = list(members) + ["T"]
         for a, b in zip(chain, chain[1:]):
             alpha = self._alpha(a, b)
@@ -105,6 +107,9 @@ class ChainScheduler(Policy):
             if s["draft_tokens"]:
                 self._update(self.t_draft, level, s["draft_seconds"] / s["draft_tokens"])
         drafted_by = [level for level, s in enumerate(stats) if s["draft_calls"]]
+        asked = sum(record.gammas)
+        if drafted_by and asked:
+            self._update(self.fill, drafted_by[0], stats[drafted_by[0]]["draft_tokens"] / asked)
         members = drafted_by[:1] + [m for m in self.chain.members if m not in self.chain.failed
                                     and drafted_by and m > drafted_by[0]]
         for a, b in zip(members, members[1:]):
@@ -141,5 +146,5 @@ class ChainScheduler(Policy):
 
     def state_dict(self):
         return {"alpha": [[list(map(str, k)), list(v)] for k, v in self.alpha.items()],
-                "t_draft": self.t_draft, "t_verify": self.t_verify, "t_target": self.t_target,
+                "t_draft": self.t_draft, "t_verify": self.t_verify, "fill": self.fill, "t_target": self.t_target,
                 "t_plain": self.t_plain}
