@@ -10,8 +10,8 @@ the chain and the loop measure: d_i per token drafted by level i, v_j per verifi
 that has never drafted is assumed to draft a token for the price of one verification call), the fill of the
 drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), t_target per
 step apart from drafting (verification, acceptance, bookkeeping), alpha_ij per pair of adjacent members, and
-SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to alpha through a ratio calibrated on pairs observed both ways. Pairs never observed start optimistic (0.6), so every
-chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
+SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to alpha through a ratio calibrated on pairs observed
+both ways. Pairs never observed start optimistic (0.6), so every chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
 always a candidate; since target-only steps observe nothing about the draft, after `probe_every` of them in a row
 the best speculative option runs once (without it a noisy low estimate would switch speculation off for good).
 `length_policy`, if given, chooses W instead (the two compose: the scheduler then only picks the levels).
