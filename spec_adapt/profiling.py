@@ -128,6 +128,10 @@ class OnlineLatency:
         self._fitted = True
         return True
 
+    def ready(self) -> bool:
+        """True once enough samples at two or more draft lengths are in for a fit."""
+        return self._fit()
+
     def step_time(self, batch: int, s: int) -> float:
         if self._fit():
             value = sum(c * f for c, f in zip(self.coef, self._features(batch, s)))

@@ -3,13 +3,14 @@
 For each candidate chain C (any ascending subset of the chain's levels, then the target: the first member drafts,
 the others verify; [0] alone is the plain 2-level pair, [j] an intermediate model drafting on its own) and W in
 `widths`, it predicts the time per committed target token
-    T_eff(C, W) = [W d_first + sum_j P(reach j) v_j + t_target] / E[tokens the target commits]
+    T_eff(C, W) = [W d_first + sum_j P(reach j) v_j + T_target(B, s)] / E[tokens the target commits]
 with, between consecutive members i -> j of the chain, E[accepted] = sum_{k=1..w} alpha_ij^k (w = what reaches j)
 and each intermediate level adding one token of its own. Inputs are exponential moving averages updated from what
 the chain and the loop measure: d_i per token drafted by level i, v_j per verification call of level j (a level
 that has never drafted is assumed to draft a token for the price of one verification call), the fill of the
-drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), t_target per
-step apart from drafting (verification, acceptance, bookkeeping), alpha_ij per pair of adjacent members, and
+drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), T_target(B, s)
+for a step apart from drafting (verification, acceptance, bookkeeping) with s tokens reaching the target (an
+online least-squares fit, as Nightjar's, once two widths have been seen; plain averages before), alpha_ij per pair of adjacent members, and
 SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to alpha through a ratio calibrated on pairs observed
 both ways. Pairs never observed start optimistic (0.6), so every chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
 always a candidate; since target-only steps observe nothing about the draft, after `probe_every` of them in a row
@@ -23,6 +24,7 @@ import itertools
 import random
 
 from ..metrics import StepRecord
+from ..profiling import OnlineLatency
 from .base import Policy, StepInfo
 
 
@@ -45,6 +47,9 @@ class ChainScheduler(Policy):
         self.fill: dict[int, float] = {}           # tokens a level drafts per token asked (prompt lookup: < 1)
         self.t_target: float | None = None
         self.t_plain: float | None = None          # a target step with nothing drafted
+        # The target's step grows with the tokens it verifies (on a CPU, 9 tokens cost ~1.7x one): once samples
+        # at two widths are in, T(B, s) comes from an online fit instead of the two averages above.
+        self.latency = OnlineLatency(window=256, min_samples=8, refit_every=8)
         self.current = (tuple(range(len(self.chain.verifiers) + 1)), self.widths[-1])
         self.history: list[tuple] = []
         self.idle = 0                              # target-only steps in a row
@@ -61,21 +66,27 @@ class ChainScheduler(Policy):
                 return min(1.0, self.sim[(i, j)] * ratio / count)
         return self.prior_alpha
 
-    def predict(self, members: tuple, width: int) -> float:
+    def _target_time(self, batch: int, verified: float) -> float:
+        if self.latency.ready():
+            return self.latency.step_time(batch, int(round(verified)))
+        if verified == 0 and self.t_plain is not None:
+            return self.t_plain
+        return self.t_target if self.t_target is not None else (self.t_plain or 1.0)
+
+    def predict(self, members: tuple, width: int, batch: int = 1) -> float:
         """Predicted seconds per committed target token for this chain (levels, first one drafting) and width."""
-        t_target = self.t_target if self.t_target is not None else 1.0
         if width == 0:
-            return (self.t_plain if self.t_plain is not None else t_target)
+            return self._target_time(batch, 0)
         first = members[0]
         per_token = self.t_draft.get(first, self.t_verify.get(first, 0.0))
         reaching = width * self.fill.get(first, 1.0)
-        cost = reaching * per_token + t_target
+        cost = reaching * per_token
         chain = list(members) + ["T"]
         for a, b in zip(chain, chain[1:]):
             alpha = self._alpha(a, b)
             accepted = sum(alpha ** k for k in range(1, int(round(reaching)) + 1))
             if b == "T":
-                return cost / (accepted + 1.0)
+                return (cost + self._target_time(batch, reaching)) / (accepted + 1.0)
             cost += self.t_verify.get(b, 0.0)
             reaching = min(float(width), accepted + 1.0)
         raise AssertionError("unreachable")
@@ -86,10 +97,10 @@ class ChainScheduler(Policy):
         if self.rng.random() < self.explore:
             levels, width = self.rng.choice(options)
         else:
-            levels, width = min(options, key=lambda o: self.predict(*o))
+            levels, width = min(options, key=lambda o: self.predict(*o, batch=info.batch_size))
         self.idle = self.idle + 1 if width == 0 else 0
         if width == 0 and self.idle >= self.probe_every:
-            levels, width = min(options[:-1], key=lambda o: self.predict(*o))
+            levels, width = min(options[:-1], key=lambda o: self.predict(*o, batch=info.batch_size))
             self.idle = 0
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
@@ -122,6 +133,7 @@ class ChainScheduler(Policy):
                 self._update(self.sim, (a, b), 1.0 - sum(s["tv"]) / len(s["tv"]))
         drafted = sum(record.drafted)
         tried = sum(a + (a < d) for a, d in zip(record.accepted, record.drafted))
+        self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time - record.draft_time)
         if drafted:
             if tried:
                 self._count(members[-1], "T", sum(record.accepted), tried)
