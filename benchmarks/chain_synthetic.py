@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -26,7 +25,8 @@ from tqdm import tqdm
 
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, FixedLength
-from spec_adapt.synthetic import layered_family
+from spec_adapt.bench import chain_windows
+from spec_adapt.synthetic import agreement, layered_family
 
 SCENARIOS = {"middle-good": (0.1, 0.01), "middle-poor": (0.05, 0.1)}
 CHAINS = [(0,), (1,), (0, 1)]
@@ -42,8 +42,8 @@ def run_scenario(name, scales, args):
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(3, 8192, (args.batch_size, 24), generator=gen) for _ in range(args.prompts)]
     references = [generate(target, ids, args.new_tokens) for ids in batches]
-    agree = {"0-1": _agreement(middle, small, references), "1-T": _agreement(target, middle, references),
-             "0-T": _agreement(target, small, references)}
+    agree = {name: sum(agreement(a, b, seq, start=24) for seq in references) / len(references)
+             for name, a, b in [("0-1", middle, small), ("1-T", target, middle), ("0-T", target, small)]}
 
     scheduler = ChainScheduler(ChainDrafter([small, middle]), widths=tuple(args.widths))
     options = {"target": None, "scheduler": None}
@@ -76,27 +76,8 @@ def run_scenario(name, scales, args):
     predicted["target"] = scheduler.predict((), 0)
     return {"scales": scales, "agreement": agree, "measured_s_per_token": measured, "spread": seconds,
             "predicted_s_per_token": predicted, "identical": identical,
-            "choices": _windows(scheduler.history, 50), "scheduler_state": scheduler.state_dict()}
-
-
-def _agreement(a, b, sequences, start=24):
-    """Top-1 agreement of a and b on the generated positions of the target's own outputs, in context."""
-    hits = total = 0
-    for seq in sequences:
-        x, y = a(seq).logits[:, start - 1 : -1].argmax(-1), b(seq).logits[:, start - 1 : -1].argmax(-1)
-        hits, total = hits + int((x == y).sum()), total + x.numel()
-    return hits / total
-
-
-def _windows(history, size):
-    """Most chosen (chain, W) and its share, per window of `size` steps."""
-    out = []
-    for start in range(0, len(history), size):
-        window = [(str(list(levels)) if levels else "target", w) for _, levels, w in history[start : start + size]]
-        (choice, count), = Counter(window).most_common(1)
-        out.append({"steps": f"{start}-{start + len(window) - 1}", "chain": choice[0], "W": choice[1],
-                    "share": count / len(window)})
-    return out
+            "choices": chain_windows(scheduler.history, parts=8, names=[0, 1]),
+            "scheduler_state": scheduler.state_dict()}
 
 
 def report(results, args, command) -> str:
@@ -115,7 +96,7 @@ def report(results, args, command) -> str:
                          f"{'yes' if r['identical'][o] else 'NO'} |")
         predicted_best = min(r["predicted_s_per_token"], key=r["predicted_s_per_token"].get)
         lines += ["", f"Measured best: {best}; best 2-level pair: {best_pair}; scheduler's predicted best: "
-                  f"{predicted_best}.", "", "Scheduler's choices per 50 steps: " +
+                  f"{predicted_best}.", "", "Scheduler's choices per eighth of its steps: " +
                   "; ".join(f"{w['steps']}: {w['chain']} W={w['W']} ({w['share']:.0%})" for w in r["choices"]), ""]
     return "\n".join(lines)
 

@@ -108,13 +108,16 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
 CHAIN_LEVELS = ["lookup", "draft"]      # the levels of the bench's chain, for naming what a scheduler chose
 
 
-def chain_windows(choices: list[tuple], parts: int = 4) -> list[dict]:
-    """The most chosen chain and W in each of `parts` consecutive stretches of steps, with its share."""
+def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> list[dict]:
+    """The most chosen chain and W in each of `parts` consecutive stretches of a ChainScheduler's history, with its
+    share; a chain is named by its levels' `names` joined with '>'."""
+    from collections import Counter
+
     out, size = [], max(1, -(-len(choices) // parts))
     for start in range(0, len(choices), size):
-        window = [(">".join(CHAIN_LEVELS[m] for m in levels) or "target", w)
+        window = [(">".join(str(names[m]) for m in levels) or "target", w)
                   for _, levels, w in choices[start : start + size]]
-        (chain, width), count = max(((k, window.count(k)) for k in set(window)), key=lambda kc: kc[1])
+        ((chain, width), count), = Counter(window).most_common(1)
         out.append({"steps": f"{start}-{start + len(window) - 1}", "chain": chain, "W": width,
                     "share": round(count / len(window), 2)})
     return out

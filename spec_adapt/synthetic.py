@@ -46,11 +46,14 @@ def layer_subset_copy(target, keep: list[int]):
     return model
 
 
-def agreement(target, draft, input_ids) -> float:
-    """Top-1 agreement of two models' next-token predictions over every position of input_ids [B, L]."""
+def agreement(target, draft, input_ids, start: int = 0) -> float:
+    """Top-1 agreement of two models' next-token predictions over input_ids [B, L], in context; with `start`, only
+    the predictions of tokens start.. (e.g. the generated part of prompt + output)."""
     with torch.no_grad():
-        a = target(input_ids).logits.argmax(-1)
-        b = draft(input_ids).logits[..., : target.config.vocab_size].argmax(-1)
+        a = target(input_ids).logits[:, max(start - 1, 0) :].argmax(-1)
+        b = draft(input_ids).logits[:, max(start - 1, 0) :, : target.config.vocab_size].argmax(-1)
+    if start:
+        a, b = a[:, :-1], b[:, :-1]         # the last position predicts a token that is not there
     return float((a == b).float().mean())
 
 

@@ -25,39 +25,13 @@ import torch
 
 from .. import fast
 from ..accept import committed_tokens, sample_randoms
-from ..ledger import KVLedger
 from .base import Drafter, DraftRequest, Proposal, with_drafts
-from .model import ModelDrafter, _vocab_size
+from .model import ModelDrafter
 
 
-class VerifierLevel:
-    """One intermediate model: scores a proposal in one pass and keeps what its acceptance rule keeps. It can also
-    draft on its own (through a ModelDrafter over the same KV ledger) when the chain starts at it."""
-
-    def __init__(self, model):
-        self.model = model
-        self.drafter = ModelDrafter(model)
-
-    @property
-    def ledger(self) -> KVLedger | None:
-        return self.drafter.ledger
-
-    @ledger.setter
-    def ledger(self, value) -> None:
-        self.drafter.ledger = value
-
-    @property
-    def vocab(self):
-        return self.drafter.vocab
-
-    def validate(self, target):
-        self.drafter.validate(target)
-
-    def begin(self, input_ids, attention_mask):
-        self.drafter.begin(input_ids, attention_mask)
-
-    def draft(self, request: DraftRequest) -> Proposal:
-        return self.drafter.propose(request)
+class VerifierLevel(ModelDrafter):
+    """One intermediate model: scores a proposal in one pass and keeps what its acceptance rule keeps. As a
+    ModelDrafter it can also draft on its own (`propose`), over the same KV ledger, when the chain starts at it."""
 
     def verify(self, request: DraftRequest, proposal: Proposal, gammas: torch.Tensor, stats: dict) -> Proposal:
         device, back = self.ledger.device, request.tokens.device
@@ -93,15 +67,6 @@ class VerifierLevel:
         out_tokens = committed_tokens(drafts, accepted, nxt, fill=0)[:, : max(int(out_len.max()), 0)]
         out_probs = probs[:, : out_tokens.shape[1]] if probs is not None else None
         return Proposal(out_tokens.to(back), out_len.to(back), out_probs.to(back) if out_probs is not None else None)
-
-    def rollback(self, keep_len):
-        self.ledger.rollback(keep_len)
-
-    def select_rows(self, index):
-        self.ledger.select_rows(index)
-
-    def lag(self, lengths):
-        return lengths.to(self.ledger.device) - self.ledger.n_cached
 
 
 def _total_variation(p, q, n):
@@ -180,7 +145,7 @@ class ChainDrafter(Drafter):
         start = time.perf_counter()
         proposal = None
         if first > 0:
-            proposal = self._guarded(first, self.verifiers[first - 1].draft, request)
+            proposal = self._guarded(first, self.verifiers[first - 1].propose, request)
             if proposal is None:
                 first, members = 0, [0] + [m for m in members if m not in self.failed]
                 start = time.perf_counter()
@@ -211,7 +176,7 @@ class ChainDrafter(Drafter):
     def end(self, tokens=None, lengths=None):
         self.first.end(tokens, lengths)
         for level in self.verifiers:
-            level.ledger = None
+            level.end()
 
     def _guarded(self, i, fn, *args):
         """Run level i's method (i >= 1: an intermediate model); on failure drop that level for the rest of the

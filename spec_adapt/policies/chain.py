@@ -117,12 +117,11 @@ class ChainScheduler(Policy):
         for level, s in enumerate(stats):
             if s["draft_tokens"]:
                 self._update(self.t_draft, level, s["draft_seconds"] / s["draft_tokens"])
-        drafted_by = [level for level, s in enumerate(stats) if s["draft_calls"]]
-        asked = sum(record.gammas)
-        if drafted_by and asked:
-            self._update(self.fill, drafted_by[0], stats[drafted_by[0]]["draft_tokens"] / asked)
-        members = drafted_by[:1] + [m for m in self.chain.members if m not in self.chain.failed
-                                    and drafted_by and m > drafted_by[0]]
+        first = next((level for level, s in enumerate(stats) if s["draft_calls"]), None)   # who drafted
+        members = [] if first is None else [first] + [
+            m for m in self.chain.members if m > first and m not in self.chain.failed]
+        if members and sum(record.gammas):
+            self._update(self.fill, first, stats[first]["draft_tokens"] / sum(record.gammas))
         for a, b in zip(members, members[1:]):
             s = stats[b]
             if s["calls"]:
