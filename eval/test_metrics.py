@@ -51,3 +51,29 @@ def test_local_evaluate_modules_load_offline(name, key):
     metric = evaluate.load(str(Path(__file__).parent / "evaluate_metrics" / name))
     result = metric.compute(predictions=SAME, references=SAME)
     assert result[key] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_regime_test_false_alarm_rate_and_power():
+    """further_than: under the null (ours and the control drawn alike) it flags at most ~alpha of the time; a config
+    that is 0.2 less similar (about the gap between the other-seed and unrelated controls) is flagged nearly
+    always, with 16 prompts and per-prompt spread like the real suite's."""
+    import json
+    import random
+
+    from spec_adapt.eval.suite import further_than
+
+    rng = random.Random(0)
+    trials, n, alpha = 2000, 16, 0.01 / 8
+    null_flags = shifted_flags = 0
+    for _ in range(trials):
+        prompt = [rng.gauss(0.45, 0.1) for _ in range(n)]       # prompt-level similarity, shared by both
+        control = [p + rng.gauss(0, 0.08) for p in prompt]
+        same = [p + rng.gauss(0, 0.08) for p in prompt]
+        worse = [p - 0.2 + rng.gauss(0, 0.08) for p in prompt]
+        null_flags += further_than(same, control, 0.02, alpha)["flagged"]
+        shifted_flags += further_than(worse, control, 0.02, alpha)["flagged"]
+    assert null_flags / trials < 0.01
+    assert shifted_flags / trials > 0.95
+    json.dumps(further_than(same, control, 0.02, alpha))             # the report is written as JSON
+    with pytest.raises(ValueError, match="at least 2 prompts"):
+        further_than([0.5], [0.5], 0.02, alpha)

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.real
 @pytest.fixture(scope="module")
 def prompts(smollm2):
     _, tok = smollm2
-    chat = list(workloads.with_inputs(workloads.sharegpt(limit=4, max_chars=400), tok)["input_text"])
-    return chat + list(workloads.humaneval(limit=4)["prompt"])
+    chat = list(workloads.with_inputs(workloads.sharegpt(limit=8, max_chars=400), tok)["input_text"])
+    return chat + list(workloads.humaneval(limit=8)["prompt"])
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,12 @@ def test_greedy_configurations_are_identical(report, name):
 @pytest.mark.parametrize("name", ["fixed-4", "suffix-nightjar", "lookup-ewma"])
 def test_sampled_configurations_stay_in_the_same_regime(report, name):
     assert report["configs"][name]["verdict"]["sampled_same_regime"], report["configs"][name]["sampled"]
+
+
+def test_sampled_verdicts_have_power(report):
+    """The unrelated control, sampled, must be flagged by the same test the configurations pass: otherwise passing
+    it proves nothing."""
+    assert not report["power"]["same_regime"], report["power"]
 
 
 def test_lossy_configuration_is_caught(report):
