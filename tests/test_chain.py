@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import spec_adapt
-from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, ScriptedDrafter
+from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, PromptLookupDrafter, ScriptedDrafter
 from spec_adapt.synthetic import agreement, perturbed_copy
 
 from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
@@ -123,7 +125,7 @@ def test_scheduler_prediction_picks_three_levels_where_theory_says():
     the level-0 pair wins."""
     chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: [])] + [cached_model("llama")])
     s = ChainScheduler(chain, widths=(4,), explore=0.0)
-    s.t_draft, s.t_verify = {0: 0.001, 1: 0.03}, {1: 0.03}
+    s.t_draft, s.t_verify = {(0, 1): 0.001, (1, 1): 0.03}, {(1, 1): 0.03}
     s.t_target, s.t_plain = 0.1, 0.09
     s.alpha = {(0, 1): [0.8, 1.0], (1, "T"): [0.9, 1.0], (0, "T"): [0.5, 1.0]}
     three, pair0, pair1 = s.predict((0, 1), 4), s.predict((0,), 4), s.predict((1,), 4)
@@ -136,6 +138,69 @@ def test_scheduler_prediction_picks_three_levels_where_theory_says():
     assert s.predict((0, 1), 4) > s.predict((0,), 4)
     s.choose(info)
     assert s.current[0] == (0,) and chain.members == [0]
+
+
+def _step(scheduler, chain, batch, draft_seconds, verify_seconds, lags, width=4):
+    """One observed step of [0, 1] at width `width`, every proposed token accepted, with the levels `lags` behind."""
+    chain.lags = list(lags)
+    info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+                               torch.full((batch,), 50), 0)
+    scheduler.choose(info)
+    chain.use([0, 1])                           # whatever it chose, this step ran [0, 1]
+    chain.level_stats[0].update(draft_seconds=draft_seconds, draft_tokens=width * batch, draft_calls=1)
+    chain.level_stats[1].update(drafted=width * batch, accepted=width * batch, tried=width * batch, calls=1,
+                                seconds=verify_seconds)
+    scheduler.observe(spec_adapt.StepRecord(batch, list(range(batch)), [width] * batch, [width] * batch,
+                                            [width] * batch, [width + 1] * batch, 0.2, draft_seconds, 0.1))
+
+
+def test_scheduler_times_each_batch_size_apart():
+    """Per-token draft and verification times are kept per batch size (a draft step at B=16 costs more per call
+    than at B=1); a batch size never seen uses the nearest one seen."""
+    chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: [])] + [cached_model("llama")])
+    s = ChainScheduler(chain, widths=(4,), explore=0.0)
+    s.current = ((0, 1), 4)
+    _step(s, chain, 1, draft_seconds=0.004, verify_seconds=0.01, lags=[0, 1])
+    _step(s, chain, 16, draft_seconds=0.64, verify_seconds=0.05, lags=[0, 1])
+    assert s.t_draft[(0, 1)] == pytest.approx(0.001) and s.t_draft[(0, 16)] == pytest.approx(0.01)
+    assert s.t_verify[(1, 1)] == pytest.approx(0.01) and s.t_verify[(1, 16)] == pytest.approx(0.05)
+    assert s.predict((0, 1), 4, batch=16) > s.predict((0, 1), 4, batch=1)
+    assert s.predict((0, 1), 4, batch=12) == s.predict((0, 1), 4, batch=16)     # nearest seen
+    assert s.predict((0, 1), 4, batch=2) == s.predict((0, 1), 4, batch=1)
+
+
+def test_scheduler_learns_the_catch_up_cost_apart_and_charges_it():
+    """A level that fell behind (target-only steps, or left out of the chain) pays to catch up first: that step's
+    extra time becomes a per-token catch-up cost (Nightjar's switching cost), not a slower per-token time, and a
+    chain whose members are behind is predicted to cost more, so a chain that need not catch up wins."""
+    chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: [])] + [cached_model("llama")])
+    s = ChainScheduler(chain, widths=(4,), explore=0.0)
+    s.current = ((0, 1), 4)
+    _step(s, chain, 1, draft_seconds=0.004, verify_seconds=0.01, lags=[0, 2])
+    _step(s, chain, 1, draft_seconds=0.004, verify_seconds=0.01 + 0.002 * 30, lags=[0, 32])
+    assert s.t_verify[(1, 1)] == pytest.approx(0.01)                 # unchanged by the catch-up step
+    assert s.catchup[(1, 1)] == pytest.approx(0.002)
+    assert s.predict((0, 1), 4, lags=[0, 32]) > s.predict((0, 1), 4, lags=[0, 1])
+    s.alpha = {(0, 1): [0.5, 1.0], (1, "T"): [0.9, 1.0], (0, "T"): [0.45, 1.0]}
+    s.t_target = s.t_plain = 0.1
+    info = spec_adapt.StepInfo(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([50]), 0)
+    chain.lags = [0, 1]
+    s.choose(info)
+    assert 1 in s.current[0]                                         # the middle level helps when it is current
+    chain.lags = [0, 200]
+    s.choose(info)
+    assert s.current[0] == (0,)                                      # 200 tokens behind: not worth it this step
+    assert json.dumps(s.state_dict())
+
+
+def test_chain_reports_every_levels_lag():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=3)
+    chain = ChainDrafter([PromptLookupDrafter(), perturbed_copy(model, 0.1)])
+    chain.begin(ids, mask)
+    lengths = mask.sum(1) + 5                   # five tokens committed since the prompt
+    assert chain.lag(lengths) is None          # prompt lookup drafts: nothing to catch up
+    assert chain.lags[0] == 0 and chain.lags[1] == int((lengths - chain.verifiers[0].ledger.n_cached).max()) >= 5
 
 
 def test_intermediate_level_drafting_alone_is_lossless():

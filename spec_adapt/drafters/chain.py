@@ -88,6 +88,7 @@ class ChainDrafter(Drafter):
         self.verifiers = [VerifierLevel(m) for m in levels[1:]]
         self.members = list(range(len(levels)))   # the chain in use: indices into levels, the first one drafts
         self.failed: set[int] = set()               # intermediate levels dropped for this call (indices into levels)
+        self.lags = [0] * len(levels)                # per level: largest lag at the last `lag` call
         self.events: list[str] = []
         self.reset_stats()
 
@@ -170,8 +171,12 @@ class ChainDrafter(Drafter):
                 self._guarded(i, level.select_rows, index)
 
     def lag(self, lengths):
-        first = self._chain()[0]
-        return self.first.lag(lengths) if first == 0 else self.verifiers[first - 1].lag(lengths)
+        """The drafting level's lag. Also records every level's largest lag in `lags` (0 for a model-free or
+        dropped level): which chain is cheapest depends on who must catch up after target-only steps."""
+        lags = [self.first.lag(lengths)] + [None if i in self.failed else level.lag(lengths)
+                                            for i, level in enumerate(self.verifiers, start=1)]
+        self.lags = [int(x.max()) if x is not None and x.numel() else 0 for x in lags]
+        return lags[self._chain()[0]]
 
     def end(self, tokens=None, lengths=None):
         self.first.end(tokens, lengths)

@@ -6,8 +6,11 @@ the others verify; [0] alone is the plain 2-level pair, [j] an intermediate mode
     T_eff(C, W) = [W d_first + sum_j P(reach j) v_j + T_target(B, s)] / E[tokens the target commits]
 with, between consecutive members i -> j of the chain, E[accepted] = sum_{k=1..w} alpha_ij^k (w = what reaches j)
 and each intermediate level adding one token of its own. Inputs are exponential moving averages updated from what
-the chain and the loop measure: d_i per token drafted by level i, v_j per verification call of level j (a level
-that has never drafted is assumed to draft a token for the price of one verification call), the fill of the
+the chain and the loop measure, timings per batch size B (the nearest B seen stands in for a new one): d_i per
+token drafted by level i, v_j per verification call of level j (a level that has never drafted is assumed to draft
+a token for the price of one verification call), a switching cost (Nightjar's c_prefill, here per level: a model
+left out of the chain, or idle during target-only steps, must first catch up on the tokens committed meanwhile;
+c_i per catch-up token, measured on the steps that had it, and kept out of d_i and v_j), the fill of the
 drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), T_target(B, s)
 for a step apart from drafting (verification, acceptance, bookkeeping) with s tokens reaching the target (an
 online least-squares fit, as Nightjar's, once two widths have been seen; plain averages before), alpha_ij per pair of adjacent members, and
@@ -21,6 +24,7 @@ the best speculative option runs once (without it a noisy low estimate would swi
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 from ..metrics import StepRecord
@@ -42,8 +46,10 @@ class ChainScheduler(Policy):
         self.rng = random.Random(self.seed)
         self.alpha: dict[tuple, float] = {}        # (i, j) chain members (indices into the levels, "T" = target)
         self.sim: dict[tuple, float] = {}
-        self.t_draft: dict[int, float] = {}        # seconds per drafted token, per level
-        self.t_verify: dict[int, float] = {}       # seconds per verification call, per intermediate level
+        self.t_draft: dict[tuple, float] = {}      # (level, B): seconds per drafted token
+        self.t_verify: dict[tuple, float] = {}     # (level, B): seconds per verification call
+        self.catchup: dict[tuple, float] = {}      # (level, B): seconds per committed token a level catches up on
+        self.step_lags: list[int] = []             # each level's lag when the current step was chosen
         self.fill: dict[int, float] = {}           # tokens a level drafts per token asked (prompt lookup: < 1)
         self.t_target: float | None = None
         self.t_plain: float | None = None          # a target step with nothing drafted
@@ -73,34 +79,40 @@ class ChainScheduler(Policy):
             return self.t_plain
         return self.t_target if self.t_target is not None else (self.t_plain or 1.0)
 
-    def predict(self, members: tuple, width: int, batch: int = 1) -> float:
-        """Predicted seconds per committed target token for this chain (levels, first one drafting) and width."""
+    def predict(self, members: tuple, width: int, batch: int = 1, lags=None) -> float:
+        """Predicted seconds per committed target token for this chain (levels, first one drafting) and width;
+        `lags` (per level, tokens behind) adds the catch-up the members would need first."""
         if width == 0:
             return self._target_time(batch, 0)
         first = members[0]
-        per_token = self.t_draft.get(first, self.t_verify.get(first, 0.0))
+        per_token = _at(self.t_draft, first, batch, _at(self.t_verify, first, batch, 0.0))
         reaching = width * self.fill.get(first, 1.0)
-        cost = reaching * per_token
+        cost = reaching * per_token + sum(_behind(lags, m) * _at(self.catchup, m, batch, 0.0) for m in members)
         chain = list(members) + ["T"]
         for a, b in zip(chain, chain[1:]):
             alpha = self._alpha(a, b)
             accepted = sum(alpha ** k for k in range(1, int(round(reaching)) + 1))
             if b == "T":
                 return (cost + self._target_time(batch, reaching)) / (accepted + 1.0)
-            cost += self.t_verify.get(b, 0.0)
+            cost += _at(self.t_verify, b, batch, 0.0)
             reaching = min(float(width), accepted + 1.0)
         raise AssertionError("unreachable")
 
     # -- the Policy contract ------------------------------------------------------------------------------------
     def choose(self, info: StepInfo):
         options = [(c, w) for c in self.candidates for w in self.widths] + [((), 0)]
+        self.step_lags = list(getattr(self.chain, "lags", []))
+
+        def cost(option):
+            return self.predict(*option, batch=info.batch_size, lags=self.step_lags)
+
         if self.rng.random() < self.explore:
             levels, width = self.rng.choice(options)
         else:
-            levels, width = min(options, key=lambda o: self.predict(*o, batch=info.batch_size))
+            levels, width = min(options, key=cost)
         self.idle = self.idle + 1 if width == 0 else 0
         if width == 0 and self.idle >= self.probe_every:
-            levels, width = min(options[:-1], key=lambda o: self.predict(*o, batch=info.batch_size))
+            levels, width = min(options[:-1], key=cost)
             self.idle = 0
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
@@ -113,10 +125,10 @@ class ChainScheduler(Policy):
     def observe(self, record: StepRecord):
         if self.length_policy is not None:
             self.length_policy.observe(record)
-        stats = self.chain.level_stats
+        stats, batch = self.chain.level_stats, record.batch_size
         for level, s in enumerate(stats):
             if s["draft_tokens"]:
-                self._update(self.t_draft, level, s["draft_seconds"] / s["draft_tokens"])
+                self._timing(self.t_draft, level, batch, s["draft_seconds"] / s["draft_tokens"], s["draft_tokens"])
         first = next((level for level, s in enumerate(stats) if s["draft_calls"]), None)   # who drafted
         members = [] if first is None else [first] + [
             m for m in self.chain.members if m > first and m not in self.chain.failed]
@@ -125,7 +137,7 @@ class ChainScheduler(Policy):
         for a, b in zip(members, members[1:]):
             s = stats[b]
             if s["calls"]:
-                self._update(self.t_verify, b, s["seconds"] / s["calls"])
+                self._timing(self.t_verify, b, batch, s["seconds"] / s["calls"], 1)
             if s["tried"]:      # alpha = P(accept | reached): accepted over positions decided, not over drafted
                 self._count(a, b, s["accepted"], s["tried"])
             if s["tv"]:
@@ -142,6 +154,16 @@ class ChainScheduler(Policy):
             self.t_plain = self._ema(self.t_plain, record.step_time)
         self.chain.reset_stats()
 
+    def _timing(self, table, level, batch, seconds, units) -> None:
+        """Update a per-(level, B) time per unit, or, on a step where the level first had to catch up, the
+        catch-up cost per token behind: what the step took beyond the usual, so d_i and v_j stay clean."""
+        behind = _behind(self.step_lags, level)
+        if not behind:
+            self._update(table, (level, batch), seconds)
+        elif (level, batch) in table:
+            extra = max(0.0, (seconds - table[(level, batch)]) * units) / behind
+            self._update(self.catchup, (level, batch), extra)
+
     def _count(self, a, b, accepted, tried) -> None:
         """alpha is a ratio of moving averages (EMA accepted / EMA decided): an EMA of per-step ratios is biased low
         when runs are long (a step that stops after 1 of 8 reads 0.5, one that stops at once reads 0)."""
@@ -156,6 +178,29 @@ class ChainScheduler(Policy):
         table[key] = self._ema(table.get(key), value)
 
     def state_dict(self):
+        def pairs(table):
+            return [[list(k), v] for k, v in table.items()]
+
         return {"alpha": [[list(map(str, k)), list(v)] for k, v in self.alpha.items()],
-                "t_draft": self.t_draft, "t_verify": self.t_verify, "fill": self.fill, "t_target": self.t_target,
-                "t_plain": self.t_plain}
+                "t_draft": pairs(self.t_draft), "t_verify": pairs(self.t_verify), "catchup": pairs(self.catchup),
+                "fill": self.fill, "t_target": self.t_target, "t_plain": self.t_plain}
+
+
+# A model level normally trails the committed text by 1 or 2 tokens (the target's new token, and the last draft
+# token when everything was accepted): only what is beyond that is catch-up.
+USUAL_LAG = 2
+
+
+def _behind(lags, level) -> int:
+    return max(0, lags[level] - USUAL_LAG) if lags and level < len(lags) else 0
+
+
+def _at(table: dict, level, batch: int, default: float) -> float:
+    """table[(level, batch)], else the entry for the nearest batch size seen for that level, else default."""
+    if (level, batch) in table:
+        return table[(level, batch)]
+    seen = [b for (lv, b) in table if lv == level]
+    if not seen:
+        return default
+    nearest = min(seen, key=lambda b: abs(math.log(b / batch)))
+    return table[(level, nearest)]
