@@ -162,11 +162,40 @@ def test_scheduler_times_each_batch_size_apart():
     s.current = ((0, 1), 4)
     _step(s, chain, 1, draft_seconds=0.004, verify_seconds=0.01, lags=[0, 1])
     _step(s, chain, 16, draft_seconds=0.64, verify_seconds=0.05, lags=[0, 1])
-    assert s.t_draft[(0, 1)] == pytest.approx(0.001) and s.t_draft[(0, 16)] == pytest.approx(0.01)
+    # Per position: the 16-row step drafted 4 tokens per row in 0.64 s, so a width-4 draft costs 0.64 s again
+    # (per token over all rows, 0.01 s, would have made drafting at B=16 look 16 times cheaper than it is).
+    assert s.t_draft[(0, 1)] == pytest.approx(0.001) and s.t_draft[(0, 16)] == pytest.approx(0.16)
     assert s.t_verify[(1, 1)] == pytest.approx(0.01) and s.t_verify[(1, 16)] == pytest.approx(0.05)
     assert s.predict((0, 1), 4, batch=16) > s.predict((0, 1), 4, batch=1)
     assert s.predict((0, 1), 4, batch=12) == s.predict((0, 1), 4, batch=16)     # nearest seen
     assert s.predict((0, 1), 4, batch=2) == s.predict((0, 1), 4, batch=1)
+
+
+def test_scheduler_prices_the_batch_by_its_longest_proposal():
+    """A batch is verified as wide as its longest row. Prompt lookup at B=16 proposes a quarter of W per row on
+    average, but some row W: the target's step must be priced at s = W, which makes target-only the better choice
+    where verifying 4 more tokens costs more than the quarter-token expected gain."""
+    chain = ChainDrafter([PromptLookupDrafter()])
+    s = ChainScheduler(chain, widths=(4,), explore=0.0)
+    for _ in range(4):
+        for width in (0, 1, 2, 4):
+            s.latency.add(16, width, 0.05 + 0.02 * width)              # T(16, s) = 50 ms + 20 ms per token
+    assert s.latency.ready()
+    s.alpha = {(0, "T"): [0.6, 1.0]}
+    s.fill = {0: 0.25}
+    s.t_draft = {(0, 16): 0.0}
+    optimistic = s.predict((0,), 4, batch=16)                            # priced at the mean row's 1 token
+    drafted = [4] + [0] * 15                                             # one row proposed 4 tokens, the rest none
+    info = spec_adapt.StepInfo(16, torch.arange(16), torch.zeros(16, dtype=torch.long), torch.full((16,), 50), 0)
+    s.choose(info)
+    chain.use([0])
+    chain.level_stats[0].update(draft_seconds=0.0, draft_tokens=16, draft_calls=1)
+    s.observe(spec_adapt.StepRecord(16, list(range(16)), [4] * 16, drafted, [2] + [0] * 15, [3] + [1] * 15, 0.13,
+                                    0.0, 0.13))
+    assert s.span[((0,), 16)] == pytest.approx(1.0)
+    assert s.predict((0,), 4, batch=16) > optimistic
+    assert s.predict((0,), 4, batch=16) > s.predict((), 0, batch=16)  # target-only wins
+    assert s.choose(info) == 0
 
 
 def test_scheduler_learns_the_catch_up_cost_apart_and_charges_it():

@@ -7,13 +7,15 @@ the others verify; [0] alone is the plain 2-level pair, [j] an intermediate mode
 with, between consecutive members i -> j of the chain, E[accepted] = sum_{k=1..w} alpha_ij^k (w = what reaches j)
 and each intermediate level adding one token of its own. Inputs are exponential moving averages updated from what
 the chain and the loop measure, timings per batch size B (the nearest B seen stands in for a new one): d_i per
-token drafted by level i, v_j per verification call of level j (a level that has never drafted is assumed to draft
+position drafted by level i (one draft step for the whole batch: a step's draft time over the tokens drafted per row), v_j per verification call of level j (a level that has never drafted is assumed to draft
 a token for the price of one verification call), a switching cost (Nightjar's c_prefill, here per level: a model
 left out of the chain, or idle during target-only steps, must first catch up on the tokens committed meanwhile;
 c_i per catch-up token, measured on the steps that had it, and kept out of d_i and v_j), the fill of the
 drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), T_target(B, s)
 for a step apart from drafting (verification, acceptance, bookkeeping) with s tokens reaching the target (an
-online least-squares fit, as Nightjar's, once two widths have been seen; plain averages before), alpha_ij per pair of adjacent members, and
+online least-squares fit, as Nightjar's, once two widths have been seen; plain averages before). A batch is
+verified as wide as its longest row, so s is the chain's measured span (largest proposal / W, per B: prompt
+lookup at B = 16 proposes ~0.3 W on average but some row nearly always W), not the average row's, alpha_ij per pair of adjacent members, and
 SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to alpha through a ratio calibrated on pairs observed
 both ways. Pairs never observed start optimistic (0.6), so every chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
 always a candidate; since target-only steps observe nothing about the draft, after `probe_every` of them in a row
@@ -51,6 +53,7 @@ class ChainScheduler(Policy):
         self.catchup: dict[tuple, float] = {}      # (level, B): seconds per committed token a level catches up on
         self.step_lags: list[int] = []             # each level's lag when the current step was chosen
         self.fill: dict[int, float] = {}           # tokens a level drafts per token asked (prompt lookup: < 1)
+        self.span: dict[tuple, float] = {}         # (members, B): the batch's longest proposal at the target / W
         self.t_target: float | None = None
         self.t_plain: float | None = None          # a target step with nothing drafted
         # The target's step grows with the tokens it verifies (on a CPU, 9 tokens cost ~1.7x one): once samples
@@ -93,7 +96,8 @@ class ChainScheduler(Policy):
             alpha = self._alpha(a, b)
             accepted = sum(alpha ** k for k in range(1, int(round(reaching)) + 1))
             if b == "T":
-                return (cost + self._target_time(batch, reaching)) / (accepted + 1.0)
+                verified = max(reaching, width * _at(self.span, tuple(members), batch, 0.0))
+                return (cost + self._target_time(batch, verified)) / (accepted + 1.0)
             cost += _at(self.t_verify, b, batch, 0.0)
             reaching = min(float(width), accepted + 1.0)
         raise AssertionError("unreachable")
@@ -128,12 +132,14 @@ class ChainScheduler(Policy):
         stats, batch = self.chain.level_stats, record.batch_size
         for level, s in enumerate(stats):
             if s["draft_tokens"]:
-                self._timing(self.t_draft, level, batch, s["draft_seconds"] / s["draft_tokens"], s["draft_tokens"])
+                per_row = s["draft_tokens"] / batch             # positions: one draft pass covers every row
+                self._timing(self.t_draft, level, batch, s["draft_seconds"] / per_row, per_row)
         first = next((level for level, s in enumerate(stats) if s["draft_calls"]), None)   # who drafted
         members = [] if first is None else [first] + [
             m for m in self.chain.members if m > first and m not in self.chain.failed]
         if members and sum(record.gammas):
             self._update(self.fill, first, stats[first]["draft_tokens"] / sum(record.gammas))
+            self._update(self.span, (tuple(members), batch), max(record.drafted) / max(record.gammas))
         for a, b in zip(members, members[1:]):
             s = stats[b]
             if s["calls"]:
@@ -183,7 +189,8 @@ class ChainScheduler(Policy):
 
         return {"alpha": [[list(map(str, k)), list(v)] for k, v in self.alpha.items()],
                 "t_draft": pairs(self.t_draft), "t_verify": pairs(self.t_verify), "catchup": pairs(self.catchup),
-                "fill": self.fill, "t_target": self.t_target, "t_plain": self.t_plain}
+                "span": [[[list(k[0]), k[1]], v] for k, v in self.span.items()], "fill": self.fill,
+                "t_target": self.t_target, "t_plain": self.t_plain}
 
 
 # A model level normally trails the committed text by 1 or 2 tokens (the target's new token, and the last draft
