@@ -387,3 +387,19 @@ def test_intermediate_level_adds_its_token_when_level_zero_has_nothing():
     out, stats = run(model, ids, mask, chain, FixedLength(3), max_new_tokens=20)
     assert torch.equal(out, reference)
     assert stats.drafted > 0 and stats.accepted == stats.drafted
+
+
+def test_scheduler_backs_off_probing_when_speculation_keeps_losing():
+    """Where target-only is best, a probe every 16 target-only steps and uniform exploration would keep ~10% of
+    steps speculative, each a loss. Probes that lose double the wait (up to 16x) and exploration stays among
+    options predicted close to the best, so the late steps are almost all target-only."""
+    alpha = {(0, 1): 0.3, (1, "T"): 0.2, (0, "T"): 0.2}
+    times = {"draft": {0: 0.01, 1: 0.03}, "verify": {1: 0.03}, "T": 0.1, "plain": 0.09}
+    sched, truth = _simulated_chain_run(alpha, times)
+    assert min(truth, key=truth.get) == ((), 0)
+    late = sched.history[-300:]
+    speculative = sum(1 for _, _, w in late if w > 0) / len(late)
+    assert speculative < 0.04, speculative
+    assert sched.probe_gap > sched.probe_every
+    with pytest.raises(ValueError, match="explore_margin"):
+        ChainScheduler(sched.chain, explore_margin=-1)

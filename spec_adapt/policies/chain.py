@@ -17,9 +17,13 @@ online least-squares fit, as Nightjar's, once two widths have been seen; plain a
 verified as wide as its longest row, so s is the chain's measured span (largest proposal / W, per B: prompt
 lookup at B = 16 proposes ~0.3 W on average but some row nearly always W), not the average row's, alpha_ij per pair of adjacent members, and
 SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to alpha through a ratio calibrated on pairs observed
-both ways. Pairs never observed start optimistic (0.6), so every chain is tried; afterwards `explore` is the chance of trying a random candidate. The target-only option (W = 0) is
-always a candidate; since target-only steps observe nothing about the draft, after `probe_every` of them in a row
-the best speculative option runs once (without it a noisy low estimate would switch speculation off for good).
+both ways. Pairs never observed start optimistic (0.6), so every chain is tried; afterwards `explore` is the
+chance of trying another candidate among those predicted within `explore_margin` of the best (a uniformly random
+one was often a W = 8 draft-model step at B = 16, several target steps' worth, for nothing). The target-only
+option (W = 0) is always a candidate; since target-only steps observe nothing about the draft, after `probe_every`
+of them in a row the best speculative option runs once (without it a noisy low estimate would switch speculation
+off for good). A probe that loses to a target-only step (catch-up excluded) doubles the wait before the next one,
+up to 16x; one that wins resets it.
 `length_policy`, if given, chooses W instead (the two compose: the scheduler then only picks the levels).
 """
 
@@ -36,7 +40,12 @@ from .base import Policy, StepInfo
 
 class ChainScheduler(Policy):
     def __init__(self, chain, widths=(1, 2, 4, 6, 8), length_policy: Policy | None = None, ema: float = 0.2,
-                 explore: float = 0.05, prior_alpha: float = 0.6, probe_every: int = 16, seed: int = 0):
+                 explore: float = 0.05, prior_alpha: float = 0.6, probe_every: int = 16, seed: int = 0,
+                 explore_margin: float = 0.25):
+        if not 0.0 <= explore <= 1.0 or explore_margin < 0 or probe_every < 1:
+            raise ValueError(f"ChainScheduler needs 0 <= explore <= 1, explore_margin >= 0 and probe_every >= 1; got "
+                             f"explore={explore}, explore_margin={explore_margin}, probe_every={probe_every}.")
+        self.explore_margin = explore_margin
         self.chain, self.widths, self.length_policy = chain, tuple(widths), length_policy
         self.ema, self.explore, self.prior_alpha, self.seed = ema, explore, prior_alpha, seed
         self.probe_every = probe_every
@@ -62,6 +71,8 @@ class ChainScheduler(Policy):
         self.current = (tuple(range(len(self.chain.verifiers) + 1)), self.widths[-1])
         self.history: list[tuple] = []
         self.idle = 0                              # target-only steps in a row
+        self.probe_gap = self.probe_every          # target-only steps before the next probe (backs off)
+        self.probing = False
 
     # -- prediction ---------------------------------------------------------------------------------------------
     def _alpha(self, i, j) -> float:
@@ -110,13 +121,15 @@ class ChainScheduler(Policy):
         def cost(option):
             return self.predict(*option, batch=info.batch_size, lags=self.step_lags)
 
+        costs = {o: cost(o) for o in options}
+        levels, width = min(options, key=costs.get)
         if self.rng.random() < self.explore:
-            levels, width = self.rng.choice(options)
-        else:
-            levels, width = min(options, key=cost)
+            bound = costs[(levels, width)] * (1 + self.explore_margin)
+            levels, width = self.rng.choice([o for o in options if costs[o] <= bound])
         self.idle = self.idle + 1 if width == 0 else 0
-        if width == 0 and self.idle >= self.probe_every:
-            levels, width = min(options[:-1], key=cost)
+        self.probing = width == 0 and self.idle >= self.probe_gap
+        if self.probing:
+            levels, width = min(options[:-1], key=costs.get)
             self.idle = 0
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
@@ -148,6 +161,8 @@ class ChainScheduler(Policy):
                 self._count(a, b, s["accepted"], s["tried"])
             if s["tv"]:
                 self._update(self.sim, (a, b), 1.0 - sum(s["tv"]) / len(s["tv"]))
+        if self.probing and members:
+            self._back_off(record, members)
         drafted = sum(record.drafted)
         tried = sum(a + (a < d) for a, d in zip(record.accepted, record.drafted))
         self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time - record.draft_time)
@@ -159,6 +174,15 @@ class ChainScheduler(Policy):
         else:
             self.t_plain = self._ema(self.t_plain, record.step_time)
         self.chain.reset_stats()
+
+    def _back_off(self, record: StepRecord, members: list[int]) -> None:
+        """Did the probe beat a target-only step per committed token? Its catch-up is not held against it (it is
+        paid once per switch, and charged as such in `predict`)."""
+        batch = record.batch_size
+        catch_up = sum(_behind(self.step_lags, m) * _at(self.catchup, m, batch, 0.0) for m in members)
+        per_token = max(0.0, record.step_time - catch_up) / (sum(record.committed) / max(len(record.committed), 1))
+        lost = per_token > self._target_time(batch, 0)
+        self.probe_gap = min(2 * self.probe_gap, 16 * self.probe_every) if lost else self.probe_every
 
     def _timing(self, table, level, batch, seconds, units) -> None:
         """Update a per-(level, B) time per unit, or, on a step where the level first had to catch up, the
