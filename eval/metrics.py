@@ -106,9 +106,10 @@ def _reward_model_scores(prompts, responses, path, batch_size, progress):
     return out
 
 
-def paired_stats(a: list[float], b: list[float]) -> dict:
-    """Paired comparison of a and b: mean of each, mean difference a - b with a 95% confidence interval, and the
-    paired t-test p-value (scipy). NaNs are dropped pairwise."""
+def paired_stats(a: list[float], b: list[float], upper_alpha: float = 0.05) -> dict:
+    """Paired comparison of a and b: mean of each, mean difference a - b with a 95% confidence interval, the
+    one-sided upper (1 - upper_alpha) bound of the mean difference, and the paired t-test p-value (scipy). NaNs are
+    dropped pairwise."""
     from scipy import stats
 
     pairs = [(x, y) for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
@@ -117,10 +118,11 @@ def paired_stats(a: list[float], b: list[float]) -> dict:
     mean = sum(diffs) / n if n else float("nan")
     sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5 if n > 1 else float("nan")
     half = stats.t.ppf(0.975, n - 1) * sd / n ** 0.5 if n > 1 else float("nan")
+    upper = float(mean + stats.t.ppf(1 - upper_alpha, n - 1) * sd / n ** 0.5) if n > 1 else float("nan")
     p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue) if n > 1 and sd > 0 else 1.0
     return {"n": n, "mean_a": sum(x for x, _ in pairs) / n if n else float("nan"),
             "mean_b": sum(y for _, y in pairs) / n if n else float("nan"), "mean_diff": mean,
-            "ci95": [mean - half, mean + half], "p_value": p}
+            "ci95": [mean - half, mean + half], "upper_bound": upper, "p_value": p}
 
 
 def summary(values: list[float]) -> dict:

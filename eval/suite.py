@@ -139,16 +139,11 @@ def run_suite(model, tok, prompts: list[str], configs: list[Config] | None = Non
 def further_than(ours: list[float], control: list[float], tolerance: float, alpha: float) -> dict:
     """One-sided paired t-test of d = ours - control per prompt. `flagged` when the upper (1 - alpha) confidence bound
     of mean(d) lies below -tolerance: ours is significantly less similar to the reference than the control is."""
-    from scipy import stats
-
-    diffs = [x - y for x, y in zip(ours, control)]
-    n = len(diffs)
-    if n < 2:
-        raise ValueError(f"the sampled-regime test needs at least 2 prompts, got {n}")
-    mean = sum(diffs) / n
-    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
-    upper = float(mean + stats.t.ppf(1 - alpha, n - 1) * sd / n ** 0.5)    # plain floats: the report is JSON
-    return {"mean_diff": mean, "upper_bound": upper, "flagged": upper < -tolerance}
+    paired = paired_stats(ours, control, upper_alpha=alpha)
+    if paired["n"] < 2:
+        raise ValueError(f"the sampled-regime test needs at least 2 prompts, got {paired['n']}")
+    return {"mean_diff": paired["mean_diff"], "upper_bound": paired["upper_bound"],
+            "flagged": paired["upper_bound"] < -tolerance}
 
 
 def sampled_regime(ours: Comparison, control: Comparison, tolerance: float, alpha: float) -> dict:
@@ -176,10 +171,12 @@ def markdown(report: dict, meta: dict) -> str:
         lines.append(f"| {name} | {c[name]['bertscore']['mean']:.4f} | {c[name]['cosine']['mean']:.4f} | "
                      f"{c[name]['exact_match']:.2f} |")
     power = report["power"]
+    power_verdict = ("NOT flagged: the sampled verdicts below have no power" if power["same_regime"]
+                     else "flagged (the test has power)")
     lines += ["", f"Sampled verdicts: one-sided paired t-test per metric at alpha {power['alpha']:.4f} (Bonferroni), "
               f"tolerance {report['tolerance']}. Power check, the unrelated control paired with seed B: "
               f"BERTScore mean diff {power['bertscore']['mean_diff']:+.3f}, cosine "
-              f"{power['cosine']['mean_diff']:+.3f}: {'flagged (the test has power)' if not power['same_regime'] else 'NOT flagged: the sampled verdicts below have no power'}."]
+              f"{power['cosine']['mean_diff']:+.3f}: {power_verdict}."]
     lines += ["", "| config | mode | BERTScore vs target | cosine vs target | exact | BERTScore vs fixed | "
               "reward delta [95% CI] (p) | verdict |", "|---|---|---|---|---|---|---|---|"]
     for name, entry in report["configs"].items():

@@ -119,6 +119,12 @@ def test_scheduler_composes_and_stays_lossless():
     assert len({levels for _, levels, _ in scheduler.history}) > 1        # it tried several chains
 
 
+def _info(batch, remaining=50):
+    """What the loop tells a policy before a step: `batch` fresh rows with `remaining` tokens each to go."""
+    return spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+                               torch.full((batch,), remaining), 0)
+
+
 def test_scheduler_prediction_picks_three_levels_where_theory_says():
     """Cheap poor level 0, mid-cost good intermediate, expensive target: the 3-level chain [0, 1] has the lowest
     T_eff, below both pairs ([0] and the intermediate drafting alone, [1]); make the intermediate level useless and
@@ -131,7 +137,7 @@ def test_scheduler_prediction_picks_three_levels_where_theory_says():
     three, pair0, pair1 = s.predict((0, 1), 4), s.predict((0,), 4), s.predict((1,), 4)
     assert three < min(pair0, pair1)
     assert s.candidates == [(0,), (1,), (0, 1)]
-    info = spec_adapt.StepInfo(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([50]), 0)
+    info = _info(1)
     assert s.choose(info) == 4 and s.current[0] == (0, 1) and chain.members == [0, 1]
     s.alpha[(1, "T")] = [0.3, 1.0]
     s.alpha[(0, 1)] = [0.3, 1.0]
@@ -143,8 +149,7 @@ def test_scheduler_prediction_picks_three_levels_where_theory_says():
 def _step(scheduler, chain, batch, draft_seconds, verify_seconds, lags, width=4):
     """One observed step of [0, 1] at width `width`, every proposed token accepted, with the levels `lags` behind."""
     chain.lags = list(lags)
-    info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
-                               torch.full((batch,), 50), 0)
+    info = _info(batch)
     scheduler.choose(info)
     chain.use([0, 1])                           # whatever it chose, this step ran [0, 1]
     chain.level_stats[0].update(draft_seconds=draft_seconds, draft_tokens=width * batch, draft_calls=1)
@@ -186,7 +191,7 @@ def test_scheduler_prices_the_batch_by_its_longest_proposal():
     s.t_draft = {(0, 16): 0.0}
     optimistic = s.predict((0,), 4, batch=16)                            # priced at the mean row's 1 token
     drafted = [4] + [0] * 15                                             # one row proposed 4 tokens, the rest none
-    info = spec_adapt.StepInfo(16, torch.arange(16), torch.zeros(16, dtype=torch.long), torch.full((16,), 50), 0)
+    info = _info(16)
     s.choose(info)
     chain.use([0])
     chain.level_stats[0].update(draft_seconds=0.0, draft_tokens=16, draft_calls=1)
@@ -212,7 +217,7 @@ def test_scheduler_learns_the_catch_up_cost_apart_and_charges_it():
     assert s.predict((0, 1), 4, lags=[0, 32]) > s.predict((0, 1), 4, lags=[0, 1])
     s.alpha = {(0, 1): [0.5, 1.0], (1, "T"): [0.9, 1.0], (0, "T"): [0.45, 1.0]}
     s.t_target = s.t_plain = 0.1
-    info = spec_adapt.StepInfo(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([50]), 0)
+    info = _info(1)
     chain.lags = [0, 1]
     s.choose(info)
     assert 1 in s.current[0]                                         # the middle level helps when it is current
@@ -325,7 +330,7 @@ def _simulated_chain_run(alpha, times, steps=600, seed=0):
             truth[(members, width)] = total_s / total_t
     truth[((), 0)] = times["plain"]
     chain.reset_stats()
-    info = spec_adapt.StepInfo(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([10**6]), 0)
+    info = _info(1, remaining=10**6)
     for _ in range(steps):
         width = sched.choose(info)
         seconds, committed, drafted, accepted = one_step(sched.current[0], width, record=True)

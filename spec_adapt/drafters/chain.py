@@ -190,7 +190,7 @@ class ChainDrafter(Drafter):
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - a failing level must not end the user's call
             self.failed.add(i)
-            self.verifiers[i - 1].ledger = None
+            self.verifiers[i - 1].end()                # frees its KV ledger
             self.events.append(f"level {i} dropped: {type(exc).__name__}: {exc}")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

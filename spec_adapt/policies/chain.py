@@ -51,13 +51,14 @@ class ChainScheduler(Policy):
         self.probe_every = probe_every
         levels = range(len(chain.verifiers) + 1)
         self.candidates = [tuple(c) for r in range(1, len(levels) + 1) for c in itertools.combinations(levels, r)]
+        self.options = [(c, w) for c in self.candidates for w in self.widths] + [((), 0)]   # target-only last
         self.reset()
 
     def reset(self):
         self.rng = random.Random(self.seed)
         self.alpha: dict[tuple, float] = {}        # (i, j) chain members (indices into the levels, "T" = target)
         self.sim: dict[tuple, float] = {}
-        self.t_draft: dict[tuple, float] = {}      # (level, B): seconds per drafted token
+        self.t_draft: dict[tuple, float] = {}      # (level, B): seconds per draft position (one pass, every row)
         self.t_verify: dict[tuple, float] = {}     # (level, B): seconds per verification call
         self.catchup: dict[tuple, float] = {}      # (level, B): seconds per committed token a level catches up on
         self.step_lags: list[int] = []             # each level's lag when the current step was chosen
@@ -101,7 +102,7 @@ class ChainScheduler(Policy):
         first = members[0]
         per_token = _at(self.t_draft, first, batch, _at(self.t_verify, first, batch, 0.0))
         reaching = width * self.fill.get(first, 1.0)
-        cost = reaching * per_token + sum(_behind(lags, m) * _at(self.catchup, m, batch, 0.0) for m in members)
+        cost = reaching * per_token + self._catch_up(members, batch, lags)
         chain = list(members) + ["T"]
         for a, b in zip(chain, chain[1:]):
             alpha = self._alpha(a, b)
@@ -115,21 +116,16 @@ class ChainScheduler(Policy):
 
     # -- the Policy contract ------------------------------------------------------------------------------------
     def choose(self, info: StepInfo):
-        options = [(c, w) for c in self.candidates for w in self.widths] + [((), 0)]
-        self.step_lags = list(getattr(self.chain, "lags", []))
-
-        def cost(option):
-            return self.predict(*option, batch=info.batch_size, lags=self.step_lags)
-
-        costs = {o: cost(o) for o in options}
-        levels, width = min(options, key=costs.get)
+        self.step_lags = list(self.chain.lags)
+        costs = {o: self.predict(*o, batch=info.batch_size, lags=self.step_lags) for o in self.options}
+        levels, width = min(self.options, key=costs.get)
         if self.rng.random() < self.explore:
             bound = costs[(levels, width)] * (1 + self.explore_margin)
-            levels, width = self.rng.choice([o for o in options if costs[o] <= bound])
+            levels, width = self.rng.choice([o for o in self.options if costs[o] <= bound])
         self.idle = self.idle + 1 if width == 0 else 0
         self.probing = width == 0 and self.idle >= self.probe_gap
         if self.probing:
-            levels, width = min(options[:-1], key=costs.get)
+            levels, width = min(self.options[:-1], key=costs.get)
             self.idle = 0
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
@@ -179,10 +175,14 @@ class ChainScheduler(Policy):
         """Did the probe beat a target-only step per committed token? Its catch-up is not held against it (it is
         paid once per switch, and charged as such in `predict`)."""
         batch = record.batch_size
-        catch_up = sum(_behind(self.step_lags, m) * _at(self.catchup, m, batch, 0.0) for m in members)
+        catch_up = self._catch_up(members, batch, self.step_lags)
         per_token = max(0.0, record.step_time - catch_up) / (sum(record.committed) / max(len(record.committed), 1))
         lost = per_token > self._target_time(batch, 0)
         self.probe_gap = min(2 * self.probe_gap, 16 * self.probe_every) if lost else self.probe_every
+
+    def _catch_up(self, members, batch: int, lags) -> float:
+        """Seconds the members need to catch up on what was committed while they sat out."""
+        return sum(_behind(lags, m) * _at(self.catchup, m, batch, 0.0) for m in members)
 
     def _timing(self, table, level, batch, seconds, units) -> None:
         """Update a per-(level, B) time per unit, or, on a step where the level first had to catch up, the
