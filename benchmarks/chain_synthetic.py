@@ -45,7 +45,8 @@ def run_scenario(name, scales, args):
     agree = {name: sum(agreement(a, b, seq, start=24) for seq in references) / len(references)
              for name, a, b in [("0-1", middle, small), ("1-T", target, middle), ("0-T", target, small)]}
 
-    scheduler = ChainScheduler(ChainDrafter([small, middle]), widths=tuple(args.widths))
+    scheduled = ChainDrafter([small, middle])
+    scheduler = ChainScheduler(scheduled, widths=tuple(args.widths))
     options = {"target": None, "scheduler": None}
     options.update({f"{list(c)} W={w}": (c, w) for c in CHAINS for w in args.widths})
 
@@ -54,7 +55,7 @@ def run_scenario(name, scales, args):
             return generate(target, ids, args.new_tokens)
         if option == "scheduler":
             return generate(target, ids, args.new_tokens, custom_generate=spec_adapt.generate,
-                            drafter=scheduler.chain, assistant_policy=scheduler)
+                            drafter=scheduled, assistant_policy=scheduler)
         members, width = options[option]
         chain = ChainDrafter([small, middle])
         chain.use(list(members))

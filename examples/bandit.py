@@ -16,7 +16,7 @@ from spec_adapt.recipes import workloads
 model, tok = load_model()
 prompts = list(workloads.with_inputs(workloads.humaneval(limit=8), tok)["input_text"])
 policy = Nightjar(max_gamma=8, exploration="local")      # exploration="uniform" is the paper's exact schedule
-drafter = SuffixDrafter()                                 # learns from every prompt and output in this process
+drafter = SuffixDrafter()                                 # its index learns from every prompt and output it sees
 
 for start in range(0, len(prompts), 4):
     batch = tok(prompts[start : start + 4], return_tensors="pt", padding=True)

@@ -12,8 +12,9 @@ from .api import SpecGenerateOutput, disable, enable, generate
 from .drafters import ChainDrafter, Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord, last_stats
+from .fast import Acceptor
 from .policies import (BanditSpecUCB, ChainScheduler, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar, PerRequest,
-                       Policy, StepInfo)
+                       Plan, Policy, StepInfo)
 from .pool import ModelPool
 from .profiling import LatencyTable
 
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "generate", "enable", "disable", "SpecGenerateOutput", "ChainDrafter", "ChainScheduler",
     "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
-    "Policy", "StepInfo", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
+    "Policy", "Plan", "StepInfo", "Acceptor", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
     "PerRequest", "LatencyTable",
     "ModelPool", "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
 ]

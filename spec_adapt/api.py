@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -10,10 +11,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafters.base import Drafter
 from .drafters.model import ModelDrafter
+from .fast import Acceptor
 from .ledger import check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
-from .policies.base import Policy
+from .policies.base import Policy, check_policy
 from .policies.fixed import Heuristic
 
 
@@ -40,6 +42,7 @@ def generate(
     assistant_policy: Policy | None = None,
     spec_stats: SpecStats | None = None,
     spec_streamer=None,
+    acceptor: Acceptor | None = None,
     **model_kwargs,
 ):
     """Batched speculative decoding, called by transformers as `model.generate(..., custom_generate=generate)`.
@@ -48,13 +51,16 @@ def generate(
     - `drafter`: a draft model (any causal LM sharing the target's tokenizer) or a `Drafter`; None = no speculation.
     - `assistant_policy`: a `Policy` choosing the speculative length each step (default: `Heuristic()`).
     - `spec_stats`: a `SpecStats` to fill in (also readable afterwards with `spec_adapt.last_stats()`).
-    - `spec_streamer`: a streamer (transformers does not pass `streamer` on to custom_generate functions).
+    - `spec_streamer`: a streamer (transformers does not pass `streamer` on to custom_generate functions; a plain
+      `streamer=` given to `model.generate` is found and used too).
+    - `acceptor`: the accept phase (`spec_adapt.fast.Acceptor(kernels="auto" | "off" | "force")`); default Acceptor().
     Greedy output is token-for-token the target's own; sampled output has exactly the target's distribution.
     """
-    if generation_config is None:   # called directly rather than through model.generate: let generate prepare
+    if stopping_criteria is None:   # called directly rather than through model.generate: let generate prepare
         return model.generate(
-            input_ids, custom_generate=generate, drafter=drafter, assistant_policy=assistant_policy,
-            spec_stats=spec_stats, spec_streamer=spec_streamer, **model_kwargs,
+            input_ids, generation_config=generation_config, logits_processor=logits_processor,
+            custom_generate=generate, drafter=drafter, assistant_policy=assistant_policy, spec_stats=spec_stats,
+            spec_streamer=spec_streamer, acceptor=acceptor, **model_kwargs,
         )
     _check_generation_config(generation_config, synced_gpus)
     attention_mask = model_kwargs.pop("attention_mask", None)
@@ -72,14 +78,19 @@ def generate(
     if drafter is not None:
         drafter.validate(model)
     policy = assistant_policy if assistant_policy is not None else Heuristic()
+    check_policy(policy)
+    if acceptor is not None and not isinstance(acceptor, Acceptor):
+        raise TypeError(f"acceptor must be a spec_adapt.fast.Acceptor, got {type(acceptor).__name__}.")
     stats = spec_stats if spec_stats is not None else SpecStats()
-    if spec_streamer is not None:
-        spec_streamer.put(input_ids.cpu())
+    if spec_streamer is None:
+        spec_streamer = _stock_streamer()       # stock generate already gave it the prompt
+    else:
+        spec_streamer.put(input_ids[:1].cpu())     # the streamer follows row 0, as stock streamers do (batch 1)
 
     loop = SpeculativeLoop(
         model, input_ids, attention_mask, drafter=drafter, policy=policy, logits_processor=logits_processor,
         stopping_criteria=stopping_criteria, generation_config=generation_config, streamer=spec_streamer,
-        stats=stats, cache=cache,
+        stats=stats, cache=cache, acceptor=acceptor,
     )
     sequences = loop.run()
     set_last_stats(stats)
@@ -126,9 +137,29 @@ def _check_cache(cache) -> None:
         )
 
 
+def _stock_streamer():
+    """The `streamer=` a user gave `model.generate`. transformers (5.23) hands a custom_generate function neither it nor
+    a way to reach it, though it has already put the prompt into it: without this, a TextIteratorStreamer reader
+    would wait forever for `end()`. Read from the calling frame (read-only; None if transformers changes)."""
+    frame = inspect.currentframe()
+    for _ in range(4):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and "transformers" in frame.f_code.co_filename:
+            return frame.f_locals.get("streamer")
+    return None
+
+
 def _check_left_padding(mask) -> None:
     if mask is None:
         return
+    started = mask.cumsum(dim=1) > 0                   # at or after each row's first real token
+    if bool(((mask == 0) & started & (mask.flip(1).cumsum(dim=1).flip(1) > 0)).any()):
+        raise ValueError(
+            "The attention_mask has a gap: a 0 between real tokens of a row. spec_adapt supports left padding "
+            "only (zeros before a row's tokens): remove the gap, e.g. tokenize the row's text again."
+        )
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
         raise ValueError(
             "The attention_mask has padding after real tokens (right padding). Decoder-only generation needs left "

@@ -242,7 +242,7 @@ def _plot_lab(report, out) -> None:
 def eval_cmd(args) -> None:
     from pathlib import Path
 
-    from spec_adapt.eval.lossy import lossy_topk_acceptance
+    from spec_adapt.eval.lossy import LossyTopK
     from spec_adapt.eval.suite import Config, default_configs, run_suite, write_report
     from spec_adapt.models import load_model
     from spec_adapt.recipes import workloads
@@ -256,7 +256,7 @@ def eval_cmd(args) -> None:
     configs = default_configs()
     if args.with_lossy:
         fixed = configs[1]
-        configs.append(Config("lossy-top5", fixed.drafter, fixed.policy, lambda: lossy_topk_acceptance(5)))
+        configs.append(Config("lossy-top5", fixed.drafter, fixed.policy, LossyTopK(5)))
     report = run_suite(model, tok, prompts, configs, args.new_tokens, args.batch_size, args.temperature,
                        reward_model=args.reward_model)
     out = Path(args.out)

@@ -1,14 +1,18 @@
-"""Dispatch of the hot operations: Triton kernels (spec_adapt.kernels) where they can run, else PyTorch references.
+"""The accept phase as an object made per call: the acceptance rule, the kernel mode, and which path ran.
 
-Mode, from the environment variable SPEC_ADAPT_KERNELS or `set_mode`:
-- "auto" (default): kernels for CUDA tensors when Triton is installed, references otherwise;
+Kernel mode (`Acceptor(kernels=...)`, default from the environment variable SPEC_ADAPT_KERNELS, else "auto"):
+- "auto": Triton kernels (spec_adapt.kernels) for CUDA tensors when Triton is installed, PyTorch references otherwise;
 - "off": always the references;
 - "force": kernels for every tensor (with TRITON_INTERPRET=1 they run on the CPU: that is how CI tests them).
-`paths` records which path each operation took last ("triton" or "torch"); the loop copies it into SpecStats.
+Nothing here is module state: two calls in two threads each have their own Acceptor, and `paths` (operation ->
+"triton" | "torch") says what ran in this call only. A different acceptance rule (the quality suite's deliberately
+lossy one) is a subclass that overrides `greedy` / `rejection`; the loop and the chain's intermediate levels call
+the same `accept`.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
@@ -16,15 +20,13 @@ import torch
 
 from . import accept
 
-_mode = os.environ.get("SPEC_ADAPT_KERNELS", "auto")
-paths: dict[str, str] = {}
+MODES = ("auto", "off", "force")
 
 
-def set_mode(mode: str) -> None:
-    global _mode
-    if mode not in ("auto", "off", "force"):
-        raise ValueError(f"kernel mode must be 'auto', 'off' or 'force', got {mode!r}")
-    _mode = mode
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"kernel mode must be 'auto', 'off' or 'force', got {mode!r}.")
+    return mode
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,26 +38,50 @@ def triton_available() -> bool:
     return True
 
 
-def _use_kernel(name: str, tensor: torch.Tensor) -> bool:
-    use = _mode != "off" and triton_available() and (_mode == "force" or tensor.is_cuda)
-    paths[name] = "triton" if use else "torch"
-    return use
+def use_kernel(mode: str, tensor: torch.Tensor) -> bool:
+    return mode != "off" and triton_available() and (mode == "force" or tensor.is_cuda)
 
 
-def greedy(logits, draft_tokens, lengths):
-    if _use_kernel("greedy", logits):
-        from .kernels.verify import greedy_verify
+class Acceptor:
+    """Greedy match or lossless rejection sampling, through a kernel or its reference (see the module docstring)."""
 
-        return greedy_verify(logits, draft_tokens, lengths)
-    return accept.greedy_accept(logits, draft_tokens, lengths)
+    def __init__(self, kernels: str | None = None):
+        self.mode = check_mode(kernels or os.environ.get("SPEC_ADAPT_KERNELS", "auto"))
+        self.paths: dict[str, str] = {}
 
+    def for_call(self) -> "Acceptor":
+        """A copy with its own `paths`, so a user's acceptor shared by several calls reports each call apart."""
+        fresh = copy.copy(self)
+        fresh.paths = {}
+        return fresh
 
-def rejection(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials):
-    if _use_kernel("rejection", target_probs):
-        from .kernels.verify import rejection_verify
+    def accept(self, scores, draft_tokens, draft_probs, lengths, sampling: bool):
+        """scores [B, S+1, V] processed target scores; draft_tokens [B, S]; draft_probs [B, S, V] or None (point
+        mass); lengths [B]. Returns (accepted [B], next_token [B])."""
+        if not sampling:
+            return self.greedy(scores, draft_tokens, lengths)
+        batch, width = draft_tokens.shape
+        uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
+        return self.rejection(scores.softmax(dim=-1), draft_tokens, draft_probs, lengths, uniforms, exponentials)
 
-        return rejection_verify(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials)
-    return accept.rejection_sample(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials)
+    def greedy(self, logits, draft_tokens, lengths):
+        if self._kernel("greedy", logits):
+            from .kernels.verify import greedy_verify
+
+            return greedy_verify(logits, draft_tokens, lengths)
+        return accept.greedy_accept(logits, draft_tokens, lengths)
+
+    def rejection(self, target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials):
+        if self._kernel("rejection", target_probs):
+            from .kernels.verify import rejection_verify
+
+            return rejection_verify(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials)
+        return accept.rejection_sample(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials)
+
+    def _kernel(self, name: str, tensor: torch.Tensor) -> bool:
+        use = use_kernel(self.mode, tensor)
+        self.paths[name] = "triton" if use else "torch"
+        return use
 
 
 def gather_slots_reference(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -64,19 +90,10 @@ def gather_slots_reference(cache: torch.Tensor, index: torch.Tensor) -> torch.Te
     return cache.gather(2, idx)
 
 
-def gather_slots(cache, index):
-    if _use_kernel("compact", cache):
+def gather_slots(cache, index, mode: str = "auto"):
+    """KV compaction through the kernel or its reference; returns (gathered, path)."""
+    if use_kernel(mode, cache):
         from .kernels.compact import gather_slots as kernel
 
-        return kernel(cache, index)
-    return gather_slots_reference(cache, index)
-
-
-def token_rank(logits, tokens):
-    if _use_kernel("rank", logits):
-        from .kernels.verify import token_rank as kernel
-
-        return kernel(logits, tokens)
-    from .kernels.verify import token_rank_reference
-
-    return token_rank_reference(logits, tokens)
+        return kernel(cache, index), "triton"
+    return gather_slots_reference(cache, index), "torch"

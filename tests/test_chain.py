@@ -119,10 +119,18 @@ def test_scheduler_composes_and_stays_lossless():
     assert len({levels for _, levels, _ in scheduler.history}) > 1        # it tried several chains
 
 
-def _info(batch, remaining=50):
+def _info(batch, remaining=50, level_lags=None):
     """What the loop tells a policy before a step: `batch` fresh rows with `remaining` tokens each to go."""
     return spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
-                               torch.full((batch,), remaining), 0)
+                               torch.full((batch,), remaining), 0, level_lags=level_lags)
+
+
+def _telemetry(chain, members, **levels):
+    """What a ChainDrafter reports for one step: the members that ran and per-level counters (level_<i>=dict)."""
+    stats = chain.new_level_stats()
+    for name, values in levels.items():
+        stats[int(name.split("_")[1])].update(values)
+    return {"members": list(members), "levels": stats}
 
 
 def test_scheduler_prediction_picks_three_levels_where_theory_says():
@@ -138,25 +146,24 @@ def test_scheduler_prediction_picks_three_levels_where_theory_says():
     assert three < min(pair0, pair1)
     assert s.candidates == [(0,), (1,), (0, 1)]
     info = _info(1)
-    assert s.choose(info) == 4 and s.current[0] == (0, 1) and chain.members == [0, 1]
+    plan = s.choose(info)
+    assert plan.gammas == 4 and plan.members == (0, 1) and s.current[0] == (0, 1)
     s.alpha[(1, "T")] = [0.3, 1.0]
     s.alpha[(0, 1)] = [0.3, 1.0]
     assert s.predict((0, 1), 4) > s.predict((0,), 4)
-    s.choose(info)
-    assert s.current[0] == (0,) and chain.members == [0]
+    assert s.choose(info).members == (0,) and s.current[0] == (0,)
 
 
 def _step(scheduler, chain, batch, draft_seconds, verify_seconds, lags, width=4):
     """One observed step of [0, 1] at width `width`, every proposed token accepted, with the levels `lags` behind."""
-    chain.lags = list(lags)
-    info = _info(batch)
-    scheduler.choose(info)
-    chain.use([0, 1])                           # whatever it chose, this step ran [0, 1]
-    chain.level_stats[0].update(draft_seconds=draft_seconds, draft_tokens=width * batch, draft_calls=1)
-    chain.level_stats[1].update(drafted=width * batch, accepted=width * batch, tried=width * batch, calls=1,
-                                seconds=verify_seconds)
+    scheduler.choose(_info(batch, level_lags=list(lags)))
+    telemetry = _telemetry(chain, [0, 1],                # whatever it chose, this step ran [0, 1]
+                           level_0=dict(draft_seconds=draft_seconds, draft_tokens=width * batch, draft_calls=1),
+                           level_1=dict(drafted=width * batch, accepted=width * batch, tried=width * batch, calls=1,
+                                        seconds=verify_seconds))
     scheduler.observe(spec_adapt.StepRecord(batch, list(range(batch)), [width] * batch, [width] * batch,
-                                            [width] * batch, [width + 1] * batch, 0.2, draft_seconds, 0.1))
+                                            [width] * batch, [width + 1] * batch, 0.2, draft_seconds, 0.1,
+                                            telemetry))
 
 
 def test_scheduler_times_each_batch_size_apart():
@@ -193,14 +200,13 @@ def test_scheduler_prices_the_batch_by_its_longest_proposal():
     drafted = [4] + [0] * 15                                             # one row proposed 4 tokens, the rest none
     info = _info(16)
     s.choose(info)
-    chain.use([0])
-    chain.level_stats[0].update(draft_seconds=0.0, draft_tokens=16, draft_calls=1)
+    telemetry = _telemetry(chain, [0], level_0=dict(draft_seconds=0.0, draft_tokens=16, draft_calls=1))
     s.observe(spec_adapt.StepRecord(16, list(range(16)), [4] * 16, drafted, [2] + [0] * 15, [3] + [1] * 15, 0.13,
-                                    0.0, 0.13))
+                                    0.0, 0.13, telemetry))
     assert s.span[((0,), 16)] == pytest.approx(1.0)
     assert s.predict((0,), 4, batch=16) > optimistic
     assert s.predict((0,), 4, batch=16) > s.predict((), 0, batch=16)  # target-only wins
-    assert s.choose(info) == 0
+    assert s.choose(info).gammas == 0
 
 
 def test_scheduler_learns_the_catch_up_cost_apart_and_charges_it():
@@ -217,12 +223,9 @@ def test_scheduler_learns_the_catch_up_cost_apart_and_charges_it():
     assert s.predict((0, 1), 4, lags=[0, 32]) > s.predict((0, 1), 4, lags=[0, 1])
     s.alpha = {(0, 1): [0.5, 1.0], (1, "T"): [0.9, 1.0], (0, "T"): [0.45, 1.0]}
     s.t_target = s.t_plain = 0.1
-    info = _info(1)
-    chain.lags = [0, 1]
-    s.choose(info)
+    s.choose(_info(1, level_lags=[0, 1]))
     assert 1 in s.current[0]                                         # the middle level helps when it is current
-    chain.lags = [0, 200]
-    s.choose(info)
+    s.choose(_info(1, level_lags=[0, 200]))
     assert s.current[0] == (0,)                                      # 200 tokens behind: not worth it this step
     assert json.dumps(s.state_dict())
 
@@ -234,7 +237,8 @@ def test_chain_reports_every_levels_lag():
     chain.begin(ids, mask)
     lengths = mask.sum(1) + 5                   # five tokens committed since the prompt
     assert chain.lag(lengths) is None          # prompt lookup drafts: nothing to catch up
-    assert chain.lags[0] == 0 and chain.lags[1] == int((lengths - chain.verifiers[0].ledger.n_cached).max()) >= 5
+    lags = chain.level_lags(lengths)
+    assert lags[0] == 0 and lags[1] == int((lengths - chain.verifiers[0].ledger.n_cached).max()) >= 5
 
 
 def test_intermediate_level_drafting_alone_is_lossless():
@@ -246,15 +250,16 @@ def test_intermediate_level_drafting_alone_is_lossless():
 
     class Alternate(FixedLength):           # [1], [0, 1], [0] in turn: every level joins and leaves mid-call
         def choose(self, info):
-            chain.use([[1], [0, 1], [0]][self.calls % 3])
+            members = [[1], [0, 1], [0]][self.calls % 3]
             self.calls += 1
-            return super().choose(info)
+            return spec_adapt.Plan(super().choose(info), members)
 
     policy = Alternate(4)
     policy.calls = 0
     out, stats = run(model, ids, mask, chain, policy)
     assert torch.equal(out, reference)
-    assert stats.accepted > 0 and chain.level_stats is not None
+    assert stats.accepted > 0
+    assert {tuple(r.telemetry["members"]) for r in stats.trace if r.telemetry} == {(1,), (0, 1), (0,)}
     with pytest.raises(ValueError, match="ascending"):
         chain.use([1, 0])
 
@@ -301,12 +306,12 @@ def _simulated_chain_run(alpha, times, steps=600, seed=0):
     chain = ChainDrafter([ScriptedDrafter(lambda r, c, g: [])] + [cached_model("llama")])
     sched = ChainScheduler(chain, widths=(2, 4, 8), explore=0.05, seed=seed)
 
-    def one_step(members, width, record=False):
+    def one_step(members, width, record=None):
         if width == 0:
             return times["plain"], 1, 0, 0
-        if record:
-            chain.level_stats[members[0]].update(draft_seconds=width * times["draft"][members[0]],
-                                                 draft_tokens=width, draft_calls=1)
+        if record is not None:
+            record[members[0]].update(draft_seconds=width * times["draft"][members[0]], draft_tokens=width,
+                                      draft_calls=1)
         seconds, reach = width * times["draft"][members[0]], width
         for a, b in zip(members, list(members[1:]) + ["T"]):
             run = 0
@@ -315,8 +320,8 @@ def _simulated_chain_run(alpha, times, steps=600, seed=0):
             if b == "T":
                 return seconds + times["T"], run + 1, reach, run
             seconds += times["verify"][b]
-            if record:
-                chain.level_stats[b].update(drafted=reach, accepted=run, tried=run + (run < reach), calls=1,
+            if record is not None:
+                record[b].update(drafted=reach, accepted=run, tried=run + (run < reach), calls=1,
                                             seconds=times["verify"][b])
             reach = min(width, run + 1)
 
@@ -329,14 +334,15 @@ def _simulated_chain_run(alpha, times, steps=600, seed=0):
                 total_s, total_t = total_s + s, total_t + t
             truth[(members, width)] = total_s / total_t
     truth[((), 0)] = times["plain"]
-    chain.reset_stats()
     info = _info(1, remaining=10**6)
     for _ in range(steps):
-        width = sched.choose(info)
-        seconds, committed, drafted, accepted = one_step(sched.current[0], width, record=True)
+        width = sched.choose(info).gammas
+        levels = chain.new_level_stats()
+        seconds, committed, drafted, accepted = one_step(sched.current[0], width, record=levels)
         verify = times["T"] if width else seconds
+        telemetry = {"members": list(sched.current[0]), "levels": levels} if width else None
         sched.observe(spec_adapt.StepRecord(1, [0], [width], [drafted], [accepted], [committed], seconds,
-                                            seconds - verify, verify))
+                                            seconds - verify, verify, telemetry))
     return sched, truth
 
 
@@ -407,4 +413,4 @@ def test_scheduler_backs_off_probing_when_speculation_keeps_losing():
     assert speculative < 0.04, speculative
     assert sched.probe_gap > sched.probe_every
     with pytest.raises(ValueError, match="explore_margin"):
-        ChainScheduler(sched.chain, explore_margin=-1)
+        ChainScheduler(ChainDrafter([PromptLookupDrafter()]), explore_margin=-1)

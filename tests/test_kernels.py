@@ -84,44 +84,36 @@ def test_compaction_kernel_matches_reference(batch, heads, length, dim, dtype):
     assert torch.equal(gather_slots(cache, index), fast.gather_slots_reference(cache, index))
 
 
-@pytest.fixture
-def kernels_forced():
-    fast.set_mode("force")
-    yield
-    fast.set_mode("auto")
-
-
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_loop_identical_with_kernels_on_and_off(kernels_forced, do_sample):
+def test_loop_identical_with_kernels_on_and_off(do_sample):
     model = cached_model("llama")
     draft = tiny_model("llama", seed=9, layers=1)
     ids, mask = ragged_batch(4, seed=60)
     outputs = {}
     for mode in ("force", "off"):
-        fast.set_mode(mode)
         torch.manual_seed(0)
         stats = spec_adapt.SpecStats()
         outputs[mode] = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=do_sample, pad_token_id=PAD, eos_token_id=None,
             max_new_tokens=20, custom_generate=spec_adapt.generate, drafter=draft, assistant_policy=FixedLength(3),
-            spec_stats=stats)
+            spec_stats=stats, acceptor=fast.Acceptor(kernels=mode))
         path = "rejection" if do_sample else "greedy"
         assert stats.kernel_paths[path] == ("triton" if mode == "force" else "torch")
     assert torch.equal(outputs["force"], outputs["off"])
 
 
-def test_compaction_through_the_ledger_with_kernels(kernels_forced):
+def test_compaction_through_the_ledger_with_kernels():
     from spec_adapt.ledger import KVLedger
 
     model = cached_model("llama")
     ids, mask = ragged_batch(3, seed=61)
     results = []
     for mode in ("force", "off"):
-        fast.set_mode(mode)
-        ledger = KVLedger(model)
+        ledger = KVLedger(model, kernels=mode)
         ledger.prefill(ids, mask)
         ledger.forward(torch.randint(3, 90, (3, 4), generator=torch.Generator().manual_seed(0)), torch.tensor([4, 2, 3]))
         ledger.rollback(ledger.n_cached - torch.tensor([2, 1, 3]))
         ledger.compact()
         results.append([layer.keys.clone() for layer in ledger.cache.layers] + [ledger.slots.clone()])
+        assert ledger.compact_path == ("triton" if mode == "force" else "torch")
     assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -9,10 +9,14 @@ way for every drafter and for the target's own ledger.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..processors import ScoreProcessor
+
+if TYPE_CHECKING:
+    from ..fast import Acceptor
 
 
 @dataclass
@@ -23,13 +27,17 @@ class DraftRequest:
     rows: torch.Tensor           # [B] long: the rows' indices in the user's batch
     sampling: bool               # True: return draft probabilities for rejection sampling (or None = point mass)
     process: ScoreProcessor      # the call's logits processors, to apply to draft scores position by position
+    acceptor: "Acceptor | None" = None   # the call's accept phase, for drafters that verify (chain levels)
+    members: tuple | None = None  # the policy's plan: which chain members to use this step (None = the drafter's own)
 
 
 @dataclass
 class Proposal:
     tokens: torch.Tensor              # [B, S] long, S = max(lengths); entries past lengths[b] are ignored
-    lengths: torch.Tensor             # [B] long, lengths[b] <= gammas[b]
+    lengths: torch.Tensor             # [B] long, 0 <= lengths[b] <= gammas[b]
     probs: torch.Tensor | None = None # [B, S, V] float32 processed draft distributions; None = point mass
+    telemetry: dict | None = None     # what the drafter measured this step (a chain: members used, per-level
+                                      # counts and times); the loop hands it to the policy in the StepRecord
 
     @staticmethod
     def empty(batch: int, device) -> "Proposal":
@@ -79,6 +87,17 @@ class Drafter:
         """[B] committed tokens (of `lengths`) this drafter would have to catch up on first; None = no such cost."""
         return None
 
+    def level_lags(self, lengths: torch.Tensor) -> list[int] | None:
+        """Multi-level drafters: the largest lag of each level (index = level). None for single-level drafters."""
+        return None
+
+    def check_members(self, members: tuple) -> None:
+        """Raise a clear error unless `members` (a policy's plan) names levels this drafter has."""
+        raise ValueError(
+            f"The policy's plan names chain members {members!r}, but {type(self).__name__} is not a ChainDrafter: "
+            "pass the ChainDrafter the policy schedules as drafter=."
+        )
+
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Buffer tokens [0, keep_len[b]) of each active row are committed; anything drafted past them is not."""
 
@@ -88,3 +107,62 @@ class Drafter:
     def end(self, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
         """End of the call: free per-call state. `tokens` [B0, L] / `lengths` [B0] are the final sequences of the
         user's whole batch (None after a failure), for drafters that learn from outputs."""
+
+
+class InvalidProposal(ValueError):
+    """A drafter returned something the loop cannot verify; the call continues without speculation."""
+
+
+def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
+    """Validate a drafter's answer once, where it enters the loop; return it on the target's device with its width
+    cut to the longest row. Lengths above gamma are cut to gamma (the extra drafts are simply not verified); anything
+    else malformed raises InvalidProposal, which the loop treats like a drafter exception (fallback, nothing lost).
+
+    Checked: type; tokens [B, S] of an integer dtype, ids within [0, vocab) where used; lengths [B] integers, >= 0,
+    <= S; probs None or [B, >= S', V] floating, finite, >= 0, summing to 1 where used, and q(d) > 0 for every drafted
+    token d (a draft cannot propose what it gives probability 0: p/q would be infinite and acceptance lossy)."""
+    if not isinstance(proposal, Proposal):
+        raise InvalidProposal(f"propose returned {type(proposal).__name__}, not a Proposal")
+    batch, device = request.gammas.shape[0], request.tokens.device
+    tokens, lengths, probs = proposal.tokens, proposal.lengths, proposal.probs
+    _expect(isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[0] == batch
+            and not tokens.dtype.is_floating_point and tokens.dtype != torch.bool,
+            f"tokens must be an integer tensor [B={batch}, S], got {_describe(tokens)}")
+    _expect(isinstance(lengths, torch.Tensor) and lengths.shape == (batch,) and not lengths.dtype.is_floating_point
+            and lengths.dtype != torch.bool, f"lengths must be an integer tensor [B={batch}], got {_describe(lengths)}")
+    tokens, lengths = tokens.to(device).long(), lengths.to(device).long()
+    _expect(bool((lengths >= 0).all()) and bool((lengths <= tokens.shape[1]).all()),
+            f"lengths must be within [0, S={tokens.shape[1]}], got {lengths.tolist()}")
+    lengths = torch.minimum(lengths, request.gammas.to(device))
+    width = int(lengths.max()) if batch else 0
+    tokens = tokens[:, :width]
+    used = torch.arange(width, device=device)[None, :] < lengths[:, None]            # [B, S]
+    bad = used & ((tokens < 0) | (tokens >= vocab))
+    _expect(not bool(bad.any()), f"token ids must be within [0, {vocab}), got {tokens[bad][:4].tolist()}")
+    if probs is not None:
+        probs = _checked_probs(probs, tokens, used, batch, width, vocab).to(device)
+    return Proposal(tokens, lengths, probs, proposal.telemetry)
+
+
+def _checked_probs(probs, tokens, used, batch, width, vocab) -> torch.Tensor:
+    _expect(isinstance(probs, torch.Tensor) and probs.dim() == 3 and probs.shape[0] == batch
+            and probs.shape[1] >= width and probs.shape[2] == vocab and probs.dtype.is_floating_point,
+            f"probs must be a float tensor [B={batch}, S>={width}, V={vocab}] or None, got {_describe(probs)}")
+    probs = probs[:, :width].float()
+    rows = probs.to(tokens.device)[used]                                            # [N, V] positions in use
+    _expect(bool(torch.isfinite(rows).all()) and bool((rows >= 0).all()), "probs contain NaN, inf or negative values")
+    _expect(bool(((rows.sum(-1) - 1).abs() < 1e-3).all()), "each used position's probs must sum to 1")
+    q = probs.to(tokens.device).gather(-1, tokens[..., None]).squeeze(-1)[used]
+    _expect(bool((q > 0).all()), "a drafted token has draft probability 0 (its probs do not match its tokens)")
+    return probs
+
+
+def _expect(ok: bool, problem: str) -> None:
+    if not ok:
+        raise InvalidProposal(f"malformed Proposal: {problem}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {list(x.shape)}"
+    return type(x).__name__

@@ -12,9 +12,12 @@ A `ChainDrafter` is itself a Drafter, so the loop does not change. For levels [D
 Every model keeps its own KV ledger and rolls back to the committed prefix with everyone else (per row, holes, no
 data movement). An intermediate level that fails (out of memory included) is dropped for the rest of the call,
 the proposal of the level below is used instead, and `events` says what happened; nothing committed is lost.
-`use(members)` selects the chain for the next step (a ChainScheduler calls it): indices into `levels`, ascending;
+Which members run is the policy's plan (`Plan(gammas, members)` from a ChainScheduler reaches `propose` as
+`DraftRequest.members`; `use(members)` sets the default for steps without a plan): indices into `levels`, ascending;
 the first member drafts (level 0, or an intermediate model drafting on its own, as in a plain [M_j -> target] pair)
-and the rest verify in order. Every chain ending in the target is thus available.
+and the rest verify in order. Every chain ending in the target is thus available. Each step's per-level counts and
+times go back in `Proposal.telemetry` (the loop hands them to the policy in the StepRecord), and each level's lag
+through `level_lags`: nothing a policy reads is an attribute it pokes.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import time
 
 import torch
 
-from .. import fast
-from ..accept import committed_tokens, sample_randoms
+from ..accept import committed_tokens
+from ..fast import Acceptor
 from .base import Drafter, DraftRequest, Proposal, with_drafts
 from .model import ModelDrafter
 
@@ -49,16 +52,13 @@ class VerifierLevel(ModelDrafter):
         pos = (pending[:, None] - 1 + torch.arange(width + 1, device=device)[None, :]).clamp(max=chunk_width - 1)
         scores = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))[..., : self.vocab].float()
         scores = request.process.positions(scores, context, lengths, n + 1, request.rows.to(device))
-        if request.sampling:
-            probs = scores.softmax(-1)
-            u, e = sample_randoms(batch, width, probs.shape[-1], device)
-            q = proposal.probs.to(device) if proposal.probs is not None else None
-            accepted, nxt = fast.rejection(probs, drafts, q, n, u, e)
-            if q is not None and width:
-                stats["tv"].append(_total_variation(probs[:, :width], q, n))
-        else:
-            probs = None
-            accepted, nxt = fast.greedy(scores, drafts, n)
+        # The target's own acceptance rule (the call's acceptor), so a level keeps exactly what the target would.
+        acceptor = request.acceptor or Acceptor()
+        q = proposal.probs.to(device) if request.sampling and proposal.probs is not None else None
+        accepted, nxt = acceptor.accept(scores, drafts, q, n, request.sampling)
+        probs = scores.softmax(-1) if request.sampling else None
+        if q is not None and width:
+            stats["tv"].append(_total_variation(probs[:, :width], q, n))
         stats["drafted"] += int(n.sum())
         stats["accepted"] += int(accepted.sum())
         stats["tried"] += int((accepted + (accepted < n).long()).sum())   # positions where a decision was made
@@ -86,29 +86,32 @@ class ChainDrafter(Drafter):
         first = levels[0]
         self.first = first if isinstance(first, Drafter) else ModelDrafter(first)
         self.verifiers = [VerifierLevel(m) for m in levels[1:]]
-        self.members = list(range(len(levels)))   # the chain in use: indices into levels, the first one drafts
+        self.members = list(range(len(levels)))   # default chain: indices into levels, the first one drafts
+        self.last_members = self.members            # the chain the last step ran
         self.failed: set[int] = set()               # intermediate levels dropped for this call (indices into levels)
-        self.lags = [0] * len(levels)                # per level: largest lag at the last `lag` call
-        self.events: list[str] = []
-        self.reset_stats()
+        self.events: list[str] = []                 # this call's level failures
 
-    def reset_stats(self) -> None:
-        """Per-level counters since the last reset: as a verifier (drafted/accepted/tried, seconds and calls, D_TV)
-        and as the drafter (draft_seconds, draft_tokens, draft_calls)."""
-        self.level_stats = [{"drafted": 0, "accepted": 0, "tried": 0, "seconds": 0.0, "calls": 0, "tv": [],
-                             "draft_seconds": 0.0, "draft_tokens": 0, "draft_calls": 0}
-                            for _ in range(len(self.verifiers) + 1)]
+    def new_level_stats(self) -> list[dict]:
+        """One step's per-level counters: as a verifier (drafted/accepted/tried, seconds and calls, D_TV) and as
+        the drafter (draft_seconds, draft_tokens, draft_calls)."""
+        return [{"drafted": 0, "accepted": 0, "tried": 0, "seconds": 0.0, "calls": 0, "tv": [],
+                 "draft_seconds": 0.0, "draft_tokens": 0, "draft_calls": 0}
+                for _ in range(len(self.verifiers) + 1)]
 
     def use(self, members: list[int]) -> None:
-        """Run this chain from the next step: ascending indices into levels ([0] = a plain 2-level draft with
+        """Run this chain on steps without a plan: ascending indices into levels ([0] = a plain 2-level draft with
         level 0, [0, 2] = level 0 drafts and level 2 verifies, [1] = level 1 drafts alone)."""
+        self.check_members(members)
+        self.members = list(members)
+
+    def check_members(self, members) -> None:
         members = list(members)
         if not members or members != sorted(set(members)) or not 0 <= members[0] <= members[-1] <= len(self.verifiers):
-            raise ValueError(f"use() takes ascending level indices within 0..{len(self.verifiers)}, got {members!r}.")
-        self.members = members
+            raise ValueError(f"A chain's members are ascending level indices within 0..{len(self.verifiers)}, got "
+                             f"{members!r}.")
 
-    def _chain(self) -> list[int]:
-        members = [m for m in self.members if m not in self.failed]
+    def _chain(self, members=None) -> list[int]:
+        members = [m for m in (members if members is not None else self.members) if m not in self.failed]
         return members or [0]
 
     def validate(self, target):
@@ -118,28 +121,31 @@ class ChainDrafter(Drafter):
 
     def begin(self, input_ids, attention_mask):
         self.failed.clear()
+        self.events = []
         self.first.begin(input_ids, attention_mask)
         for i, level in enumerate(self.verifiers):
             self._guarded(i + 1, level.begin, input_ids, attention_mask)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        members = self._chain()
-        proposal, members = self._draft(request, members)
+        level_stats = self.new_level_stats()
+        proposal, members = self._draft(request, self._chain(request.members), level_stats)
         for m in members[1:]:
             # A level runs even where the level below proposed nothing (prompt lookup often has no match): it
             # still adds its own next token, which is what a level costs and gives in the scheduler's model.
             if m in self.failed or not bool((request.gammas > 0).any()):
                 continue
             start = time.perf_counter()
-            stats = self.level_stats[m]
+            stats = level_stats[m]
             checked = self._guarded(m, self.verifiers[m - 1].verify, request, proposal, request.gammas, stats)
             stats["seconds"] += time.perf_counter() - start
             stats["calls"] += 1
             if checked is not None:
                 proposal = checked
+        self.last_members = [m for m in members if m not in self.failed]
+        proposal.telemetry = {"members": list(self.last_members), "levels": level_stats}
         return proposal
 
-    def _draft(self, request: DraftRequest, members: list[int]) -> tuple[Proposal, list[int]]:
+    def _draft(self, request: DraftRequest, members: list[int], level_stats) -> tuple[Proposal, list[int]]:
         """The first member drafts; an intermediate model that fails while drafting is dropped and level 0 drafts
         instead. Returns the proposal and the members still to verify it (first one included)."""
         first = members[0]
@@ -152,7 +158,7 @@ class ChainDrafter(Drafter):
                 start = time.perf_counter()
         if proposal is None:
             proposal = self.first.propose(request)
-        stats = self.level_stats[first]
+        stats = level_stats[first]
         stats["draft_seconds"] += time.perf_counter() - start
         stats["draft_calls"] += 1
         stats["draft_tokens"] += int(proposal.lengths.sum())
@@ -170,13 +176,18 @@ class ChainDrafter(Drafter):
             if i not in self.failed:
                 self._guarded(i, level.select_rows, index)
 
-    def lag(self, lengths):
-        """The drafting level's lag. Also records every level's largest lag in `lags` (0 for a model-free or
-        dropped level): which chain is cheapest depends on who must catch up after target-only steps."""
-        lags = [self.first.lag(lengths)] + [None if i in self.failed else level.lag(lengths)
+    def _lags(self, lengths) -> list:
+        return [self.first.lag(lengths)] + [None if i in self.failed else level.lag(lengths)
                                             for i, level in enumerate(self.verifiers, start=1)]
-        self.lags = [int(x.max()) if x is not None and x.numel() else 0 for x in lags]
-        return lags[self._chain()[0]]
+
+    def lag(self, lengths):
+        """The lag of the level that drafted last."""
+        return self._lags(lengths)[self._chain(self.last_members)[0]]
+
+    def level_lags(self, lengths):
+        """Every level's largest lag (0 for a model-free or dropped level): which chain is cheapest depends on who
+        must catch up after target-only steps."""
+        return [int(x.max()) if x is not None and x.numel() else 0 for x in self._lags(lengths)]
 
     def end(self, tokens=None, lengths=None):
         self.first.end(tokens, lengths)

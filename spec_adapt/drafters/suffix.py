@@ -53,17 +53,16 @@ class SuffixIndex:
         return out
 
 
-_SHARED = SuffixIndex()
-
-
 class SuffixDrafter(Drafter):
     """Batched, per row. Every row's prompt and committed tokens are indexed as they appear, so the drafter also
-    does prompt lookup; the index outlives the call (by default one index per process, shared by all drafters)."""
+    does prompt lookup; the index outlives the call. Each drafter has its own index unless one is passed: sharing is
+    explicit (`index = SuffixIndex(); SuffixDrafter(index); SuffixDrafter(index)`), so one caller's text never
+    reaches another's drafts by default."""
 
     def __init__(self, index: SuffixIndex | None = None, min_share: float = 0.3, min_depth: int = 2):
         if not 0.0 <= min_share <= 1.0:
             raise ValueError(f"SuffixDrafter(min_share) must be within [0, 1], got {min_share!r}.")
-        self.index = index if index is not None else _SHARED
+        self.index = index if index is not None else SuffixIndex()
         self.min_share, self.min_depth = min_share, min_depth
         self.pad, self.indexed = None, None
 

@@ -204,6 +204,15 @@ class BanditSpecUCB(Policy):
         self.best, self.t, self._index = state["best"], state["t"], None
 
 
+def _listed(x):
+    """A random.Random state (nested tuples) as JSON-friendly nested lists, and back."""
+    return [_listed(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tupled(x):
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
 class _PositionAcceptance:
     """Per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted), counts decayed once per
     observation (a position reached by n rows in a step decays by decay**n), so memory is counted in rows."""
@@ -232,15 +241,6 @@ class _PositionAcceptance:
 
     def rates(self) -> list[float]:
         return [a / t for a, t in zip(self.accepted, self.tried)]
-
-    def expected_tokens(self, gamma: int, rates=None) -> float:
-        """E[committed | γ] = 1 + Σ_{k≤γ} Π_{i≤k} p_i."""
-        rates = rates if rates is not None else self.rates()
-        total, run = 1.0, 1.0
-        for p in rates[:gamma]:
-            run *= p
-            total += run
-        return total
 
 
 class GoodputModel(Policy):
@@ -287,13 +287,16 @@ class GoodputModel(Policy):
 
     def state_dict(self):
         return {"max_gamma": self.max_gamma, "explore": self.explore, "tried": self.acceptance.tried,
-                "accepted": self.acceptance.accepted, "latency": self.latency.state_dict()}
+                "accepted": self.acceptance.accepted, "latency": self.latency.state_dict(),
+                "rng": _listed(self.rng.getstate())}
 
     def load_state_dict(self, state):
         self.max_gamma, self.explore = state["max_gamma"], state["explore"]
         self.reset()
         self.acceptance.tried, self.acceptance.accepted = list(state["tried"]), list(state["accepted"])
         self.latency.load_state_dict(state["latency"])
+        if "rng" in state:
+            self.rng.setstate(_tupled(state["rng"]))
 
 
 class ElasticEWMA(Policy):
@@ -387,11 +390,16 @@ class PerRequest(Policy):
         self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time)
 
     def state_dict(self):
+        # Per-row counts too: within a call they steer each row's length (begin() clears them for a new call).
+        rows = [[row, own.tried, own.accepted] for row, own in self.rows.items()]
         return {"max_gamma": self.max_gamma, "beta": self.beta, "tried": self.pooled.tried,
-                "accepted": self.pooled.accepted, "latency": self.latency.state_dict()}
+                "accepted": self.pooled.accepted, "latency": self.latency.state_dict(), "rows": rows}
 
     def load_state_dict(self, state):
         self.max_gamma, self.beta = state["max_gamma"], state["beta"]
         self.reset()
         self.pooled.tried, self.pooled.accepted = list(state["tried"]), list(state["accepted"])
         self.latency.load_state_dict(state["latency"])
+        for row, tried, accepted in state.get("rows", []):
+            own = self.rows[int(row)] = _PositionAcceptance(max(self.max_gamma, 1), prior_weight=0.0)
+            own.tried, own.accepted = list(tried), list(accepted)

@@ -2,13 +2,15 @@
 
 A policy is an object, never a config string, and keeps its state to itself (never in the user's model):
 - `begin(batch_size)`: a generate call starts (reset per-call state such as per-row lengths);
-- `choose(info) -> int | sequence/tensor of B ints`: gamma for the whole batch or one per active row; 0 = no draft;
+- `choose(info) -> int | sequence/tensor of B ints | Plan`: gamma for the whole batch or one per active row (0 = no
+  draft); a `Plan` also names the chain members the drafter should use this step (a ChainScheduler's answer);
 - `observe(record)`: what the step did (a `StepRecord`: gammas, drafted, accepted, committed, times, batch size);
 - `reset()`: forget everything learned; `state_dict()` / `load_state_dict()`: save and restore what was learned.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,17 @@ class StepInfo:
     remaining: torch.Tensor   # [B] tokens each row may still generate
     step: int                 # verification steps done so far in this call
     draft_lag: torch.Tensor | None = None   # [B] committed tokens a draft model has not cached (catch-up cost)
+    level_lags: list[int] | None = None     # multi-level drafters: each level's largest lag (index = level)
+
+
+@dataclass
+class Plan:
+    """A policy's answer when it steers more than the length: `gammas` as `choose` would return them, and `members`,
+    the chain levels to use this step (ascending indices into a ChainDrafter's levels; None = leave the chain as is).
+    The plan reaches the drafter through `DraftRequest.members`; the policy never touches the drafter."""
+
+    gammas: object
+    members: tuple | None = None
 
 
 class Policy:
@@ -46,17 +59,28 @@ class Policy:
         pass
 
 
+def check_plan(policy, value, batch_size: int) -> tuple[torch.Tensor, tuple | None]:
+    """A policy's answer -> (gammas [B] long, members or None), or an error naming the policy and the fix."""
+    if isinstance(value, Plan):
+        members = None if value.members is None else tuple(int(m) for m in value.members)
+        return check_gammas(policy, value.gammas, batch_size), members
+    return check_gammas(policy, value, batch_size), None
+
+
 def check_gammas(policy, value, batch_size: int) -> torch.Tensor:
-    """Turn a policy's answer into a [B] long tensor, or raise an error naming the policy and the fix."""
+    """Turn a policy's answer into a [B] long tensor, or raise an error naming the policy and the fix. Python and
+    NumPy integers and 0-d integer tensors mean the same gamma for every row."""
     expected = f"a non-negative int or {batch_size} non-negative ints (one per active row)"
-    if isinstance(value, bool):
-        value = None
-    if isinstance(value, int):
-        value = [value] * batch_size
-    try:
-        gammas = torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError):
-        gammas = None
+    gammas = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        gammas = torch.full((batch_size,), int(value), dtype=torch.long)
+    elif not isinstance(value, (bool, str, bytes)):
+        try:
+            gammas = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            gammas = None
+        if gammas is not None and gammas.dim() == 0:
+            gammas = gammas.expand(batch_size)
     if (
         gammas is None
         or gammas.dtype.is_floating_point
@@ -67,3 +91,12 @@ def check_gammas(policy, value, batch_size: int) -> torch.Tensor:
     ):
         raise ValueError(f"{type(policy).__name__}.choose returned {value!r}; expected {expected}.")
     return gammas.long()
+
+
+def check_policy(policy) -> None:
+    """A policy must be an object with choose / observe (never a config string)."""
+    if not all(callable(getattr(policy, name, None)) for name in ("begin", "choose", "observe")):
+        raise TypeError(
+            f"assistant_policy must be a spec_adapt Policy object (e.g. FixedLength(4), Nightjar()), got "
+            f"{type(policy).__name__} {policy!r}."
+        )

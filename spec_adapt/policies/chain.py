@@ -33,9 +33,11 @@ import itertools
 import math
 import random
 
+from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
 from ..profiling import OnlineLatency
-from .base import Policy, StepInfo
+from .adaptive import _listed, _tupled
+from .base import Plan, Policy, StepInfo
 
 
 class ChainScheduler(Policy):
@@ -45,11 +47,16 @@ class ChainScheduler(Policy):
         if not 0.0 <= explore <= 1.0 or explore_margin < 0 or probe_every < 1:
             raise ValueError(f"ChainScheduler needs 0 <= explore <= 1, explore_margin >= 0 and probe_every >= 1; got "
                              f"explore={explore}, explore_margin={explore_margin}, probe_every={probe_every}.")
+        if not isinstance(chain, ChainDrafter):
+            raise TypeError(f"ChainScheduler schedules a ChainDrafter (pass the same one as drafter=), got "
+                            f"{type(chain).__name__}. For a single drafter use a length policy such as Nightjar().")
         self.explore_margin = explore_margin
-        self.chain, self.widths, self.length_policy = chain, tuple(widths), length_policy
+        # The chain is read for its shape only (how many levels); the scheduler steers it through its Plan.
+        self.levels = len(chain.verifiers) + 1
+        self.widths, self.length_policy = tuple(widths), length_policy
         self.ema, self.explore, self.prior_alpha, self.seed = ema, explore, prior_alpha, seed
         self.probe_every = probe_every
-        levels = range(len(chain.verifiers) + 1)
+        levels = range(self.levels)
         self.candidates = [tuple(c) for r in range(1, len(levels) + 1) for c in itertools.combinations(levels, r)]
         self.options = [(c, w) for c in self.candidates for w in self.widths] + [((), 0)]   # target-only last
         self.reset()
@@ -69,7 +76,7 @@ class ChainScheduler(Policy):
         # The target's step grows with the tokens it verifies (on a CPU, 9 tokens cost ~1.7x one): once samples
         # at two widths are in, T(B, s) comes from an online fit instead of the two averages above.
         self.latency = OnlineLatency(window=256, min_samples=8, refit_every=8)
-        self.current = (tuple(range(len(self.chain.verifiers) + 1)), self.widths[-1])
+        self.current = (tuple(range(self.levels)), self.widths[-1])
         self.history: list[tuple] = []
         self.idle = 0                              # target-only steps in a row
         self.probe_gap = self.probe_every          # target-only steps before the next probe (backs off)
@@ -116,7 +123,7 @@ class ChainScheduler(Policy):
 
     # -- the Policy contract ------------------------------------------------------------------------------------
     def choose(self, info: StepInfo):
-        self.step_lags = list(self.chain.lags)
+        self.step_lags = list(info.level_lags or [0] * self.levels)
         costs = {o: self.predict(*o, batch=info.batch_size, lags=self.step_lags) for o in self.options}
         levels, width = min(self.options, key=costs.get)
         if self.rng.random() < self.explore:
@@ -130,22 +137,20 @@ class ChainScheduler(Policy):
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
         self.current = (levels, width)
-        if levels:                                  # target-only steps leave the chain as it is
-            self.chain.use(list(levels))
         self.history.append((info.batch_size, levels, width if isinstance(width, int) else max(width)))
-        return width
+        return Plan(width, levels or None)          # target-only steps leave the chain as it is
 
     def observe(self, record: StepRecord):
         if self.length_policy is not None:
             self.length_policy.observe(record)
-        stats, batch = self.chain.level_stats, record.batch_size
+        telemetry, batch = record.telemetry or {}, record.batch_size
+        stats = telemetry.get("levels") or []      # none when nothing was proposed (target-only, or a fallback)
         for level, s in enumerate(stats):
             if s["draft_tokens"]:
                 per_row = s["draft_tokens"] / batch             # positions: one draft pass covers every row
                 self._timing(self.t_draft, level, batch, s["draft_seconds"] / per_row, per_row)
         first = next((level for level, s in enumerate(stats) if s["draft_calls"]), None)   # who drafted
-        members = [] if first is None else [first] + [
-            m for m in self.chain.members if m > first and m not in self.chain.failed]
+        members = [] if first is None else [first] + [m for m in telemetry["members"] if m > first]
         if members and sum(record.gammas):
             self._update(self.fill, first, stats[first]["draft_tokens"] / sum(record.gammas))
             self._update(self.span, (tuple(members), batch), max(record.drafted) / max(record.gammas))
@@ -169,7 +174,6 @@ class ChainScheduler(Policy):
             self.t_target = self._ema(self.t_target, record.step_time - record.draft_time)
         else:
             self.t_plain = self._ema(self.t_plain, record.step_time)
-        self.chain.reset_stats()
 
     def _back_off(self, record: StepRecord, members: list[int]) -> None:
         """Did the probe beat a target-only step per committed token? Its catch-up is not held against it (it is
@@ -207,14 +211,25 @@ class ChainScheduler(Policy):
     def _update(self, table, key, value):
         table[key] = self._ema(table.get(key), value)
 
-    def state_dict(self):
-        def pairs(table):
-            return [[list(k), v] for k, v in table.items()]
+    # The tables are keyed by tuples; JSON has lists, so keys are written as lists and read back as tuples.
+    _TABLES = ("alpha", "sim", "t_draft", "t_verify", "catchup", "span")
 
-        return {"alpha": [[list(map(str, k)), list(v)] for k, v in self.alpha.items()],
-                "t_draft": pairs(self.t_draft), "t_verify": pairs(self.t_verify), "catchup": pairs(self.catchup),
-                "span": [[[list(k[0]), k[1]], v] for k, v in self.span.items()], "fill": self.fill,
-                "t_target": self.t_target, "t_plain": self.t_plain}
+    def state_dict(self):
+        tables = {name: [[_listed(k), v] for k, v in getattr(self, name).items()] for name in self._TABLES}
+        return {**tables, "fill": [[k, v] for k, v in self.fill.items()], "t_target": self.t_target,
+                "t_plain": self.t_plain, "latency": self.latency.state_dict(), "current": _listed(self.current),
+                "idle": self.idle, "probe_gap": self.probe_gap, "rng": _listed(self.rng.getstate())}
+
+    def load_state_dict(self, state):
+        self.reset()
+        for name in self._TABLES:
+            setattr(self, name, {_tupled(k): v for k, v in state[name]})
+        self.fill = {k: v for k, v in state["fill"]}
+        self.t_target, self.t_plain = state["t_target"], state["t_plain"]
+        self.latency.load_state_dict(state["latency"])
+        self.current = _tupled(state["current"])
+        self.idle, self.probe_gap = state["idle"], state["probe_gap"]
+        self.rng.setstate(_tupled(state["rng"]))
 
 
 # A model level normally trails the committed text by 1 or 2 tokens (the target's new token, and the last draft

@@ -1,4 +1,4 @@
-"""Sentence-embedding cosine as a local `evaluate` module: evaluate.load("<repo>/eval/evaluate_metrics/spec_cosine")."""
+"""Sentence-embedding cosine as a local `evaluate` module: evaluate.load("<repo>/spec_adapt/eval/evaluate_metrics/spec_cosine")."""
 
 import datasets
 import evaluate

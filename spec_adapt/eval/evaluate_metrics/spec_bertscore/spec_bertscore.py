@@ -1,4 +1,4 @@
-"""BERTScore as a local `evaluate` module: evaluate.load("<repo>/eval/evaluate_metrics/spec_bertscore").
+"""BERTScore as a local `evaluate` module: evaluate.load("<repo>/spec_adapt/eval/evaluate_metrics/spec_bertscore").
 (`evaluate.load("bertscore")` fetches a script from the hub and fails offline.)"""
 
 import datasets

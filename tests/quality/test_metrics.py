@@ -10,6 +10,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+import spec_adapt.eval  # noqa: E402
+
 from spec_adapt.eval import bertscore_f1, embedding_cosine, paired_stats  # noqa: E402
 from spec_adapt.eval.metrics import summary  # noqa: E402
 
@@ -48,7 +50,7 @@ def test_mismatched_lengths_are_an_error():
 def test_local_evaluate_modules_load_offline(name, key):
     import evaluate
 
-    metric = evaluate.load(str(Path(__file__).parent / "evaluate_metrics" / name))
+    metric = evaluate.load(str(Path(spec_adapt.eval.__file__).parent / "evaluate_metrics" / name))
     result = metric.compute(predictions=SAME, references=SAME)
     assert result[key] == pytest.approx(1.0, abs=1e-5)
 

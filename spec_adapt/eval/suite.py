@@ -15,7 +15,6 @@ prompt's) must be flagged by the same test, or the verdicts mean nothing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ class Config:
     name: str
     drafter: object = None           # a factory: () -> drafter (or None: target only)
     policy: object = None            # a factory: () -> Policy
-    context: object = None           # a factory: () -> context manager wrapped around generation (lossy tests)
+    acceptor: object = None          # an Acceptor for this configuration's calls (the lossy test's LossyTopK)
 
 
 def default_configs() -> list[Config]:
@@ -53,14 +52,13 @@ def generate_texts(model, tok, prompts, config: Config, do_sample: bool, seed: i
     torch.manual_seed(seed)
     extra = {}
     if config.drafter is not None:
-        extra = dict(custom_generate=spec_adapt.generate, drafter=config.drafter(), assistant_policy=config.policy())
+        extra = dict(custom_generate=spec_adapt.generate, drafter=config.drafter(), assistant_policy=config.policy(),
+                     acceptor=config.acceptor)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
-    with (config.context() if config.context else contextlib.nullcontext()):
-        for start in range(0, len(prompts), batch_size):
-            enc = tok(prompts[start : start + batch_size], return_tensors="pt", padding=True)
-            out = model.generate(**enc, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id, **sampling,
-                                 **extra)
-            texts += tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    for start in range(0, len(prompts), batch_size):
+        enc = tok(prompts[start : start + batch_size], return_tensors="pt", padding=True)
+        out = model.generate(**enc, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id, **sampling, **extra)
+        texts += tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return texts
 
 

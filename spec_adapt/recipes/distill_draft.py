@@ -1,7 +1,7 @@
 """Distill a small draft for a target that shares its tokenizer (default: SmolLM2-135M-Instruct).
 
-    python recipes/distill_draft.py --layers 2 --minutes 10 --out results/draft-2l
-    python recipes/distill_draft.py --resume results/draft-2l          # continue where it stopped
+    python -m spec_adapt.recipes.distill_draft --layers 2 --minutes 10 --out results/draft-2l
+    python -m spec_adapt.recipes.distill_draft --resume results/draft-2l          # continue where it stopped
 
 The draft is the target's architecture with `--layers` decoder layers, initialized from the target's first layers
 (or from the layers listed in `--keep`, e.g. `--keep 0,1,28,29`: the last layers already map into the head's space);

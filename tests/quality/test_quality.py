@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_adapt.eval.lossy import lossy_topk_acceptance
+from spec_adapt.eval.lossy import LossyTopK
 from spec_adapt.eval.suite import Config, default_configs, run_suite
 from spec_adapt.recipes import workloads
 
@@ -27,7 +27,7 @@ def report(smollm2, prompts):
     model, tok = smollm2
     configs = default_configs()
     fixed = configs[1]
-    configs.append(Config("lossy-top5", fixed.drafter, fixed.policy, lambda: lossy_topk_acceptance(5)))
+    configs.append(Config("lossy-top5", fixed.drafter, fixed.policy, LossyTopK(5)))
     return run_suite(model, tok, prompts, configs, new_tokens=32, batch_size=8, progress=False)
 
 

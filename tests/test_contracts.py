@@ -1,0 +1,297 @@
+"""The contracts at the loop's boundaries: whatever a drafter, a policy or a user hands the loop is checked once where it
+enters. Each test here failed before the contracts issue (silent wrong output, a crash that lost every token, or a
+state that did not survive a round trip)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+import spec_adapt
+from spec_adapt import (ChainDrafter, ChainScheduler, Drafter, FixedLength, GoodputModel, PerRequest, Policy,
+                        PromptLookupDrafter, Proposal, ScriptedDrafter)
+from spec_adapt.synthetic import perturbed_copy
+
+from conftest import PAD, VOCAB, Oracle, cached_model, ragged_batch, stock_greedy
+
+
+def spec(model, ids, mask, drafter, policy=None, **kw):
+    kw.setdefault("max_new_tokens", 16)
+    kw.setdefault("do_sample", False)
+    kw.setdefault("eos_token_id", None)
+    stats = spec_adapt.SpecStats()
+    out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=PAD,
+                         custom_generate=spec_adapt.generate, drafter=drafter,
+                         assistant_policy=policy or FixedLength(3), spec_stats=stats, **kw)
+    return out, stats
+
+
+class Returns(Drafter):
+    """Proposes right tokens (from an oracle) for `good` steps, then whatever `bad(request)` returns."""
+
+    def __init__(self, oracle, bad, good=2):
+        self.inner, self.bad, self.good, self.calls = oracle.drafter(), bad, good, 0
+
+    def begin(self, input_ids, attention_mask):
+        self.inner.begin(input_ids, attention_mask)
+
+    def propose(self, request):
+        self.calls += 1
+        if self.calls > self.good:
+            return self.bad(request, self.inner.propose(request))
+        return self.inner.propose(request)
+
+
+def _batch(request):
+    return request.gammas.shape[0]
+
+
+MALFORMED = {
+    "negative lengths": lambda r, p: Proposal(p.tokens, p.lengths - 5),
+    "lengths beyond the tokens": lambda r, p: Proposal(p.tokens[:, :1], p.lengths),
+    "out-of-vocabulary ids": lambda r, p: Proposal(p.tokens + VOCAB, p.lengths),
+    "negative ids": lambda r, p: Proposal(p.tokens - VOCAB, p.lengths),
+    "float tokens": lambda r, p: Proposal(p.tokens.float(), p.lengths),
+    "wrong batch": lambda r, p: Proposal(p.tokens[:1], p.lengths[:1]),
+    "not a Proposal": lambda r, p: p.tokens.tolist(),
+    "None": lambda r, p: None,
+    "NaN probs": lambda r, p: Proposal(p.tokens, p.lengths, torch.full((_batch(r), p.tokens.shape[1], VOCAB), float("nan"))),
+    "zero probs": lambda r, p: Proposal(p.tokens, p.lengths, torch.zeros(_batch(r), p.tokens.shape[1], VOCAB)),
+    "probs of other tokens": lambda r, p: Proposal(
+        p.tokens, p.lengths, torch.nn.functional.one_hot((p.tokens + 1) % VOCAB, VOCAB).float()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_proposal_falls_back_without_losing_tokens(name):
+    """A malformed proposal takes the drafter fallback: the output is still exactly stock generate's, the steps
+    before it keep their accepted drafts, and stats.fallback names the problem."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(4, seed=5)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    drafter = Returns(Oracle(reference, mask, ["right"], eos=()), MALFORMED[name])
+    with pytest.warns(RuntimeWarning, match="continued without speculation"):
+        out, stats = spec(model, ids, mask, drafter)
+    assert torch.equal(out, reference)
+    assert "propose" in stats.fallback
+    assert stats.accepted == stats.drafted == 2 * 4 * 3          # the two good steps, then plain decoding
+
+
+@pytest.mark.parametrize("name", ["NaN probs", "zero probs", "probs of other tokens"])
+def test_malformed_draft_probabilities_fall_back_when_sampling(name):
+    """Sampling: NaN probabilities used to commit token 0 again and again; all-zero probabilities made p/q infinite
+    (every draft accepted). Both now fall back to plain sampling, and every token is a real sample."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=6)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    drafter = Returns(Oracle(reference, mask, ["right"], eos=()), MALFORMED[name], good=0)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="malformed Proposal"):
+        out, stats = spec(model, ids, mask, drafter, do_sample=True)
+    assert stats.drafted == 0 and "probs" in stats.fallback or "probability 0" in stats.fallback
+    generated = out[:, ids.shape[1]:]
+    assert not bool((generated == 0).all(dim=1).any())           # no row stuck on token 0
+
+
+def test_scripted_drafter_out_of_vocabulary_is_caught():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=7)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    with pytest.warns(RuntimeWarning, match="within \\[0, 96\\)"):
+        out, stats = spec(model, ids, mask, ScriptedDrafter(lambda row, ctx, g: [-3] * g))
+    assert torch.equal(out, reference)
+
+
+class LagFails(Drafter):
+    def propose(self, request):
+        return Proposal.empty(_batch(request), request.tokens.device)
+
+    def lag(self, lengths):
+        raise RuntimeError("lag broke")
+
+
+def test_drafter_lag_is_guarded():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=8)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    with pytest.warns(RuntimeWarning, match="draft lag failed"):
+        out, stats = spec(model, ids, mask, LagFails())
+    assert torch.equal(out, reference)
+
+
+def test_stopping_criteria_may_return_a_python_bool():
+    class AfterFive(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids.shape[1] >= 14                  # a Python bool, as stock generate accepts
+
+    model = cached_model("llama")
+    ids, mask = ragged_batch(1, seed=9)
+    criteria = StoppingCriteriaList([AfterFive()])
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, stopping_criteria=criteria)
+    oracle = Oracle(reference, mask, ["right"], eos=())
+    out, _ = spec(model, ids, mask, oracle.drafter(), max_new_tokens=24, stopping_criteria=criteria)
+    assert torch.equal(out, reference)
+
+
+class Collect:
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens.extend(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_plain_streamer_with_custom_generate_is_ended():
+    """transformers gives custom_generate no streamer: it used to get the prompt and never `end()` (a
+    TextIteratorStreamer reader would wait forever)."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(1, seed=10)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    streamer = Collect()
+    out, _ = spec(model, ids, mask, Oracle(reference, mask, [2]).drafter(), max_new_tokens=24, streamer=streamer)
+    assert torch.equal(out, reference)
+    assert streamer.tokens == reference[0].tolist() and streamer.ended
+
+
+def test_spec_streamer_follows_row_zero_in_a_batch():
+    """At batch > 1 the streamer follows the user's row 0, and stops receiving once that row finished (it used to
+    switch to another row's tokens)."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=11)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=24)
+    eos = int(reference[0, ids.shape[1] + 3])                 # row 0 stops after 4 tokens (if the id is its first)
+    stops = stock_greedy(model, ids, mask, eos_token_id=eos, max_new_tokens=24)
+    streamer = Collect()
+    out, _ = spec(model, ids, mask, Oracle(stops, mask, ["right"], eos=(eos,)).drafter(), max_new_tokens=24,
+                  eos_token_id=eos, spec_streamer=streamer)
+    assert torch.equal(out, stops)
+    generated = stops[0, ids.shape[1]:].tolist()
+    row0 = stops[0, : ids.shape[1] + generated.index(eos) + 1].tolist()       # prompt, tokens up to its EOS
+    assert bool((stops[1:, ids.shape[1] + len(row0) - ids.shape[1]:] != PAD).any())  # other rows went on
+    assert streamer.tokens == row0 and streamer.ended
+
+
+def test_chain_scheduler_state_round_trip_and_wrong_drafter():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=12)
+    chain = ChainDrafter([PromptLookupDrafter(), perturbed_copy(model, 0.1)])
+    scheduler = ChainScheduler(chain, explore=0.2, seed=1)
+    spec(model, ids, mask, chain, scheduler, max_new_tokens=20)
+    copy = ChainScheduler(chain, explore=0.2, seed=1)
+    copy.load_state_dict(json.loads(json.dumps(scheduler.state_dict())))
+    for batch in (1, 3, 8):
+        info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+                                   torch.full((batch,), 50), 0, level_lags=[0, 3])
+        assert scheduler.choose(info) == copy.choose(info)
+    with pytest.raises(TypeError, match="ChainDrafter"):
+        ChainScheduler(PromptLookupDrafter())
+
+
+@pytest.mark.parametrize("make", [lambda: GoodputModel(max_gamma=6, explore=0.3), lambda: PerRequest(max_gamma=6)])
+def test_policies_choose_the_same_after_a_state_round_trip(make):
+    model = cached_model("llama")
+    ids, mask = ragged_batch(4, seed=13)
+    policy = make()
+    spec(model, ids, mask, PromptLookupDrafter(), policy, max_new_tokens=40)
+    copy = make()
+    copy.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    for step in range(30):
+        batch = 1 + step % 4
+        info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+                                   torch.full((batch,), 50), step)
+        assert policy.choose(info) == copy.choose(info)
+
+
+def test_kernel_paths_are_per_call():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=14)
+    spec(model, ids, mask, model, do_sample=True)
+    _, stats = spec(model, ids, mask, model)
+    assert set(stats.kernel_paths) == {"greedy"}             # no "rejection" left over from the sampled call
+
+
+def test_concurrent_calls_keep_their_own_statistics():
+    """Two threads, one greedy and one sampled call with their own acceptors: each reports its own path."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=15)
+    results = {}
+
+    def run(name, sample):
+        results[name] = spec(model, ids, mask, PromptLookupDrafter(), do_sample=sample)[1]
+
+    threads = [threading.Thread(target=run, args=(n, s)) for n, s in (("greedy", False), ("sampled", True))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "rejection" not in results["greedy"].kernel_paths
+    assert "greedy" not in results["sampled"].kernel_paths
+
+
+def test_chain_events_do_not_carry_over_to_the_next_call():
+    class Breaks(torch.nn.Module):
+        pass
+
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=16)
+    chain = ChainDrafter([PromptLookupDrafter(), perturbed_copy(model, 0.1)])
+    chain.events.append("level 1 dropped: from an earlier call")
+    _, stats = spec(model, ids, mask, chain)
+    assert stats.drafter_events == []
+
+
+def test_generate_called_directly_with_a_generation_config():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=17)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=12)
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    out = spec_adapt.generate(model, ids, attention_mask=mask, generation_config=config, drafter=model,
+                              assistant_policy=FixedLength(2))
+    assert torch.equal(out, reference)
+
+
+def test_mask_with_a_gap_is_named_as_such():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=18)
+    mask[1, 4] = 0
+    with pytest.raises(ValueError, match="gap"):
+        spec(model, ids, mask, model)
+
+
+class Answers(Policy):
+    def __init__(self, value):
+        self.value = value
+
+    def choose(self, info):
+        return self.value
+
+
+@pytest.mark.parametrize("value", [np.int64(2), np.int32(1), torch.tensor(2), np.array(3)])
+def test_numpy_and_0d_tensor_lengths_are_accepted(value):
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=19)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    out, stats = spec(model, ids, mask, model, Answers(value))
+    assert torch.equal(out, reference) and stats.drafted > 0
+
+
+def test_string_policy_gets_a_clear_error():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=20)
+    with pytest.raises(TypeError, match="assistant_policy must be a spec_adapt Policy"):
+        spec(model, ids, mask, model, "nightjar")
+
+
+def test_plan_members_for_a_plain_drafter_are_refused():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=21)
+    with pytest.raises(ValueError, match="not a ChainDrafter"):
+        spec(model, ids, mask, model, Answers(spec_adapt.Plan(2, (0,))))
