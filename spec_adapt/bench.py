@@ -44,6 +44,10 @@ class Cell:
     identical: bool = True
     trace: list[dict] = field(default_factory=list)
     choices: list[tuple] = field(default_factory=list)     # a ChainScheduler's (batch size, chain, W) per step
+    draft_seconds: float = 0.0     # drafting time of the steps that drafted
+    draft_positions: int = 0       # per step, the longest row's draft: one draft-model forward per position
+    verify_seconds: float = 0.0
+    verify_steps: int = 0
 
     def add_stats(self, stats) -> None:
         self.drafted += stats.drafted
@@ -55,6 +59,11 @@ class Cell:
                 self.per_position.append([0, 0])
             self.per_position[i][0] += d
             self.per_position[i][1] += a
+        drafting = [r for r in stats.trace if max(r.drafted, default=0) > 0]
+        self.draft_seconds += sum(r.draft_time for r in drafting)
+        self.draft_positions += sum(max(r.drafted) for r in drafting)
+        self.verify_seconds += sum(r.verify_time for r in drafting)
+        self.verify_steps += len(drafting)
         self.trace.extend(
             {"batch_size": r.batch_size, "gammas": r.gammas, "drafted": r.drafted, "accepted": r.accepted,
              "step_time": r.step_time}
@@ -82,7 +91,8 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
         # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
         "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
         "draft": (lambda: draft) if draft is not None else None,
-        "wrong": lambda: spec_adapt.ScriptedDrafter(lambda row, context, gamma: [(context[-1] + 1) % 49152] * gamma),
+        "wrong": lambda: spec_adapt.ScriptedDrafter(
+            lambda row, context, gamma: [(context[-1] + 1) % len(tok)] * gamma),
         "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
         if draft is not None else None,
     }.get(drafter_name)
@@ -219,6 +229,9 @@ def summarize(cells: list[Cell]) -> list[dict]:
             "alpha": c.accepted / c.drafted if c.drafted else None,
             "acceptance_length": c.step_tokens / c.row_steps if c.row_steps else None,
             "per_position_acceptance": [a / d if d else 0.0 for d, a in c.per_position],
+            # c: seconds per drafted position over seconds per verification step (of the steps that drafted)
+            "c": (c.draft_seconds / c.draft_positions) / (c.verify_seconds / c.verify_steps)
+            if c.draft_positions and c.verify_seconds else None,
             "identical": c.identical, "repeats": len(c.times),
             **({"chains_chosen": chain_windows(c.choices)} if c.choices else {}),
         })
@@ -271,13 +284,15 @@ def _plot(summary: list[dict], out_dir: Path, meta: dict) -> None:
 
 
 def print_table(summary: list[dict]) -> None:
-    print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} {'alpha':>6} {'acc.len':>7} identical")
+    print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} {'alpha':>6} {'acc.len':>7} "
+          f"{'c':>5} identical")
     for s in summary:
         alpha = f"{s['alpha']:.2f}" if s["alpha"] is not None else "-"
         length = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] is not None else "-"
+        ratio = f"{s['c']:.2f}" if s.get("c") is not None else "-"
         spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
-              f"{alpha:>6} {length:>7} {s['identical']}")
+              f"{alpha:>6} {length:>7} {ratio:>5} {s['identical']}")
     for s in summary:
         if s.get("chains_chosen"):
             print(f"chains chosen by {s['config']} at B={s['batch_size']}: " + "; ".join(
