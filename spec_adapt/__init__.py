@@ -9,7 +9,7 @@ or, after `spec_adapt.enable(model)`:
 
 from .accept import greedy_accept, rejection_sample
 from .api import SpecGenerateOutput, disable, enable, generate
-from .drafters import ChainDrafter, Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
+from .drafters import CandidateGeneratorDrafter, ChainDrafter, Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord, last_stats
 from .fast import Acceptor
@@ -21,7 +21,7 @@ from .profiling import LatencyTable
 __version__ = "0.1.0"
 
 __all__ = [
-    "generate", "enable", "disable", "SpecGenerateOutput", "ChainDrafter", "ChainScheduler",
+    "generate", "enable", "disable", "SpecGenerateOutput", "CandidateGeneratorDrafter", "ChainDrafter", "ChainScheduler",
     "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
     "Policy", "Plan", "StepInfo", "Acceptor", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
     "PerRequest", "LatencyTable",

@@ -314,3 +314,23 @@ def test_suffix_index_worked_example():
     assert index.continuation([99, a, b], 2, min_share=0.0) == [c, a]
     assert index.continuation([99, a, b], 2, min_share=0.7) == []      # c has only 2/3 of "a b"
     assert index.continuation([99, 98], 2, min_share=0.0) == []        # nothing known
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("make", ["prompt_lookup", "assisted"])
+def test_transformers_candidate_generators_as_batched_drafters(arch, batch, make):
+    """transformers' own CandidateGenerators (prompt lookup; the assistant model's, here with a perturbed copy of
+    the target as its draft), one per row, under a policy: still exactly stock greedy."""
+    from spec_adapt.synthetic import perturbed_copy
+
+    model = cached_model(arch)
+    ids, mask = ragged_batch(batch, seed=40 + batch)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
+    factory = getattr(spec_adapt.CandidateGeneratorDrafter, make)
+    drafter = factory() if make == "prompt_lookup" else factory(perturbed_copy(model, 0.05, seed=3))
+    out, stats = run_spec(model, ids, mask, drafter, Heuristic(initial=3), eos_token_id=None, max_new_tokens=30)
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.drafted > 0
+    if make == "assisted":                      # a near copy of the target: most of its drafts are right
+        assert stats.acceptance_rate > 0.5

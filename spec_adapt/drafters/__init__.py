@@ -1,5 +1,6 @@
 from .base import Drafter, DraftRequest, Proposal
 from .chain import ChainDrafter
+from .hf import CandidateGeneratorDrafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
 from .scripted import ScriptedDrafter
