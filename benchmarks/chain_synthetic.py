@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, FixedLength
-from spec_adapt.bench import chain_windows
+from spec_adapt.bench import chain_windows, time_interleaved
 from spec_adapt.synthetic import agreement, layered_family
 
 SCENARIOS = {"middle-good": (0.1, 0.01), "middle-poor": (0.05, 0.1)}
@@ -62,16 +60,10 @@ def run_scenario(name, scales, args):
         return generate(target, ids, args.new_tokens, custom_generate=spec_adapt.generate, drafter=chain,
                         assistant_policy=FixedLength(width))
 
-    seconds = {o: [] for o in options}
-    identical = {o: True for o in options}
-    for o in options:                                    # warm-up (not timed; the scheduler starts learning here)
-        run(o, batches[0])
-    for _ in tqdm(range(args.repeats), desc=name):
-        for o in options:
-            start = time.perf_counter()
-            for ids, ref in zip(batches, references):
-                identical[o] &= torch.equal(run(o, ids), ref)
-            seconds[o].append((time.perf_counter() - start) / (len(batches) * args.new_tokens))
+    fns = {o: (lambda o: lambda ids: (run(o, ids), None))(o) for o in options}   # "target" first: the reference
+    cells = time_interleaved(fns, batches, args.repeats, args.batch_size, count=lambda ids, out: 1, desc=name)
+    seconds = {o: [t / (len(batches) * args.new_tokens) for t in c.times] for o, c in cells.items()}
+    identical = {o: c.identical for o, c in cells.items()}
     measured = {o: statistics.median(v) for o, v in seconds.items()}
     predicted = {o: scheduler.predict(*options[o]) for o in options if options[o] is not None}
     predicted["target"] = scheduler.predict((), 0)

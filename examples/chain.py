@@ -9,13 +9,13 @@ import torch
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, PromptLookupDrafter
 from spec_adapt.models import load_model
-from spec_adapt.recipes.distill_draft import is_distilled, load_draft
+from spec_adapt.models import is_distilled, load_distilled_draft
 from spec_adapt.synthetic import truncated_copy
 
 model, tok = load_model()
 # The distilled 4-layer draft if you made one (README: Multi-level chains), else a stand-in: the first 8 layers.
 DRAFT = "results/draft-4l-v2"
-middle = load_draft(model, DRAFT) if is_distilled(DRAFT) else truncated_copy(model, 8)
+middle = load_distilled_draft(model, DRAFT) if is_distilled(DRAFT) else truncated_copy(model, 8)
 chain = ChainDrafter([PromptLookupDrafter(3, 2), middle])
 scheduler = ChainScheduler(chain)
 

@@ -8,6 +8,7 @@ accepted) are saved for the policy lab.
 
 Configuration names:
   target                        stock `generate`, target only (always included: the baseline)
+  none:fixed0                   spec_adapt's loop with no drafter (its overhead over stock generate; use --ignore-eos)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
   <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, wrong}, policy in {fixed<k>,
@@ -48,6 +49,8 @@ class Cell:
     draft_positions: int = 0       # per step, the longest row's draft: one draft-model forward per position
     verify_seconds: float = 0.0
     verify_steps: int = 0
+    steps: int = 0
+    plain_steps: int = 0           # steps the policy ran at gamma = 0 for every row
 
     def add_stats(self, stats) -> None:
         self.drafted += stats.drafted
@@ -59,6 +62,8 @@ class Cell:
                 self.per_position.append([0, 0])
             self.per_position[i][0] += d
             self.per_position[i][1] += a
+        self.steps += len(stats.trace)
+        self.plain_steps += sum(max(r.gammas, default=0) == 0 for r in stats.trace)
         drafting = [r for r in stats.trace if max(r.drafted, default=0) > 0]
         self.draft_seconds += sum(r.draft_time for r in drafting)
         self.draft_positions += sum(max(r.drafted) for r in drafting)
@@ -71,11 +76,14 @@ class Cell:
         )
 
 
-def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=None):
-    """Return fn(encoded batch) -> (sequences, SpecStats | None), or None if the config cannot run."""
+def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=None, ignore_eos=False):
+    """Return fn(encoded batch) -> (sequences, SpecStats | None), or None if the config cannot run. `ignore_eos`:
+    every row generates exactly `new_tokens` (to measure the loop itself, e.g. its overhead at gamma = 0)."""
     import spec_adapt
 
     common = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    if ignore_eos:
+        common["eos_token_id"] = None
     if name == "target":
         return lambda enc: (model.generate(**enc, **common), None)
     if name == "hf-lookup":
@@ -158,10 +166,8 @@ def parse_policy(name: str, latency=None):
 
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
-              repeats: int, draft=None, progress=True, rows: int = 8, latency=None) -> list[Cell]:
+              repeats: int, draft=None, progress=True, rows: int = 8, latency=None, ignore_eos=False) -> list[Cell]:
     """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU)."""
-    from tqdm import tqdm
-
     names = ["target"] + [c for c in configs if c != "target"]
     cells = []
     for batch in batch_sizes:
@@ -169,42 +175,56 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
         for name in names:
             if name.startswith("hf-") and batch != 1:
                 continue            # stock transformers speculation refuses batches
-            fn = build_config(name, model, tok, new_tokens, draft, latency)
+            fn = build_config(name, model, tok, new_tokens, draft, latency, ignore_eos)
             if fn is not None:
                 runnable[name] = fn
         used = prompts[: max(batch, rows)]
         batches = [tok(used[i : i + batch], return_tensors="pt", padding=True)
                    for i in range(0, len(used) - batch + 1, batch)]
-        row = {name: Cell(name, batch) for name in runnable}
-        for fn in runnable.values():       # warm-up on the first batch
-            fn(batches[0])
-        for _ in tqdm(range(repeats), desc=f"B={batch}", disable=not progress):
-            elapsed = {name: 0.0 for name in runnable}
-            produced = {name: 0 for name in runnable}
-            for enc in batches:
-                reference = None
-                for name, fn in runnable.items():
-                    start = time.perf_counter()
-                    out, stats = fn(enc)
-                    elapsed[name] += time.perf_counter() - start
-                    new = out[:, enc["input_ids"].shape[1]:]
-                    produced[name] += _count_new(new, tok.pad_token_id, tok.eos_token_id)
-                    if name == "target":
-                        reference = out
-                    elif not torch.equal(out, reference):
-                        row[name].identical = False
-                    if stats is not None:
-                        row[name].add_stats(stats)
-            for name in runnable:
-                row[name].times.append(elapsed[name])
-                row[name].tokens.append(produced[name])
+        eos = None if ignore_eos else tok.eos_token_id
+        row = time_interleaved(runnable, batches, repeats, batch,
+                               count=lambda enc, out: _count_new(out[:, enc["input_ids"].shape[1]:], eos),
+                               desc=f"B={batch}", progress=progress)
         for name, fn in runnable.items():   # warm-up included: the scheduler's choices from its first step
             row[name].choices = list(getattr(getattr(fn, "policy", None), "history", None) or [])
         cells.extend(row.values())
     return cells
 
 
-def _count_new(new: torch.Tensor, pad_id, eos_id) -> int:
+def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, count, desc: str = "",
+                     progress: bool = True) -> dict[str, Cell]:
+    """The one timing harness of every benchmark. `fns`: name -> fn(input) -> (output, SpecStats | None); the first
+    is the reference the others' outputs must equal. After a warm-up on inputs[0], each of `repeats` rounds runs
+    every input through every fn in turn (interleaved, so machine noise hits all of them alike) and records per fn
+    the round's seconds and tokens (`count(input, output)`: the one way tokens are counted)."""
+    from tqdm import tqdm
+
+    cells = {name: Cell(name, batch_size) for name in fns}
+    for fn in fns.values():
+        fn(inputs[0])
+    for _ in tqdm(range(repeats), desc=desc, disable=not progress):
+        elapsed = dict.fromkeys(fns, 0.0)
+        produced = dict.fromkeys(fns, 0)
+        for item in inputs:
+            reference = None
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                out, stats = fn(item)
+                elapsed[name] += time.perf_counter() - start
+                produced[name] += count(item, out)
+                if reference is None:
+                    reference = out
+                elif not torch.equal(out, reference):
+                    cells[name].identical = False
+                if stats is not None:
+                    cells[name].add_stats(stats)
+        for name in fns:
+            cells[name].times.append(elapsed[name])
+            cells[name].tokens.append(produced[name])
+    return cells
+
+
+def _count_new(new: torch.Tensor, eos_id) -> int:
     """Generated tokens per row up to and including EOS (what the user gets), summed over the batch."""
     total = 0
     for row in new.tolist():
@@ -232,6 +252,7 @@ def summarize(cells: list[Cell]) -> list[dict]:
             # c: seconds per drafted position over seconds per verification step (of the steps that drafted)
             "c": (c.draft_seconds / c.draft_positions) / (c.verify_seconds / c.verify_steps)
             if c.draft_positions and c.verify_seconds else None,
+            "plain_step_share": c.plain_steps / c.steps if c.steps else None,
             "identical": c.identical, "repeats": len(c.times),
             **({"chains_chosen": chain_windows(c.choices)} if c.choices else {}),
         })
@@ -285,14 +306,15 @@ def _plot(summary: list[dict], out_dir: Path, meta: dict) -> None:
 
 def print_table(summary: list[dict]) -> None:
     print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} {'alpha':>6} {'acc.len':>7} "
-          f"{'c':>5} identical")
+          f"{'c':>5} {'γ=0':>5} identical")
     for s in summary:
         alpha = f"{s['alpha']:.2f}" if s["alpha"] is not None else "-"
         length = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] is not None else "-"
         ratio = f"{s['c']:.2f}" if s.get("c") is not None else "-"
+        plain = f"{s['plain_step_share']:.0%}" if s.get("plain_step_share") is not None else "-"
         spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
-              f"{alpha:>6} {length:>7} {ratio:>5} {s['identical']}")
+              f"{alpha:>6} {length:>7} {ratio:>5} {plain:>5} {s['identical']}")
     for s in summary:
         if s.get("chains_chosen"):
             print(f"chains chosen by {s['config']} at B={s['batch_size']}: " + "; ".join(

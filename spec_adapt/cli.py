@@ -63,7 +63,7 @@ def bench(args) -> None:
 
     latency = LatencyTable.load(args.latency) if args.latency else None
     cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
-                        rows=args.rows, latency=latency)
+                        rows=args.rows, latency=latency, ignore_eos=args.ignore_eos)
     summary = b.summarize(cells)
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
@@ -76,15 +76,12 @@ def bench(args) -> None:
 
 
 def _draft(model, args):
-    """--draft: a model folder or hub id, or a folder written by recipes/distill_draft.py (its saved layers on
-    the target's own embeddings and head); --draft-layers N: the target's first N layers."""
-    from spec_adapt.models import load_model
-    from spec_adapt.recipes.distill_draft import is_distilled, load_draft
+    """--draft: a known name, model folder or hub id, or a folder written by the distillation recipe;
+    --draft-layers N: the target's first N layers (a cost stand-in)."""
+    from spec_adapt.models import load_draft
 
-    if args.draft and is_distilled(args.draft):
-        return load_draft(model, args.draft)
     if args.draft:
-        return load_model(args.draft, dtype=model.dtype)[0]
+        return load_draft(model, args.draft)
     if args.draft_layers:
         return truncated_copy(model, args.draft_layers)
     return None
@@ -246,6 +243,7 @@ def main(argv=None) -> None:
     p.add_argument("--draft", help="a draft model path (enables draft:<policy>, chain:<policy> and hf-assisted)")
     p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
     p.set_defaults(func=bench)
     p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")

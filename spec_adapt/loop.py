@@ -50,6 +50,7 @@ class SpeculativeLoop:
         self.members = None            # the policy's plan for the drafter this step (chain members), if any
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
+        self.sync = self.device.type == "cuda" and getattr(policy, "needs_timing", True)
         self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
         self.finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -218,7 +219,9 @@ class SpeculativeLoop:
         return tuple(out.unbind(0))
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
+        # A device sync per phase is what makes GPU timings true, and it stalls the pipeline: only when the policy
+        # learns from times (Policy.needs_timing). Otherwise the per-phase times are host-side (approximate on a GPU).
+        if self.sync:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 

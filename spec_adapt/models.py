@@ -158,3 +158,43 @@ def _convert(gguf: Path, target: Path) -> None:
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(target)
+
+
+# -- drafts ---------------------------------------------------------------------------------------------------------
+def load_draft(target, name_or_path: str):
+    """A draft for `target`, in the target's dtype: a folder written by the distillation recipe (its saved layers on
+    the target's own embeddings and head), or anything `load_model` loads (a known name, a path, a hub id)."""
+    if is_distilled(name_or_path):
+        return load_distilled_draft(target, name_or_path)
+    return load_model(name_or_path, dtype=target.dtype)[0]
+
+
+def build_draft(target, layers: int, keep: list[int] | None = None):
+    """A draft made of some of the target's layers (the first `layers`, or `keep`) on its frozen, shared embeddings
+    and head: what spec_adapt.recipes.distill_draft trains."""
+    from .synthetic import layer_subset_copy
+
+    draft = layer_subset_copy(target, keep or list(range(layers))).train()   # chosen layers, embeddings, norm, head
+    draft.model.embed_tokens = target.model.embed_tokens          # shared, frozen
+    draft.lm_head = target.lm_head
+    for p in list(draft.model.embed_tokens.parameters()) + list(draft.lm_head.parameters()):
+        p.requires_grad_(False)
+    return draft
+
+
+
+def load_distilled_draft(target, path):
+    """Rebuild a distilled draft: the target's shared weights plus the saved layers."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = json.loads((path / "draft.json").read_text())
+    draft = build_draft(target, meta["layers"], meta.get("keep"))
+    draft.load_state_dict(load_file(path / "draft.safetensors"), strict=False)
+    return draft.eval()
+
+
+def is_distilled(path) -> bool:
+    return (Path(path) / "draft.json").exists() and (Path(path) / "draft.safetensors").exists()

@@ -40,6 +40,10 @@ class Plan:
 
 
 class Policy:
+    # Whether `observe` reads the step times: the loop then synchronizes the device around each phase so that the
+    # times are true on a GPU (a policy that only counts tokens sets it False and saves those syncs).
+    needs_timing = True
+
     def begin(self, batch_size: int) -> None:
         pass
 

@@ -16,6 +16,8 @@ def _check_int(name: str, value, low: int) -> int:
 class FixedLength(Policy):
     """Always draft k tokens per row (k = 0: plain decoding through the speculative loop)."""
 
+    needs_timing = False
+
     def __init__(self, k: int):
         self.k = _check_int("FixedLength(k)", k, 0)
 
@@ -35,6 +37,8 @@ class FixedLength(Policy):
 class Heuristic(Policy):
     """transformers' `num_assistant_tokens_schedule="heuristic"`, per row: +2 after a step in which every drafted
     token was accepted, else -1 (never below `minimum`). Rows start at `initial` (stock: 20) in every call."""
+
+    needs_timing = False
 
     def __init__(self, initial: int = 20, minimum: int = 1, maximum: int = 64):
         self.initial = _check_int("Heuristic(initial)", initial, 0)

@@ -20,37 +20,15 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
-
-def build_draft(target, layers: int, keep: list[int] | None = None):
-    from spec_adapt.synthetic import layer_subset_copy
-
-    draft = layer_subset_copy(target, keep or list(range(layers))).train()   # chosen layers, embeddings, norm, head
-    draft.model.embed_tokens = target.model.embed_tokens          # shared, frozen
-    draft.lm_head = target.lm_head
-    for p in list(draft.model.embed_tokens.parameters()) + list(draft.lm_head.parameters()):
-        p.requires_grad_(False)
-    return draft
+from spec_adapt.models import build_draft
 
 
 def trainable_state(draft) -> dict:
     shared = {"model.embed_tokens.weight", "lm_head.weight"}
     return {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in shared}
-
-
-def load_draft(target, path: str | Path):
-    """Rebuild a distilled draft: the target's shared weights plus the saved layers."""
-    path = Path(path)
-    meta = json.loads((path / "draft.json").read_text())
-    draft = build_draft(target, meta["layers"], meta.get("keep"))
-    draft.load_state_dict(load_file(path / "draft.safetensors"), strict=False)
-    return draft.eval()
-
-
-def is_distilled(path) -> bool:
-    return (Path(path) / "draft.json").exists() and (Path(path) / "draft.safetensors").exists()
 
 
 def make_data(target, tok, n: int, new_tokens: int, batch: int, cache: Path, exclude_first: int = 0) -> list:
