@@ -16,7 +16,7 @@ from .ledger import check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import Policy, check_policy
-from .policies.fixed import Heuristic
+from .policies.default import Adaptive
 
 
 @dataclass
@@ -49,7 +49,7 @@ def generate(
 
     Extra arguments of `model.generate` (transformers passes named parameters of this function through):
     - `drafter`: a draft model (any causal LM sharing the target's tokenizer) or a `Drafter`; None = no speculation.
-    - `assistant_policy`: a `Policy` choosing the speculative length each step (default: `Heuristic()`).
+    - `assistant_policy`: a `Policy` choosing the speculative length each step (default: a fresh `Adaptive()`).
     - `spec_stats`: a `SpecStats` to fill in (also readable afterwards with `spec_adapt.last_stats()`).
     - `spec_streamer`: a streamer (transformers does not pass `streamer` on to custom_generate functions; a plain
       `streamer=` given to `model.generate` is found and used too).
@@ -77,11 +77,12 @@ def generate(
     drafter = as_drafter(drafter)
     if drafter is not None:
         drafter.validate(model)
-    policy = assistant_policy if assistant_policy is not None else Heuristic()
+    policy = assistant_policy if assistant_policy is not None else Adaptive()
     check_policy(policy)
     if acceptor is not None and not isinstance(acceptor, Acceptor):
         raise TypeError(f"acceptor must be a spec_adapt.fast.Acceptor, got {type(acceptor).__name__}.")
     stats = spec_stats if spec_stats is not None else SpecStats()
+    stats.policy = repr(policy)
     if spec_streamer is None:
         spec_streamer = _stock_streamer()       # stock generate already gave it the prompt
     else:

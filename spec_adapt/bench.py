@@ -11,8 +11,8 @@ Configuration names:
   none:fixed0                   spec_adapt's loop with no drafter (its overhead over stock generate; use --ignore-eos)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
-  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, wrong}, policy in {fixed<k>,
-                                heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore,
+  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, wrong}, policy in {adaptive,
+                                fixed<k>, heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore,
                                 ewma, per-request, chain} ("wrong" drafts tokens that are never right)
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
@@ -142,10 +142,11 @@ def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> l
 
 
 def parse_policy(name: str, latency=None):
-    from spec_adapt import (BanditSpecUCB, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar,
+    from spec_adapt import (Adaptive, BanditSpecUCB, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar,
                             PerRequest)
 
     presets = {
+        "adaptive": lambda: Adaptive(latency=latency),
         "nightjar": lambda: Nightjar(max_gamma=8, latency=latency),
         "nightjar-local": lambda: Nightjar(max_gamma=8, latency=latency, exploration="local"),
         "ucb": lambda: BanditSpecUCB(max_gamma=8),

@@ -129,9 +129,10 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
             continue
         batch = len(active)
         remaining = torch.tensor([len(r["runs"]) - r["pos"] for r in active])
+        # A model-free drafter (draft_cost=False) has nothing to catch up on: the loop reports no lag for it either.
+        lags = torch.tensor([r["lag"] for r in active]) if draft_cost else None
         info = StepInfo(batch, torch.tensor([r["id"] for r in active]),
-                        torch.tensor([r["pos"] for r in active]), remaining, result.steps,
-                        torch.tensor([r["lag"] for r in active]))
+                        torch.tensor([r["pos"] for r in active]), remaining, result.steps, lags)
         info.oracle = [r["runs"][r["pos"]] for r in active]
         start = time.perf_counter()
         gammas = torch.minimum(check_gammas(policy, policy.choose(info), batch), remaining - 1).tolist()

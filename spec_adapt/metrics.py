@@ -48,6 +48,7 @@ class SpecStats:
     time_other: float = 0.0
     time_total: float = 0.0
     fallback: str | None = None    # why speculation was switched off mid-call, if it was
+    policy: str | None = None      # the policy that chose the lengths (its repr)
     compactions: int = 0
     kernel_paths: dict = field(default_factory=dict)   # operation -> "triton" or "torch": what ran in this call
     drafter_events: list = field(default_factory=list)   # e.g. a chain level dropped after a failure
@@ -120,6 +121,7 @@ class SpecStats:
             "time_other": round(self.time_other, 4),
             "time_total": round(self.time_total, 4),
             "fallback": self.fallback,
+            "policy": self.policy,
             "compactions": self.compactions,
             "kernel_paths": self.kernel_paths,
         }

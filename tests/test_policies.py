@@ -45,6 +45,7 @@ POLICIES = {
     "goodput": lambda: GoodputModel(max_gamma=4, explore=0.2),
     "ewma": lambda: ElasticEWMA(lengths=(1, 2, 4)),
     "per_request": lambda: PerRequest(max_gamma=4),
+    "adaptive": lambda: spec_adapt.Adaptive(max_gamma=4),
 }
 
 

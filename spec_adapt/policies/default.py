@@ -1,0 +1,328 @@
+"""Adaptive: the library's default policy. A cost model picks the draft width, a small bandit corrects what the model
+cannot predict, and speculation switches off, and stays cheap to probe, where it does not pay.
+
+Per step, for the active batch of B rows (every choice below is measured in the lab and in `spec-adapt bench`):
+
+1. Tokens: E_b(s) = 1 + sum_{i<=s} prod_{j<=i} p_{b,j}, with p_{b,j} = P(draft j accepted | j - 1 accepted, j asked):
+   per-position counts decayed per row-observation, pooled over everything seen, and per row (this call) shrunk
+   towards the pooled estimate. "Asked", not "drafted": a prompt lookup that proposes nothing counts as a miss,
+   so E already includes the drafter's fill. Acceptance comes in bursts (a suffix or lookup match runs on for
+   many tokens; on recorded HumanEval traces the heuristic's +2/-1 beat every fixed width for that reason), so
+   every count is kept apart by the row's state after its last step: plain (or new), drafted with a rejection,
+   or drafted with everything accepted. ("Plain" is its own state: after plain steps the text has moved on, and
+   lumping it in with "just rejected" kept a row plain long after its last miss.)
+2. Time: T(B, s) = the whole step (drafting included): per B's bucket (powers of two), the EMA of the steps that
+   asked s, once seen three times (step time is not linear in s: on this CPU verifying 3 tokens at B = 1 costs 20%
+   more than 2; and what a batch asked s really verifies depends on the drafter's fill), else a least-squares line
+   a + d w over the bucket's recent steps at their widest proposal w, with w = s x the measured span. One fit per bucket: a single fit over all B (a + bB + cBs + ds) learned at B = 1 alone
+   extrapolates wildly to B = 16 (the lab caught it). A profiled `LatencyTable` stands in until a bucket's fit is
+   ready, else a cautious prior, T(B, s) / T(B, 0) = 1 + (0.1 + 0.02 B) s, so first steps draft little at large B.
+3. Width: s* = argmax_s sum_b E_b(s) / T(B, s). Time is measured per (bucket, asked width, burst or not), as
+   Nightjar keeps its arms per batch-size context; tokens come from the acceptance model, so a width is judged
+   from the first step it runs (an arm's mean goodput needs many, and a multiplicative goodput correction learned
+   that way condemned good widths after one unlucky stretch on the recorded traces: tried and removed).
+4. Switching cost: after plain steps a draft model must first catch up (Nightjar's c_prefill). Steps that had a lag
+   beyond the usual teach a per-bucket catch-up time, kept out of T; re-enabling speculation is charged that time
+   spread over `horizon` steps.
+5. Exploration, only where it is cheap: with probability `explore` a neighbouring width (s* +- 1) whose predicted
+   goodput is within `explore_margin` of the best. It also gives the fit the second width it needs.
+6. Plain decoding is a first-class answer (s* = 0), and it does not deadlock: after `probe_gap` plain steps in a row
+   the best speculative width runs once. A probe that loses to a plain step (catch-up excluded) doubles the gap, up
+   to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
+7. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
+   row's long wrong proposal would otherwise widen the whole batch); every `probe_every` steps all rows draft again.
+   At B = 1 the width decision is the row's decision already.
+
+Learning carries over: `save(path)` / `Adaptive.load(path)` (JSON), and `to_vllm_schedule()` exports the widths it
+would choose per batch size as vLLM's per-batch-size schedule. Decisions are list arithmetic over [B, s] (no model
+calls); `spec-adapt lab` reports their time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from ..metrics import StepRecord
+from ..profiling import LatencyTable
+from .adaptive import _listed, _tupled, bucket
+from .base import Policy, StepInfo
+from .fixed import _check_int
+
+USUAL_LAG = 2      # a draft model trails by 1-2 tokens after a normal step; more is catch-up
+PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (see 1. above)
+
+
+class Adaptive(Policy):
+    def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, explore: float = 0.05,
+                 explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 8,
+                 row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0):
+        self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
+        if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
+            raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
+                             f"max_probe_gap; got {explore}, {explore_margin}, {probe_every}, {max_probe_gap}.")
+        self.table, self.explore, self.explore_margin = latency, explore, explore_margin
+        self.probe_every, self.max_probe_gap, self.horizon = probe_every, max_probe_gap, horizon
+        self.row_floor, self.shrink, self.decay, self.ema, self.seed = row_floor, shrink, decay, ema, seed
+        self.reset()
+
+    # -- state ------------------------------------------------------------------------------------------------------
+    def reset(self):
+        size = self.max_gamma
+        # Acceptance counts per draft position, decayed once per row-observation: pooled [S] and per row [rows, S]
+        # (rows of the current call; `begin` clears them). Tensors, so a decision at B = 64 is a few vector ops.
+        # The state axis: the row's last step was 0 plain (or none), 1 drafted with a rejection, 2 all accepted.
+        self.tried, self.accepted = torch.ones(STATES, size), torch.full((STATES, size), 0.5)
+        self.begin(0)
+        self.fits: dict[int, LineFit] = {}        # bucket -> T(s) = a + d s over its recent steps
+        self.measured: dict[tuple, list] = {}     # (bucket, asked s, burst) -> [EMA seconds, samples]
+        self.plain: dict[int, float] = {}        # bucket -> EMA seconds of a plain step (the prior's scale)
+        self.catchup: dict[int, float] = {}       # bucket -> EMA seconds a catch-up adds to a step
+        self.span: dict[tuple, float] = {}        # (bucket, any row in a burst) -> EMA widest proposal / width asked
+        self.rng = random.Random(self.seed)
+        self.idle, self.probe_gap, self.steps = 0, self.probe_every, 0
+        self._pending: dict | None = None
+
+    def begin(self, batch_size):
+        self.row_tried = torch.zeros(batch_size, STATES, self.max_gamma)      # [rows, state, S]
+        self.row_accepted = torch.zeros(batch_size, STATES, self.max_gamma)
+        self.row_state = torch.zeros(batch_size, dtype=torch.long)
+        self._refresh()
+
+    def _grow(self, rows: torch.Tensor) -> None:
+        need = int(rows.max()) + 1 if len(rows) else 0
+        have = self.row_tried.shape[0]
+        if need > have:
+            more = max(need, 2 * have) - have
+            self.row_tried = torch.cat([self.row_tried, torch.zeros(more, STATES, self.max_gamma)])
+            self.row_accepted = torch.cat([self.row_accepted, torch.zeros(more, STATES, self.max_gamma)])
+            self.row_state = torch.cat([self.row_state, torch.zeros(more, dtype=torch.long)])
+            self._refresh()
+
+    # -- the model ---------------------------------------------------------------------------------------------------
+    def step_time(self, batch: int, width: int, burst: bool = False) -> float:
+        """Predicted seconds of a step at batch size `batch` when `width` drafts are asked (catch-up excluded)."""
+        key = bucket(batch)
+        measured = self.measured.get((key, width, burst))
+        if measured is not None and measured[1] >= 3:
+            return measured[0]
+        widest = width * self.span.get((key, burst), 1.0)      # what a batch asked `width` really proposes
+        fit = self.fits.get(key)
+        if fit is not None and fit.ready():
+            return fit(widest)
+        if self.table is not None and self.table.step:
+            return self.table.step_time(batch, int(round(widest)))
+        base = self.plain.get(key) or next(iter(self.plain.values()), 1.0)
+        return base * (1.0 + (0.1 + 0.02 * batch) * widest)
+
+    def expected(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """E[committed | s] for s = 0..max_gamma: [S+1] for a request not yet seen, or [B, S+1] for these rows.
+        Row values are recomputed when counts change (`observe`), so a decision only gathers them."""
+        if rows is None:
+            return _tokens((self.accepted.sum(0) / self.tried.sum(0))[None])[0]
+        self._grow(rows)
+        return self.row_expected[rows]
+
+    def _refresh(self) -> None:
+        """Every row's E[committed | s], shrunk all the way down: everything seen -> the row's state -> the row."""
+        overall = self.accepted.sum(0) / self.tried.sum(0)                               # [S]
+        pooled = (self.accepted + self.shrink * overall) / (self.tried + self.shrink)   # [STATES, S]
+        index = torch.arange(self.row_state.shape[0])
+        t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
+        self.row_expected = _tokens((a + self.shrink * pooled[self.row_state]) / (t + self.shrink))
+
+    def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0) -> list[float]:
+        """Predicted goodput (tokens / s) of every width 0..max_gamma, hopeless rows (gain < row_floor) counted at
+        one token."""
+        expected = self.expected(rows) if rows is not None else self.expected()[None].expand(batch, -1)
+        tokens = torch.where(expected >= 1 + self.row_floor, expected, 1.0).sum(dim=0).tolist()
+        key, burst = bucket(batch), self._burst(rows)
+        switch = self.catchup.get(key, 0.0) / self.horizon if lag > USUAL_LAG else 0.0
+        return [n / (self.step_time(batch, s, burst) + (switch if s else 0.0)) for s, n in enumerate(tokens)]
+
+    def _burst(self, rows) -> bool:
+        return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
+
+    # -- the Policy contract -----------------------------------------------------------------------------------------
+    def choose(self, info: StepInfo):
+        batch, rows = info.batch_size, info.rows.cpu()
+        lag = int(info.draft_lag.max()) if info.draft_lag is not None and len(info.draft_lag) else 0
+        values = self.predict(batch, rows, lag)
+        width = max(range(len(values)), key=values.__getitem__)
+        probing = False
+        if width == 0:
+            self.idle += 1
+            if self.idle >= self.probe_gap:
+                width, probing, self.idle = max(range(1, len(values)), key=values.__getitem__), True, 0
+        else:
+            self.idle = 0
+            if self.rng.random() < self.explore:
+                near = [s for s in (width - 1, width + 1)
+                        if 0 <= s < len(values) and values[s] >= (1 - self.explore_margin) * values[width]]
+                width = self.rng.choice(near) if near else width
+        self._pending = {"width": width, "lag": lag, "probing": probing, "burst": self._burst(rows)}
+        if width == 0 or probing or batch == 1 or self.steps % self.probe_every == 0:
+            return width
+        hopeless = (self.row_expected[rows, width] < 1 + self.row_floor) & (self.row_tried[rows, :, 0].sum(1) > 0)
+        return torch.where(hopeless, 0, width) if bool(hopeless.any()) else width
+
+    def observe(self, record: StepRecord):
+        pending, self._pending = self._pending, None
+        self.steps += 1
+        if pending is None:
+            return
+        batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
+        widest = max(record.drafted, default=0)
+        self._count(record)
+        seconds = record.step_time
+        if pending["lag"] > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
+            extra = max(0.0, seconds - self.step_time(batch, width, burst))
+            self.catchup[key] = _ema(self.catchup.get(key), extra, self.ema)
+            seconds -= extra
+        else:
+            self.fits.setdefault(key, LineFit()).add(widest, seconds)
+            old = self.measured.get((key, width, burst))
+            self.measured[(key, width, burst)] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
+        if widest == 0:
+            self.plain[key] = _ema(self.plain.get(key), seconds, self.ema)
+        if width:
+            self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)
+        if pending["probing"]:
+            lost = seconds / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
+            self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap) if lost else self.probe_every
+
+    def _count(self, record: StepRecord) -> None:
+        """Position i + 1 was reached by a row that asked for more than i drafts and had i accepted; a hit if it
+        was accepted. Asked, not drafted: a drafter's empty proposal is a miss, so its fill is in the rates."""
+        gammas, accepted = torch.tensor(record.gammas), torch.tensor(record.accepted)
+        drafted, rows = torch.tensor(record.drafted), torch.tensor(record.rows)
+        self._grow(rows)
+        state = self.row_state[rows]                                                     # [B] as chosen
+        pos = torch.arange(self.max_gamma)[None, :]
+        reached = (pos < torch.minimum(accepted + 1, gammas)[:, None]).float()           # [B, S]
+        hits = (pos < accepted[:, None]).float() * reached
+        n = torch.zeros(STATES, self.max_gamma).index_add_(0, state, reached)           # [STATES, S]
+        factor = self.decay ** n
+        self.tried = factor * self.tried + n
+        self.accepted = factor * self.accepted + torch.zeros_like(n).index_add_(0, state, hits)
+        own = reached > 0
+        t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
+        self.row_tried[rows, state] = torch.where(own, self.decay * t + 1, t)
+        self.row_accepted[rows, state] = torch.where(own, self.decay * a + hits, a)
+        full = (accepted == drafted) & (drafted > 0)
+        self.row_state[rows] = torch.where(gammas > 0, torch.where(full, BURST, MISSED), PLAIN)
+        self._refresh()
+
+    # -- carrying what was learned over ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "config": {"max_gamma": self.max_gamma, "explore": self.explore, "explore_margin": self.explore_margin,
+                       "probe_every": self.probe_every, "max_probe_gap": self.max_probe_gap,
+                       "horizon": self.horizon, "row_floor": self.row_floor, "shrink": self.shrink,
+                       "decay": self.decay, "ema": self.ema, "seed": self.seed},
+            "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
+            "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
+            "measured": [[list(k), v] for k, v in self.measured.items()],
+            "plain": [[k, v] for k, v in self.plain.items()],
+            "catchup": [[k, v] for k, v in self.catchup.items()],
+            "span": [[list(k), v] for k, v in self.span.items()],
+            "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
+            "probe_gap": self.probe_gap, "idle": self.idle, "steps": self.steps,
+            "rng": _listed(self.rng.getstate()),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reset()
+        self.tried = torch.tensor(state["pooled"]["tried"])
+        self.accepted = torch.tensor(state["pooled"]["accepted"])
+        self.measured = {tuple(k): v for k, v in state["measured"]}
+        for key, samples in state["fits"]:
+            fit = self.fits[int(key)] = LineFit()
+            for x, y in samples:
+                fit.add(x, y)
+        self.plain = {int(k): v for k, v in state["plain"]}
+        self.catchup = {int(k): v for k, v in state["catchup"]}
+        self.span = {tuple(k): v for k, v in state["span"]}
+        tried, accepted, row_state = state["row_states"]
+        self.row_tried = torch.tensor(tried).view(-1, STATES, self.max_gamma)
+        self.row_accepted = torch.tensor(accepted).view(-1, STATES, self.max_gamma)
+        self.row_state = torch.tensor(row_state, dtype=torch.long)
+        self._refresh()
+        self.probe_gap, self.idle, self.steps = state["probe_gap"], state["idle"], state["steps"]
+        self.rng.setstate(_tupled(state["rng"]))
+
+    def save(self, path) -> None:
+        """Write what was learned (and the settings) as JSON, for `Adaptive.load` in another process."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.state_dict()))
+
+    @classmethod
+    def load(cls, path, latency: LatencyTable | None = None) -> "Adaptive":
+        state = json.loads(Path(path).read_text())
+        policy = cls(latency=latency, **state["config"])
+        policy.load_state_dict(state)
+        return policy
+
+    def to_vllm_schedule(self, max_batch: int = 256) -> list[tuple[int, int, int]]:
+        """What was learned as vLLM's per-batch-size schedule: [(batch_lo, batch_hi, k), ...] over batch sizes
+        1..max_batch (the width this policy would choose at each power-of-two bucket, runs of equal k merged)."""
+        out: list[list[int]] = []
+        sizes = [1 << i for i in range(int(math.log2(max_batch)) + 1)]
+        for lo in sizes:
+            hi = min(2 * lo - 1, max_batch)
+            values = self.predict(lo)            # pooled acceptance: a new request's expectation
+            k = max(range(len(values)), key=values.__getitem__)
+            if out and out[-1][2] == k:
+                out[-1][1] = hi
+            else:
+                out.append([lo, hi, k])
+        return [tuple(x) for x in out]
+
+    def __repr__(self):
+        return f"Adaptive(max_gamma={self.max_gamma})"
+
+
+class LineFit:
+    """y = a + d x by least squares over the last `window` samples (running sums: O(1) per sample and query).
+    Ready once it has `min_samples` at two or more distinct x; d is kept >= 0 (a wider step never costs less)."""
+
+    def __init__(self, window: int = 128, min_samples: int = 6):
+        self.window, self.min_samples = window, min_samples
+        self.samples: deque = deque()
+        self.sums = [0.0] * 5            # n, sum x, sum y, sum x^2, sum x y
+        self.xs: dict[float, int] = {}
+
+    def add(self, x: float, y: float) -> None:
+        self._apply(x, y, 1.0)
+        self.samples.append((x, y))
+        if len(self.samples) > self.window:
+            self._apply(*self.samples.popleft(), -1.0)
+
+    def _apply(self, x, y, sign) -> None:
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self.sums[i] += sign * v
+        self.xs[x] = self.xs.get(x, 0) + int(sign)
+        if not self.xs[x]:
+            del self.xs[x]
+
+    def ready(self) -> bool:
+        return len(self.samples) >= self.min_samples and len(self.xs) >= 2
+
+    def __call__(self, x: float) -> float:
+        n, sx, sy, sxx, sxy = self.sums
+        d = max(0.0, (n * sxy - sx * sy) / max(n * sxx - sx * sx, 1e-12))
+        return (sy - d * sx) / n + d * x
+
+
+def _tokens(rates: torch.Tensor) -> torch.Tensor:
+    """Acceptance rates [N, S] -> E[committed | s] [N, S+1] = 1 + sum_{i<=s} prod_{j<=i} p_j."""
+    return torch.cat([torch.ones(rates.shape[0], 1), 1 + rates.cumprod(dim=1).cumsum(dim=1)], dim=1)
+
+
+def _ema(old, new, weight):
+    return new if old is None else (1 - weight) * old + weight * new

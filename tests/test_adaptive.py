@@ -1,0 +1,106 @@
+"""Adaptive, the default policy: never behind plain decoding, close to the best fixed width, and learning that
+carries over. Deterministic simulations in the lab (no model runs): each workload has a known best fixed width."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import spec_adapt
+from spec_adapt import Adaptive, FixedLength, Heuristic, Nightjar
+from spec_adapt.lab import Request, Static, best_fixed, compare, simulate, synthetic_requests
+from spec_adapt.profiling import LatencyTable
+
+from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy
+
+
+def latency(slope_at_1: float, slope_at_16: float) -> LatencyTable:
+    """T(B, s) / T(B, 0) = 1 + slope(B) * s, slope interpolated between B = 1 and B = 16."""
+    return LatencyTable(step={1: {s: 1.0 + slope_at_1 * s for s in range(17)},
+                              16: {s: 1.0 + slope_at_16 * s for s in range(17)}})
+
+
+def speculative_share(result, skip: int = 50) -> float:
+    late = result.history[skip:]
+    return sum(1 for _, _, mean_gamma in late if mean_gamma > 0) / len(late)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_plain_decoding_when_speculation_never_pays(batch):
+    """Verification is expensive and drafts are poor: plain decoding is best. After warm-up Adaptive speculates on
+    under 3% of steps; transformers' heuristic schedule (the old default) keeps drafting."""
+    lat = latency(0.5, 0.9)
+    requests = synthetic_requests(batch * 8, 200, 0.3, seed=1)
+    assert best_fixed(requests, lat, Static(batch))[0] == 0
+    assert speculative_share(simulate(Adaptive(), requests, lat, Static(batch))) < 0.03
+    assert speculative_share(simulate(Heuristic(initial=4), requests, lat, Static(batch))) > 0.5
+
+
+def test_drafts_at_batch_1_and_not_at_batch_16():
+    """One policy object serving both batch sizes: at B = 1 verification is cheap and drafting 4-5 tokens is best;
+    at B = 16 verification is compute-bound and plain decoding is best. Adaptive is within 5% of the best fixed
+    width at each, which no single fixed width achieves at both."""
+    lat = latency(0.15, 0.9)
+    policy = Adaptive()
+    for batch in (1, 16, 1, 16):
+        requests = synthetic_requests(batch * 8, 200, 0.8, seed=batch)
+        gamma, best, fixed = best_fixed(requests, lat, Static(batch))
+        result = simulate(policy, requests, lat, Static(batch))
+        assert gamma == (0 if batch == 16 else 5) or (batch == 1 and gamma in (4, 5, 6))
+        assert result.goodput >= 0.95 * best.goodput, (batch, result.goodput / best.goodput)
+    assert fixed[5].goodput < 0.8 * fixed[0].goodput          # at B = 16 the B = 1 choice is far behind
+
+
+def test_shifting_workload_beats_every_fixed_width():
+    """Blocks of code-like requests (acceptance 0.85) and chat-like ones (0.2): the best width moves; Adaptive
+    follows it and ends ahead of every fixed width."""
+    lat = LatencyTable(step={b: {s: 1 + 0.1 * s * (1 + 0.15 * (b - 1)) for s in range(17)} for b in (1, 4, 16)})
+    requests = []
+    for block in range(6):
+        requests += synthetic_requests(24, 120, 0.85 if block % 2 == 0 else 0.2, seed=block)
+    out = compare({"adaptive": Adaptive()}, requests, lat, Static(4))
+    assert out["policies"]["adaptive"]["goodput"] > max(r.goodput for r in out["fixed"].values())
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_a_draft_that_is_always_wrong_costs_almost_nothing(batch):
+    lat = latency(0.3, 0.6)
+    requests = [Request([0] * 400) for _ in range(batch * 2)]
+    plain = simulate(FixedLength(0), requests, lat, Static(batch))
+    ours = simulate(Adaptive(), requests, lat, Static(batch))
+    assert ours.seconds <= 1.03 * plain.seconds, ours.seconds / plain.seconds
+    assert simulate(Nightjar(), requests, lat, Static(batch)).seconds > 1.03 * plain.seconds
+
+
+def test_what_was_learned_carries_over(tmp_path):
+    """save / load in JSON: the loaded policy makes the same choices, and exports the same vLLM schedule."""
+    lat = latency(0.15, 0.9)
+    policy = Adaptive(seed=3)
+    for batch in (1, 16):
+        simulate(policy, synthetic_requests(batch * 4, 100, 0.8, seed=batch), lat, Static(batch))
+    policy.save(tmp_path / "adaptive.json")
+    loaded = Adaptive.load(tmp_path / "adaptive.json")
+    json.loads((tmp_path / "adaptive.json").read_text())
+    for step in range(20):
+        batch = (1, 4, 16)[step % 3]
+        info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+                                   torch.full((batch,), 50), step)
+        assert policy.choose(info) == loaded.choose(info)
+    schedule = policy.to_vllm_schedule(max_batch=64)
+    assert schedule == loaded.to_vllm_schedule(max_batch=64)
+    assert schedule[0][0] == 1 and schedule[-1][1] == 64
+    assert all(a[1] + 1 == b[0] for a, b in zip(schedule, schedule[1:]))        # contiguous ranges
+    assert schedule[0][2] >= 3 and schedule[-1][2] == 0                          # drafts at B = 1, not at 64
+
+
+def test_adaptive_is_the_default_policy():
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=70)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=24)
+    oracle = Oracle(reference, mask, ["right", "wrong", 2])
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                         max_new_tokens=24, custom_generate=spec_adapt.generate, drafter=oracle.drafter())
+    assert torch.equal(out, reference)
+    assert spec_adapt.last_stats().policy == "Adaptive(max_gamma=8)"
