@@ -14,8 +14,8 @@ from spec_adapt.synthetic import truncated_copy
 DEMOS = {
     "smollm2-135m": dict(draft=None, configs=["target", "hf-lookup", "suffix:heuristic4"], batch_sizes=[1, 4],
                          prompts=4, new_tokens=64, repeats=2),
-    "qwen2.5-coder-1.5b": dict(draft="qwen2.5-coder-0.5b", configs=["target", "hf-assisted", "hf-lookup", "chain:chain"],
-                               batch_sizes=[1, 4], prompts=4, new_tokens=32, repeats=1),
+    "qwen2.5-coder-1.5b": dict(draft="qwen2.5-coder-0.5b", configs=["target", "hf-assisted", "lookup:adaptive"],
+                               batch_sizes=[1, 4], prompts=4, new_tokens=24, repeats=1),
 }
 
 

@@ -102,6 +102,19 @@ class Oracle:
         return ScriptedDrafter(self)
 
 
+class Collect:
+    """A streamer that records what it is given and whether it was ended."""
+
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens.extend(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
 @pytest.fixture(scope="session")
 def llama():
     return cached_model("llama")

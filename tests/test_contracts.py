@@ -17,7 +17,7 @@ from spec_adapt import (ChainDrafter, ChainScheduler, Drafter, FixedLength, Good
                         PromptLookupDrafter, Proposal, ScriptedDrafter)
 from spec_adapt.synthetic import perturbed_copy
 
-from conftest import PAD, VOCAB, Oracle, cached_model, ragged_batch, stock_greedy
+from conftest import PAD, VOCAB, Collect, Oracle, cached_model, ragged_batch, stock_greedy
 
 
 def spec(model, ids, mask, drafter, policy=None, **kw):
@@ -136,17 +136,6 @@ def test_stopping_criteria_may_return_a_python_bool():
     oracle = Oracle(reference, mask, ["right"], eos=())
     out, _ = spec(model, ids, mask, oracle.drafter(), max_new_tokens=24, stopping_criteria=criteria)
     assert torch.equal(out, reference)
-
-
-class Collect:
-    def __init__(self):
-        self.tokens, self.ended = [], False
-
-    def put(self, value):
-        self.tokens.extend(value.flatten().tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_plain_streamer_with_custom_generate_is_ended():

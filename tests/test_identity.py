@@ -14,7 +14,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import spec_adapt
 from spec_adapt import FixedLength, Heuristic, ModelDrafter, ScriptedDrafter
 
-from conftest import EOS, PAD, VOCAB, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
+from conftest import EOS, PAD, VOCAB, Collect, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
 
 MODES = {"right": ["right"], "wrong": ["wrong"], "j2": [2], "mixed": ["right", "wrong", 1, 3, 0]}
 
@@ -155,16 +155,6 @@ def test_scores_and_dict_output(llama):
 
 
 def test_streamer_receives_every_token(llama):
-    class Collect:
-        def __init__(self):
-            self.tokens, self.ended = [], False
-
-        def put(self, value):
-            self.tokens.extend(value.flatten().tolist())
-
-        def end(self):
-            self.ended = True
-
     ids, mask = ragged_batch(1, seed=9)
     reference = stock_greedy(llama, ids, mask, eos_token_id=None)
     oracle = Oracle(reference, mask, [2])
