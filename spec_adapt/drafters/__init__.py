@@ -6,4 +6,4 @@ from .model import ModelDrafter
 from .scripted import ScriptedDrafter
 from .suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["ChainDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]
+__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]
