@@ -81,7 +81,6 @@ class Adaptive(Policy):
         self.begin(0)
         self.fits: dict[int, LineFit] = {}        # bucket -> T(s) = a + d s over its recent steps
         self.measured: dict[tuple, list] = {}     # (bucket, asked s, burst) -> [EMA seconds, samples]
-        self.plain: dict[int, float] = {}        # bucket -> EMA seconds of a plain step (the prior's scale)
         self.catchup: dict[int, float] = {}       # bucket -> EMA seconds a catch-up adds to a step
         self.span: dict[tuple, float] = {}        # (bucket, any row in a burst) -> EMA widest proposal / width asked
         self.rng = random.Random(self.seed)
@@ -117,7 +116,9 @@ class Adaptive(Policy):
             return fit(widest)
         if self.table is not None and self.table.step:
             return self.table.step_time(batch, int(round(widest)))
-        base = self.plain.get(key) or next(iter(self.plain.values()), 1.0)
+        plain = [v[0] for (k, s, _), v in self.measured.items() if s == 0 and k == key] or \
+            [v[0] for (_, s, _), v in self.measured.items() if s == 0] or [1.0]
+        base = plain[0]
         return base * (1.0 + (0.1 + 0.02 * batch) * widest)
 
     def expected(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,8 +189,6 @@ class Adaptive(Policy):
             self.fits.setdefault(key, LineFit()).add(widest, seconds)
             old = self.measured.get((key, width, burst))
             self.measured[(key, width, burst)] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
-        if widest == 0:
-            self.plain[key] = _ema(self.plain.get(key), seconds, self.ema)
         if width:
             self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)
         if pending["probing"]:
@@ -228,7 +227,6 @@ class Adaptive(Policy):
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
             "measured": [[list(k), v] for k, v in self.measured.items()],
-            "plain": [[k, v] for k, v in self.plain.items()],
             "catchup": [[k, v] for k, v in self.catchup.items()],
             "span": [[list(k), v] for k, v in self.span.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
@@ -245,7 +243,6 @@ class Adaptive(Policy):
             fit = self.fits[int(key)] = LineFit()
             for x, y in samples:
                 fit.add(x, y)
-        self.plain = {int(k): v for k, v in state["plain"]}
         self.catchup = {int(k): v for k, v in state["catchup"]}
         self.span = {tuple(k): v for k, v in state["span"]}
         tried, accepted, row_state = state["row_states"]
