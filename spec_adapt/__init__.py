@@ -13,6 +13,7 @@ from .drafters import CandidateGeneratorDrafter, ChainDrafter, Drafter, DraftReq
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord, last_stats
 from .fast import Acceptor
+from .verifiers import EarlyExitVerifier, FullVerifier, Verifier
 from .policies import (Adaptive, BanditSpecUCB, ChainScheduler, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar, PerRequest,
                        Plan, Policy, StepInfo)
 from .pool import ModelPool
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "generate", "enable", "disable", "SpecGenerateOutput", "CandidateGeneratorDrafter", "ChainDrafter", "ChainScheduler",
     "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
-    "Policy", "Plan", "StepInfo", "Acceptor", "Adaptive", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
+    "Policy", "Plan", "StepInfo", "Acceptor", "Verifier", "FullVerifier", "EarlyExitVerifier", "Adaptive", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
     "PerRequest", "LatencyTable",
     "ModelPool", "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
 ]

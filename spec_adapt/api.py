@@ -17,6 +17,7 @@ from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import Policy, check_policy
 from .policies.default import Adaptive
+from .verifiers import Verifier, check_verifier
 
 
 @dataclass
@@ -43,6 +44,7 @@ def generate(
     spec_stats: SpecStats | None = None,
     spec_streamer=None,
     acceptor: Acceptor | None = None,
+    verifier: Verifier | None = None,
     **model_kwargs,
 ):
     """Batched speculative decoding, called by transformers as `model.generate(..., custom_generate=generate)`.
@@ -54,13 +56,14 @@ def generate(
     - `spec_streamer`: a streamer (transformers does not pass `streamer` on to custom_generate functions; a plain
       `streamer=` given to `model.generate` is found and used too).
     - `acceptor`: the accept phase (`spec_adapt.fast.Acceptor(kernels="auto" | "off" | "force")`); default Acceptor().
+    - `verifier`: the verify phase (`FullVerifier()`, the default, or `EarlyExitVerifier(layers=..., top_k=...)`).
     Greedy output is token-for-token the target's own; sampled output has exactly the target's distribution.
     """
     if stopping_criteria is None:   # called directly rather than through model.generate: let generate prepare
         return model.generate(
             input_ids, generation_config=generation_config, logits_processor=logits_processor,
             custom_generate=generate, drafter=drafter, assistant_policy=assistant_policy, spec_stats=spec_stats,
-            spec_streamer=spec_streamer, acceptor=acceptor, **model_kwargs,
+            spec_streamer=spec_streamer, acceptor=acceptor, verifier=verifier, **model_kwargs,
         )
     _check_generation_config(generation_config, synced_gpus)
     attention_mask = model_kwargs.pop("attention_mask", None)
@@ -81,6 +84,8 @@ def generate(
     check_policy(policy)
     if acceptor is not None and not isinstance(acceptor, Acceptor):
         raise TypeError(f"acceptor must be a spec_adapt.fast.Acceptor, got {type(acceptor).__name__}.")
+    verifier = check_verifier(verifier)
+    verifier.check(model)
     stats = spec_stats if spec_stats is not None else SpecStats()
     stats.policy = repr(policy)
     if spec_streamer is None:
@@ -91,7 +96,7 @@ def generate(
     loop = SpeculativeLoop(
         model, input_ids, attention_mask, drafter=drafter, policy=policy, logits_processor=logits_processor,
         stopping_criteria=stopping_criteria, generation_config=generation_config, streamer=spec_streamer,
-        stats=stats, cache=cache, acceptor=acceptor,
+        stats=stats, cache=cache, acceptor=acceptor, verifier=verifier,
     )
     sequences = loop.run()
     set_last_stats(stats)

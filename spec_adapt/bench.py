@@ -51,6 +51,7 @@ class Cell:
     verify_steps: int = 0
     steps: int = 0
     plain_steps: int = 0           # steps the policy ran at gamma = 0 for every row
+    verifier: dict = field(default_factory=dict)   # summed SpecStats.verifier counters (EarlyExitVerifier)
 
     def add_stats(self, stats) -> None:
         self.drafted += stats.drafted
@@ -69,6 +70,9 @@ class Cell:
         self.draft_positions += sum(max(r.drafted) for r in drafting)
         self.verify_seconds += sum(r.verify_time for r in drafting)
         self.verify_steps += len(drafting)
+        for key, value in stats.verifier.items():
+            if isinstance(value, int):
+                self.verifier[key] = self.verifier.get(key, 0) + value
         self.trace.extend(
             {"batch_size": r.batch_size, "gammas": r.gammas, "drafted": r.drafted, "accepted": r.accepted,
              "step_time": r.step_time}
@@ -92,6 +96,8 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
         if draft is None:
             return None
         return lambda enc: (model.generate(**enc, **common, assistant_model=draft), None)
+    name, _, verify_name = name.partition("+")       # "+ee": EarlyExitVerifier (cost-gated); "+ee-always"
+    verifier = parse_verifier(verify_name)
     drafter_name, _, policy_name = name.partition(":")
     make_drafter = {
         "none": lambda: None,
@@ -99,13 +105,15 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
         # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
         "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
         "draft": (lambda: draft) if draft is not None else None,
+        # The draft with stock assisted generation's confidence early exit (a row stops below 0.4 top probability).
+        "draftc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4)) if draft is not None else None,
         "wrong": lambda: spec_adapt.ScriptedDrafter(
             lambda row, context, gamma: [(context[-1] + 1) % len(tok)] * gamma),
         "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
         if draft is not None else None,
     }.get(drafter_name)
     if make_drafter is None:
-        raise ValueError(f"Unknown drafter in config {name!r} (or --draft missing for 'draft').")
+        raise ValueError(f"Unknown drafter in config {name!r} (or --draft missing for 'draft'/'draftc'/'chain').")
     # One policy object per configuration: what it learns carries over from call to call, as in serving.
     if policy_name == "chain":            # the scheduler steers one chain object, kept across calls
         chain = make_drafter()
@@ -116,7 +124,7 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
 
     def run(enc):
         out = model.generate(**enc, **common, custom_generate=spec_adapt.generate, drafter=make_drafter(),
-                             assistant_policy=policy)
+                             assistant_policy=policy, verifier=verifier)
         return out, spec_adapt.last_stats()
 
     run.policy = policy
@@ -139,6 +147,22 @@ def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> l
         out.append({"steps": f"{start}-{start + len(window) - 1}", "chain": chain, "W": width,
                     "share": round(count / len(window), 2)})
     return out
+
+
+def parse_verifier(name: str):
+    """"" = FullVerifier; "ee[<K>][@<layer>,...]" = EarlyExitVerifier(gate="auto"), "ee-always..." = gate="always"
+    (e.g. "ee10@14" = K 10, checkpoint after layer 14). One object per configuration: its gate learns across calls."""
+    import spec_adapt
+
+    if not name:
+        return None
+    gate = "always" if name.startswith("ee-always") else "auto"
+    rest = name.removeprefix("ee-always") if gate == "always" else name.removeprefix("ee")
+    if name == rest:
+        raise ValueError(f"Unknown verifier {name!r}: use ee[<K>][@<layers>] or ee-always[<K>][@<layers>].")
+    k, _, layers = rest.partition("@")
+    return spec_adapt.EarlyExitVerifier(layers=[int(x) for x in layers.split(",")] if layers else None,
+                                        top_k=int(k or 10), gate=gate)
 
 
 def parse_policy(name: str, latency=None):
@@ -254,6 +278,11 @@ def summarize(cells: list[Cell]) -> list[dict]:
             "c": (c.draft_seconds / c.draft_positions) / (c.verify_seconds / c.verify_steps)
             if c.draft_positions and c.verify_seconds else None,
             "plain_step_share": c.plain_steps / c.steps if c.steps else None,
+            "verify_ms": 1000 * c.verify_seconds / c.verify_steps if c.verify_steps else None,
+            **({"pruned_share": c.verifier["pruned"] / max(1, c.verifier["tested"]),
+                "pruned_step_share": c.verifier["pruned_steps"] / max(1, c.verifier["pruned_steps"]
+                                                                    + c.verifier["full_steps"])}
+               if c.verifier else {}),
             "identical": c.identical, "repeats": len(c.times),
             **({"chains_chosen": chain_windows(c.choices)} if c.choices else {}),
         })
@@ -266,7 +295,8 @@ def write_results(cells: list[Cell], summary: list[dict], out_dir: Path, meta: d
     (out_dir / "traces.json").write_text(json.dumps(
         [{"config": c.config, "batch_size": c.batch_size, "trace": c.trace} for c in cells if c.trace]))
     with open(out_dir / "summary.csv", "w", newline="") as f:
-        fields = [k for k in summary[0] if k != "per_position_acceptance"]
+        fields = list(dict.fromkeys(k for row in summary for k in row if k not in ("per_position_acceptance",
+                                                                                    "chains_chosen")))
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(summary)

@@ -230,7 +230,7 @@ def main(argv=None) -> None:
                    "smollm2-135m (the fast demo)")
     p.set_defaults(func=demo)
     p = sub.add_parser("bench", help="configurations side by side on a workload (see spec_adapt/bench.py)")
-    p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval or mixed")
+    p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat (HumanEval as a user message, for instruct models) or mixed")
     p.add_argument("--prompts", help="a JSONL file of prompts (overrides --workload)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--rows", type=int, default=8, help="batch size B runs the first max(B, rows) prompts")

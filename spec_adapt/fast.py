@@ -97,3 +97,13 @@ def gather_slots(cache, index, mode: str = "auto"):
 
         return kernel(cache, index), "triton"
     return gather_slots_reference(cache, index), "torch"
+
+
+def token_rank(logits, tokens, mode: str = "auto"):
+    """[N, V], [N] -> (rank [N], path): entries with a logit strictly above the token's (Top-K test: rank < K)."""
+    if use_kernel(mode, logits):
+        from .kernels.verify import token_rank as kernel
+
+        return kernel(logits, tokens), "triton"
+    values = logits.float().gather(1, tokens[:, None].long())     # = kernels.verify.token_rank_reference
+    return (logits.float() > values).sum(dim=1), "torch"

@@ -90,23 +90,50 @@ class KVLedger:
 
         The valid tokens of row b are its buffer tokens n_cached[b] .. n_cached[b] + n_valid[b] - 1.
         """
-        batch, width = tokens.shape
-        n_valid = n_valid.to(self.device)
-        offset = torch.arange(width, device=self.device)[None, :]
-        new = torch.where(offset < n_valid[:, None], self.n_cached[:, None] + offset, -1)   # [B, W]
-        slots = torch.cat([self.slots, new], dim=1)
-        logits = self._run(tokens.to(self.device), slots, keep=width, new=new)
+        new, slots = self._append(tokens.shape[1], n_valid)
+        logits = self._run(tokens.to(self.device), slots, keep=tokens.shape[1], new=new)
         self.slots = slots
-        self.n_cached = self.n_cached + n_valid
+        self.n_cached = self.n_cached + n_valid.to(self.device)
         return logits
 
-    def _run(self, tokens, slots, keep, new=None):
-        if new is None:
-            new = slots
+    def forward_pruned(self, tokens: torch.Tensor, n_valid: torch.Tensor, runner):
+        """Like `forward`, through `runner`, which may drop the tail of rows mid-forward (Top-K early exit).
+
+        runner(model, tokens, n_valid, mask, position_ids, cache, past) -> (logits [B, W', V], kept [B]): row b keeps
+        its first kept[b] <= n_valid[b] positions, W' = max(kept); the runner leaves every cache layer `past + W'`
+        long. Dropped positions become holes, exactly like rejected ones. Returns (logits, kept)."""
+        n_valid = n_valid.to(self.device)
+        new, slots = self._append(tokens.shape[1], n_valid)
+        mask, position_ids = self._inputs(slots, new)
+        past = self.physical_length
+        logits, kept = runner(self.model, tokens.to(self.device), n_valid, mask, position_ids, self.cache, past)
+        kept = torch.minimum(kept.to(self.device), n_valid)
+        width = logits.shape[1]
+        lengths = {layer.keys.shape[-2] for layer in self._layers()}
+        if lengths != {past + width}:
+            raise RuntimeError(f"verifier left cache layers of lengths {sorted(lengths)}, expected {past + width}")
+        offset = torch.arange(width, device=self.device)[None, :]
+        new = torch.where(offset < kept[:, None], new[:, :width], -1)
+        self.slots = torch.cat([self.slots, new], dim=1)
+        self.n_cached = self.n_cached + kept
+        return logits, kept
+
+    def _append(self, width: int, n_valid: torch.Tensor):
+        """Slots of `width` new columns (row b's first n_valid[b] valid): (new [B, W], all slots [B, P + W])."""
+        offset = torch.arange(width, device=self.device)[None, :]
+        new = torch.where(offset < n_valid.to(self.device)[:, None], self.n_cached[:, None] + offset, -1)
+        return new, torch.cat([self.slots, new], dim=1)
+
+    def _inputs(self, slots, new):
+        """(attention mask [B, P + W] or None, position ids [B, W]) for a forward over `new` given all `slots`."""
         valid = slots >= 0
         position_ids = torch.where(new >= 0, new - self.pad[:, None], 0)   # holes get 0, like stock's padding
         # An all-valid mask is dropped, as stock generate does: the model then takes the same attention path.
         mask = None if bool(valid.all()) else valid.long()
+        return mask, position_ids
+
+    def _run(self, tokens, slots, keep, new=None):
+        mask, position_ids = self._inputs(slots, slots if new is None else new)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         out = self.model(
             input_ids=tokens, attention_mask=mask, position_ids=position_ids,

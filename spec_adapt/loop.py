@@ -23,13 +23,14 @@ from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan
 from .processors import ScoreProcessor
+from .verifiers import FullVerifier, Verifier
 
 
 class SpeculativeLoop:
     def __init__(
         self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
         stopping_criteria, generation_config, streamer=None, stats: SpecStats, cache=None,
-        acceptor: Acceptor | None = None,
+        acceptor: Acceptor | None = None, verifier: Verifier | None = None,
     ):
         cfg = generation_config
         self.device = model.device
@@ -47,6 +48,7 @@ class SpeculativeLoop:
         self.process = ScoreProcessor(logits_processor)
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
+        self.verifier = verifier if verifier is not None else FullVerifier()
         self.members = None            # the policy's plan for the drafter this step (chain members), if any
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
@@ -59,11 +61,12 @@ class SpeculativeLoop:
     def run(self) -> torch.Tensor:
         start = self._now()
         self.stats.start(self.buffer.shape[0])
+        self.verifier.begin()
         logits = self.target.prefill(self.input_ids, self.attention_mask).float()[:, None]   # [B, 1, V]
         self.vocab = logits.shape[-1]
         first = Proposal.empty(len(self.rows), self.device)
         scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1, self.rows)
-        committed = self._commit(first, *self._accept(scores, first), scores, logits)
+        committed = self._commit(first, *self._accept(scores, first), scores, logits, bonus=None)
         self._count_first_token(committed)
         self.stats.time_prefill = self._now() - start
         if self.drafter is not None:   # begins with the whole batch, then follows the rows that leave it
@@ -79,6 +82,7 @@ class SpeculativeLoop:
         self.stats.compactions = self.target.compactions
         compact = {"compact": self.target.compact_path} if self.target.compact_path else {}
         self.stats.kernel_paths = {**self.acceptor.paths, **compact}
+        self.stats.verifier = self.verifier.report()
         self.stats.drafter_events = list(getattr(self.given_drafter, "events", []))
         self.stats.time_total = self._now() - start
         return self.buffer[:, : int(self.lengths.max())]
@@ -88,10 +92,10 @@ class SpeculativeLoop:
         gammas = self._choose()                                            # 0. lengths, per active row
         proposal = self._propose(gammas)                                   # 1. propose
         t1 = self._now()
-        scores, logits = self._verify(proposal)                            # 2. verify: [B, S+1, V]
+        proposal, bonus, scores, logits = self._verify(proposal)           # 2. verify: [B, S+1, V]
         t2 = self._now()
         accepted, next_token = self._accept(scores, proposal)              # 3. accept
-        committed = self._commit(proposal, accepted, next_token, scores, logits)   # 4. commit + rollback
+        committed = self._commit(proposal, accepted, next_token, scores, logits, bonus)   # 4. commit + rollback
         t3 = self._now()
         self._observe(gammas, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)  # 5. observe
         self._retire()
@@ -127,20 +131,29 @@ class SpeculativeLoop:
         return check_proposal(self.drafter.propose(request), request, self.vocab)
 
     def _verify(self, proposal: Proposal):
+        """The verifier's logits for the last committed token and the drafts. A verifier may keep fewer positions
+        of a row (Top-K early exit): the row keeps that many drafts and, with no position after them, no bonus.
+        Returns (proposal, bonus [B] bool, scores, logits), scores and logits [B, S'+1, V] for the kept drafts."""
         lengths = self.lengths[self.rows]
         last = self.buffer[self.rows, lengths - 1]
         chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
-        logits = self.target.forward(chunk, proposal.lengths + 1).float()                 # [B, S+1, V]
+        result = self.verifier.verify(self.target, chunk, proposal.lengths + 1)
+        bonus = result.kept > proposal.lengths
+        proposal = proposal.cut(result.kept)
+        logits = _pad_positions(result.logits.float(), proposal.tokens.shape[1] + 1)     # [B, S'+1, V]
         context = with_drafts(self.buffer[self.rows], lengths, proposal.tokens)
-        return self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows), logits
+        scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows)
+        return proposal, bonus, scores, logits
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal):
         return self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths, self.sampling)
 
-    def _commit(self, proposal, accepted, next_token, scores, logits) -> torch.Tensor:
+    def _commit(self, proposal, accepted, next_token, scores, logits, bonus) -> torch.Tensor:
+        """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one)."""
         rows, old = self.rows, self.lengths[self.rows]
         new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
-        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, accepted + 1, self.pad_id)
+        n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
+        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id)
         self.lengths[rows] = old + n_keep
         self.finished = finished
         # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
@@ -224,6 +237,14 @@ class SpeculativeLoop:
         if self.sync:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def _pad_positions(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Logits [B, W, V] widened to `width` positions by repeating the last one. Only a row that a verifier cut at the
+    batch's widest position needs it: the accept phase reads its (unused) bonus slot."""
+    if logits.shape[1] >= width:
+        return logits
+    return torch.cat([logits, logits[:, -1:].expand(-1, width - logits.shape[1], -1)], dim=1)
 
 
 class Stopper:

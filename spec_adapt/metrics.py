@@ -52,6 +52,7 @@ class SpecStats:
     compactions: int = 0
     kernel_paths: dict = field(default_factory=dict)   # operation -> "triton" or "torch": what ran in this call
     drafter_events: list = field(default_factory=list)   # e.g. a chain level dropped after a failure
+    verifier: dict = field(default_factory=dict)   # the verifier's counters (EarlyExitVerifier: tested, pruned, ...)
     trace: list[StepRecord] = field(default_factory=list)
 
     def start(self, batch_size: int) -> None:
@@ -124,6 +125,7 @@ class SpecStats:
             "policy": self.policy,
             "compactions": self.compactions,
             "kernel_paths": self.kernel_paths,
+            "verifier": self.verifier,
         }
 
 

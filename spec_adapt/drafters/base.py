@@ -44,6 +44,13 @@ class Proposal:
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
         return Proposal(torch.zeros(batch, 0, dtype=torch.long, device=device), zeros)
 
+    def cut(self, lengths: torch.Tensor) -> "Proposal":
+        """The same proposal with row b keeping its first min(lengths[b], self.lengths[b]) drafts."""
+        lengths = torch.minimum(self.lengths, lengths)
+        width = int(lengths.max()) if lengths.numel() else 0
+        probs = self.probs[:, :width] if self.probs is not None else None
+        return Proposal(self.tokens[:, :width], lengths, probs, self.telemetry)
+
     @staticmethod
     def pack(drafts: list[torch.Tensor], device) -> "Proposal":
         """Per-row 1-D token tensors of different lengths -> a point-mass Proposal (rows padded with 0)."""

