@@ -160,6 +160,34 @@ class KVLedger:
             layer.keys, layer.values = layer.keys[index], layer.values[index]
         self._trim()
 
+    def add_rows(self, other: "KVLedger") -> None:
+        """Append the rows of `other` (the same model, prefilled apart: requests joining a running batch). The
+        shorter side gets hole columns on the right, so nothing moves but the concatenation."""
+        width = max(self.physical_length, other.physical_length)
+        for ledger in (self, other):
+            ledger._widen(width)
+        self.slots = torch.cat([self.slots, other.slots])
+        self.pad = torch.cat([self.pad, other.pad])
+        self.n_cached = torch.cat([self.n_cached, other.n_cached])
+        if not self._layers():         # this ledger never ran (no rows yet): take the other's cache as it is
+            self.cache = other.cache
+            return
+        for mine, theirs in zip(self._layers(), other._layers()):
+            mine.keys = torch.cat([mine.keys, theirs.keys])
+            mine.values = torch.cat([mine.values, theirs.values])
+
+    def _widen(self, width: int) -> None:
+        extra = width - self.physical_length
+        if extra <= 0:
+            return
+        self.slots = torch.cat([self.slots, self.slots.new_full((self.slots.shape[0], extra), -1)], dim=1)
+        for layer in self._layers():
+            shape = list(layer.keys.shape)
+            shape[2] = extra
+            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(shape)], dim=2)
+            layer.values = torch.cat([layer.values, layer.values.new_zeros(shape[:3] + [layer.values.shape[3]])],
+                                     dim=2)
+
     def reclaimable(self) -> int:
         """Slots compaction would free: physical length minus the longest row's count of valid entries."""
         if not self.slots.numel():

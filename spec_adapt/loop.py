@@ -43,6 +43,10 @@ class SpeculativeLoop:
         self.buffer = torch.full((batch, self.stopper.max_length), self.pad_id, dtype=torch.long, device=self.device)
         self.buffer[:, : self.prompt_length] = self.input_ids
         self.lengths = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
+        # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
+        # with their own prompt widths and token budgets; one generate call has one of each).
+        self.starts = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
+        self.limits = torch.full((batch,), self.stopper.max_length, dtype=torch.long, device=self.device)
         self.rows = torch.arange(batch, device=self.device)
         self.sampling = bool(cfg.do_sample)
         self.process = ScoreProcessor(logits_processor)
@@ -103,13 +107,13 @@ class SpeculativeLoop:
     # -- phases --------------------------------------------------------------------------------------------------------
     def _choose(self) -> torch.Tensor:
         batch = len(self.rows)
-        remaining = self.stopper.max_length - self.lengths[self.rows]
         lengths = self.lengths[self.rows]
+        remaining = self.limits[self.rows] - lengths
         lag = self._guard("lag", self.drafter.lag, lengths) if self.drafter is not None else None
         level_lags = self._guard("lag", self.drafter.level_lags, lengths) if self.drafter is not None else None
         if self.drafter is None:
             return torch.zeros(batch, dtype=torch.long, device=self.device)
-        info = StepInfo(batch, self.rows, lengths - self.prompt_length, remaining, self.stats.steps, lag, level_lags)
+        info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag, level_lags)
         gammas, self.members = check_plan(self.policy, self.policy.choose(info), batch)
         if self.members is not None:
             self.drafter.check_members(self.members)
@@ -153,7 +157,7 @@ class SpeculativeLoop:
         rows, old = self.rows, self.lengths[self.rows]
         new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
         n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
-        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id)
+        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self.limits[rows])
         self.lengths[rows] = old + n_keep
         self.finished = finished
         # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
@@ -260,17 +264,18 @@ class Stopper:
         self.eos = torch.cat(eos) if eos else None
         self.others = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
 
-    def cut(self, buffer, rows, old, new, n_new, pad_id):
-        """Write each row's committed tokens new[b, :n] into the buffer; return (n [B], finished [B])."""
+    def cut(self, buffer, rows, old, new, n_new, pad_id, limits):
+        """Write each row's committed tokens new[b, :n] into the buffer, row b up to its buffer length limits[b];
+        return (n [B], finished [B])."""
         width = new.shape[1]
         pos = torch.arange(width, device=new.device)[None, :]
-        n = torch.minimum(n_new, self.max_length - old)
+        n = torch.minimum(n_new, limits - old)
         hit_eos = torch.zeros_like(n, dtype=torch.bool)
         if self.eos is not None:
             is_eos = torch.isin(new, self.eos) & (pos < n[:, None])
             hit_eos = is_eos.any(dim=1)
             n = torch.where(hit_eos, is_eos.long().argmax(dim=1) + 1, n)
-        finished = hit_eos | (old + n >= self.max_length)
+        finished = hit_eos | (old + n >= limits)
         b, j = (pos < n[:, None]).nonzero(as_tuple=True)
         buffer[rows[b], old[b] + j] = new[b, j]
         if self.others:

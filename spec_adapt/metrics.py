@@ -60,6 +60,12 @@ class SpecStats:
         for name in ("per_row_drafted", "per_row_accepted", "per_row_new_tokens", "per_row_steps"):
             setattr(self, name, [0] * batch_size)
 
+    def add_rows(self, n: int) -> None:
+        """Serving: n more user rows joined."""
+        self.batch_size += n
+        for name in ("per_row_drafted", "per_row_accepted", "per_row_new_tokens", "per_row_steps"):
+            getattr(self, name).extend([0] * n)
+
     def record(self, rec: StepRecord) -> None:
         self.steps += 1
         self.row_steps += rec.batch_size

@@ -90,6 +90,12 @@ class Drafter:
     def propose(self, request: DraftRequest) -> Proposal:
         raise NotImplementedError
 
+    def add_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Serving: rows join the running batch after its active rows; their (left padded) prompts [n, L] and mask.
+        They take the next user-row numbers (after every row seen so far). A drafter that cannot take rows
+        raises, and the engine continues without speculation (nothing is lost)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take rows joining a running batch.")
+
     def lag(self, lengths: torch.Tensor) -> torch.Tensor | None:
         """[B] committed tokens (of `lengths`) this drafter would have to catch up on first; None = no such cost."""
         return None

@@ -38,6 +38,9 @@ class PromptLookupDrafter(Drafter):
     def begin(self, input_ids, attention_mask):
         self.pad = left_padding(input_ids, attention_mask)
 
+    def add_rows(self, input_ids, attention_mask):
+        self.pad = (self.pad or []) + left_padding(input_ids, attention_mask)
+
     def propose(self, request: DraftRequest) -> Proposal:
         tokens = request.tokens.cpu()
         drafts = []

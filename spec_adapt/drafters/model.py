@@ -55,6 +55,11 @@ class ModelDrafter(Drafter):
         self.ledger = KVLedger(self.model)
         self.ledger.prefill(input_ids, attention_mask)
 
+    def add_rows(self, input_ids, attention_mask):
+        joining = KVLedger(self.model)
+        joining.prefill(input_ids, attention_mask)
+        self.ledger.add_rows(joining)
+
     def propose(self, request: DraftRequest) -> Proposal:
         device, target_device = self.ledger.device, request.tokens.device
         tokens = request.tokens.to(device)

@@ -24,6 +24,9 @@ class ScriptedDrafter(Drafter):
     def begin(self, input_ids, attention_mask):
         self.pad = left_padding(input_ids, attention_mask)
 
+    def add_rows(self, input_ids, attention_mask):
+        self.pad = (self.pad or []) + left_padding(input_ids, attention_mask)
+
     def propose(self, request: DraftRequest) -> Proposal:
         batch = request.tokens.shape[0]
         drafts = []

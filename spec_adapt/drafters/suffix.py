@@ -70,6 +70,10 @@ class SuffixDrafter(Drafter):
         self.pad = left_padding(input_ids, attention_mask)
         self.indexed = [0] * len(self.pad)   # per user row: tokens of its context already in the index
 
+    def add_rows(self, input_ids, attention_mask):
+        more = left_padding(input_ids, attention_mask)
+        self.pad, self.indexed = (self.pad or []) + more, (self.indexed or []) + [0] * len(more)
+
     def propose(self, request: DraftRequest) -> Proposal:
         tokens = request.tokens.cpu()
         drafts = []

@@ -1,0 +1,395 @@
+"""Serving under live load: requests join and leave a running speculative batch.
+
+`Engine(model, drafter=..., policy=..., max_batch=...)`; `submit(prompt) -> Handle`; `handle.result()`,
+`handle.stream()`, `handle.cancel()`. Drive it with `engine.step()` / `engine.run_until_idle()` (deterministic), or
+`engine.start()` for a background thread that serves while other threads submit.
+
+One engine iteration:
+1. cancellations: waiting requests are dropped; running rows leave the batch (their tokens so far are kept);
+2. admission (`ServingLoop.admit`): up to `max_batch - running` waiting requests are prefilled together (their own
+   KV ledger, left padded), their first token is committed, and their rows are appended to the running batch: the
+   target's ledger and every draft ledger gain rows (`KVLedger.add_rows`, `Drafter.add_rows`);
+3. one speculative step, exactly `SpeculativeLoop.step` (choose, propose, verify, accept, commit, observe, retire);
+4. delivery: new tokens go to each request's handle; finished rows complete their handle.
+
+The loop's step never sees admission: the phases read the active rows, whatever their number, and rows keep their
+user-row number for life (drafters and policies key per-row state by it).
+
+Limits, said plainly: one generation config per engine (greedy, or sampling with temperature / top-k / top-p, one
+set of EOS ids); per request only the prompt and max_new_tokens. Under sampling the engine's schedule (which
+requests share a step) depends on arrival timing when threads submit, so seeded determinism holds for a
+deterministic drive (`step()` with a fixed submission schedule), not for wall-clock arrivals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from .api import as_drafter
+from .fast import Acceptor
+from .ledger import KVLedger
+from .loop import SpeculativeLoop, Stopper
+from .metrics import SpecStats
+from .policies.base import check_policy
+from .policies.default import Adaptive
+from .processors import ScoreProcessor
+from .verifiers import check_verifier
+
+
+class RequestError(ValueError):
+    """A request the engine refused; it is set on the request's handle and raised by `result()`."""
+
+
+@dataclass
+class Handle:
+    """One request. `tokens`: generated so far; `state`: waiting, running, done, cancelled or failed."""
+
+    id: int
+    prompt: torch.Tensor
+    max_new_tokens: int
+    engine: "Engine"
+    state: str = "waiting"
+    tokens: list = field(default_factory=list)
+    error: Exception | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+    _done: threading.Event = field(default_factory=threading.Event)
+    _stream: queue.Queue = field(default_factory=queue.Queue)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """The generated tokens (up to and including EOS), once the request is done or cancelled."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.tokens)
+
+    def stream(self, timeout: float | None = None):
+        """Yield tokens as they are committed (several per step when drafts are accepted)."""
+        while True:
+            item = self._stream.get(timeout=timeout)
+            if item is None:
+                return
+            yield item
+
+    def cancel(self) -> None:
+        self.engine.cancel(self)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _push(self, tokens: list[int]) -> None:
+        if tokens and self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.tokens.extend(tokens)
+        for t in tokens:
+            self._stream.put(t)
+
+    def _finish(self, state: str, error: Exception | None = None) -> None:
+        self.state, self.error, self.finished = state, error, time.perf_counter()
+        self._stream.put(None)
+        self._done.set()
+
+
+class ServingLoop(SpeculativeLoop):
+    """SpeculativeLoop with an admission phase. It starts with no rows; `admit` appends rows, `step` is inherited."""
+
+    def __init__(self, model, *, drafter, policy, processor, sampling, eos, pad_id, max_length, acceptor,
+                 verifier):
+        self.model, self.device = model, model.device
+        self.stopper = Stopper([], max_length, self.device)
+        self.stopper.eos = eos
+        self.pad_id = pad_id
+        self.buffer = torch.full((0, 1), pad_id, dtype=torch.long, device=self.device)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.starts, self.limits = self.lengths.clone(), self.lengths.clone()
+        self.rows = self.lengths.clone()
+        self.finished = torch.zeros(0, dtype=torch.bool, device=self.device)
+        self.sampling, self.process = sampling, processor
+        self.acceptor = acceptor.for_call()
+        self.target: KVLedger | None = None
+        self.verifier = verifier
+        self.verifier.begin()
+        self.members = None
+        self.drafter, self.given_drafter, self.policy = drafter, drafter, policy
+        self.streamer, self.scores, self.raw_logits = None, None, None
+        self.sync = self.device.type == "cuda" and getattr(policy, "needs_timing", True)
+        self.stats = SpecStats()
+        self.stats.start(0)
+        self.policy.begin(0)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+
+    def admit(self, prompts: list[torch.Tensor], budgets: list[int]) -> torch.Tensor:
+        """Prefill `prompts` (1-D token tensors) together, commit their first token and append their rows to the
+        running batch. Returns their user-row numbers."""
+        n, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):], mask[i, width - len(p):] = p.to(self.device), 1
+        new_rows = torch.arange(self.buffer.shape[0], self.buffer.shape[0] + n, device=self.device)
+        limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
+        self._grow_buffer(ids, limits)
+        self.stats.add_rows(n)
+
+        joining = KVLedger(self.model, kernels=self.acceptor.mode)
+        logits = joining.prefill(ids, mask).float()[:, None]                        # [n, 1, V]
+        old = self.lengths[new_rows].clone()
+        scores = self.process.positions(logits, self.buffer[new_rows], old, torch.ones_like(old), new_rows)
+        empty = torch.zeros(n, 0, dtype=torch.long, device=self.device)
+        _, first = self.acceptor.accept(scores, empty, None, torch.zeros_like(old), self.sampling)
+        kept, finished = self.stopper.cut(self.buffer, new_rows, old, first[:, None], torch.ones_like(old),
+                                          self.pad_id, limits)
+        self.lengths[new_rows] = old + kept
+        for row, k in zip(new_rows.tolist(), kept.tolist()):
+            self.stats.per_row_new_tokens[row] += k
+            self.stats.new_tokens += k
+
+        first_rows = self.target is None
+        if first_rows:
+            self.target = joining
+        else:
+            self.target.add_rows(joining)
+        self.rows = torch.cat([self.rows, new_rows])
+        self.finished = torch.cat([self.finished, finished])
+        if self.drafter is not None:
+            call = self.drafter.begin if first_rows else self.drafter.add_rows
+            self._guard("admission", call, ids, mask)
+        self._retire()
+        return new_rows
+
+    def _grow_buffer(self, ids, limits) -> None:
+        width = max(self.buffer.shape[1], int(limits.max()))
+        if width > self.buffer.shape[1]:
+            more = torch.full((self.buffer.shape[0], width - self.buffer.shape[1]), self.pad_id,
+                              dtype=torch.long, device=self.device)
+            self.buffer = torch.cat([self.buffer, more], dim=1)
+        rows = torch.full((ids.shape[0], width), self.pad_id, dtype=torch.long, device=self.device)
+        rows[:, : ids.shape[1]] = ids
+        self.buffer = torch.cat([self.buffer, rows])
+        start = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
+        self.lengths = torch.cat([self.lengths, start])
+        self.starts = torch.cat([self.starts, start])
+        self.limits = torch.cat([self.limits, limits])
+
+    def drop(self, rows: list[int]) -> None:
+        """Cancelled rows leave the batch now (what they committed stays theirs)."""
+        self.finished = self.finished | torch.isin(self.rows, torch.tensor(rows, device=self.device))
+        self._retire()
+
+    def _retire(self) -> None:
+        # Unlike one generate call, a serving batch may empty and fill again: the ledgers follow it down to 0 rows.
+        if not bool(self.finished.any()):
+            return
+        keep = (~self.finished).nonzero().squeeze(1)
+        self.rows, self.finished = self.rows[keep], self.finished[keep]
+        self.target.select_rows(keep)
+        if self.drafter is not None:
+            self._guard("select_rows", self.drafter.select_rows, keep)
+
+
+class Engine:
+    """A speculative serving engine over one target model (see the module docstring)."""
+
+    def __init__(self, model, drafter=None, policy=None, max_batch: int = 8, max_new_tokens: int = 64,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id="model", pad_token_id: int | None = None,
+                 verifier=None, acceptor: Acceptor | None = None, tokenizer=None, seed: int | None = None):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}.")
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.max_new_tokens = _check_budget(max_new_tokens)
+        drafter = as_drafter(drafter)
+        if drafter is not None:
+            drafter.validate(model)
+        policy = policy if policy is not None else Adaptive()
+        check_policy(policy)
+        verifier = check_verifier(verifier)
+        verifier.check(model)
+        if seed is not None:
+            torch.manual_seed(seed)
+        # eos_token_id: "model" = the model's generation config; None = no EOS (every request runs to its budget).
+        eos = model.generation_config.eos_token_id if eos_token_id == "model" else eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        pad = pad_token_id if pad_token_id is not None else (model.generation_config.pad_token_id or
+                                                              (eos[0] if eos else 0))
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.loop = ServingLoop(
+            model, drafter=drafter, policy=policy, processor=ScoreProcessor(_warpers(do_sample, temperature, top_k,
+                                                                                     top_p)),
+            sampling=do_sample, eos=torch.tensor(eos, device=model.device) if eos else None, pad_id=int(pad),
+            max_length=1 << 30, acceptor=acceptor or Acceptor(), verifier=verifier)
+        self.waiting: list[Handle] = []
+        self.running: dict[int, Handle] = {}        # user row -> handle
+        self.delivered: dict[int, int] = {}         # user row -> buffer length already delivered
+        self.cancelled: set[int] = set()
+        self.lock = threading.Lock()
+        self.ids = itertools.count()
+        self.timeline: list[dict] = []              # per step: time, batch size, gammas, waiting
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+
+    # -- the user's side -----------------------------------------------------------------------------------------------
+    def submit(self, prompt, max_new_tokens: int | None = None) -> Handle:
+        """Queue a request: a 1-D token tensor / list of ids, or text when the engine has a tokenizer. A request
+        the engine cannot serve is returned already failed, with the reason in `handle.error`."""
+        handle = Handle(next(self.ids), torch.zeros(0, dtype=torch.long), self.max_new_tokens, self)
+        try:
+            handle.prompt, handle.max_new_tokens = self._check(prompt, max_new_tokens)
+        except RequestError as exc:
+            handle._finish("failed", exc)
+            return handle
+        with self.lock:
+            self.waiting.append(handle)
+        self._wake.set()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        with self.lock:
+            if handle in self.waiting:
+                self.waiting.remove(handle)
+                handle._finish("cancelled")
+            elif not handle.done:
+                self.cancelled.add(handle.id)
+
+    def _check(self, prompt, max_new_tokens):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("A text prompt needs Engine(..., tokenizer=...); or submit token ids.")
+            prompt = self.tokenizer(prompt, return_tensors="pt").input_ids[0]
+        try:
+            ids = torch.as_tensor(prompt)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"A prompt is a 1-D list/tensor of token ids or a string, got {type(prompt).__name__}"
+                               ) from exc
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise RequestError(f"A prompt is a non-empty 1-D sequence of integer token ids, got shape "
+                               f"{tuple(ids.shape)} of {ids.dtype}.")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
+            raise RequestError(f"Prompt token ids must lie in [0, {self.vocab}), got {int(ids.min())}.."
+                               f"{int(ids.max())}.")
+        try:
+            budget = _check_budget(self.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        if self.max_positions is not None and len(ids) + budget > self.max_positions:
+            raise RequestError(f"Prompt ({len(ids)} tokens) + max_new_tokens ({budget}) exceeds the model's "
+                               f"{self.max_positions} positions: shorten the prompt or lower max_new_tokens.")
+        return ids.long(), budget
+
+    # -- the engine's side -----------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration: cancellations, admission, one speculative step, delivery. Returns whether work remains."""
+        with self.lock:
+            cancelled, self.cancelled = self.cancelled, set()
+            room = self.max_batch - len(self.running)
+            joining, self.waiting = self.waiting[:room], self.waiting[room:]
+        self._cancel_running(cancelled)
+        if joining:
+            rows = self.loop.admit([h.prompt for h in joining], [h.max_new_tokens for h in joining])
+            for row, handle in zip(rows.tolist(), joining):
+                handle.state = "running"
+                self.running[row] = handle
+                self.delivered[row] = int(self.loop.starts[row])
+            self._deliver()
+        if len(self.loop.rows):
+            self.loop.step()
+            record = self.loop.stats.trace[-1]
+            self.timeline.append({"time": time.perf_counter(), "batch_size": record.batch_size,
+                                  "gammas": record.gammas, "waiting": len(self.waiting)})
+            self._deliver()
+        with self.lock:
+            return bool(self.running or self.waiting)
+
+    def run_until_idle(self, max_steps: int | None = None) -> None:
+        for _ in itertools.count() if max_steps is None else range(max_steps):
+            if not self.step():
+                return
+
+    def start(self) -> "Engine":
+        """Serve from a background thread until `stop()`."""
+        def serve():
+            while not self._stop.is_set():
+                if not self.step():
+                    self._wake.wait(0.01)
+                    self._wake.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=serve, name="spec_adapt-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _deliver(self) -> None:
+        loop, active = self.loop, set(self.loop.rows.tolist())
+        for row in list(self.running):
+            length = int(loop.lengths[row])
+            handle = self.running[row]
+            if length > self.delivered[row]:
+                handle._push(loop.buffer[row, self.delivered[row] : length].tolist())
+                self.delivered[row] = length
+            if row not in active:
+                del self.running[row]
+                handle._finish("done")
+
+    def _cancel_running(self, ids: set[int]) -> None:
+        rows = [row for row, h in self.running.items() if h.id in ids]
+        if not rows:
+            return
+        self.loop.drop(rows)
+        self._deliver_cancelled(rows)
+
+    def _deliver_cancelled(self, rows) -> None:
+        for row in rows:
+            handle = self.running.pop(row)
+            length = int(self.loop.lengths[row])
+            handle._push(self.loop.buffer[row, self.delivered[row] : length].tolist())
+            handle._finish("cancelled")
+
+    @property
+    def stats(self) -> SpecStats:
+        return self.loop.stats
+
+    @property
+    def fallback(self) -> str | None:
+        return self.loop.stats.fallback
+
+
+def _check_budget(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {n!r}.")
+    return n
+
+
+def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:
+    out = LogitsProcessorList()
+    if not do_sample:
+        return out
+    if not temperature or temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}.")
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        out.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p))
+    return out
