@@ -99,21 +99,7 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
     name, _, verify_name = name.partition("+")       # "+ee": EarlyExitVerifier (cost-gated); "+ee-always"
     verifier = parse_verifier(verify_name)
     drafter_name, _, policy_name = name.partition(":")
-    make_drafter = {
-        "none": lambda: None,
-        "lookup": lambda: spec_adapt.PromptLookupDrafter(max_ngram=3, min_ngram=2),
-        # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
-        "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
-        "draft": (lambda: draft) if draft is not None else None,
-        # The draft with stock assisted generation's confidence early exit (a row stops below 0.4 top probability).
-        "draftc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4)) if draft is not None else None,
-        "wrong": lambda: spec_adapt.ScriptedDrafter(
-            lambda row, context, gamma: [(context[-1] + 1) % len(tok)] * gamma),
-        "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
-        if draft is not None else None,
-    }.get(drafter_name)
-    if make_drafter is None:
-        raise ValueError(f"Unknown drafter in config {name!r} (or --draft missing for 'draft'/'draftc'/'chain').")
+    make_drafter = drafter_factory(drafter_name, tok, draft)
     # One policy object per configuration: what it learns carries over from call to call, as in serving.
     if policy_name == "chain":            # the scheduler steers one chain object, kept across calls
         chain = make_drafter()
@@ -147,6 +133,28 @@ def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> l
         out.append({"steps": f"{start}-{start + len(window) - 1}", "chain": chain, "W": width,
                     "share": round(count / len(window), 2)})
     return out
+
+
+def drafter_factory(name: str, tok, draft=None):
+    """fn() -> a fresh drafter for a config's drafter name (none, lookup, suffix, draft, draftc, wrong, chain)."""
+    import spec_adapt
+
+    make = {
+        "none": lambda: None,
+        "lookup": lambda: spec_adapt.PromptLookupDrafter(max_ngram=3, min_ngram=2),
+        # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
+        "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
+        "draft": (lambda: draft) if draft is not None else None,
+        # The draft with stock assisted generation's confidence early exit (a row stops below 0.4 top probability).
+        "draftc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4)) if draft is not None else None,
+        "wrong": lambda: spec_adapt.ScriptedDrafter(
+            lambda row, context, gamma: [(context[-1] + 1) % len(tok)] * gamma),
+        "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
+        if draft is not None else None,
+    }.get(name)
+    if make is None:
+        raise ValueError(f"Unknown drafter {name!r} (or --draft missing for 'draft'/'draftc'/'chain').")
+    return make
 
 
 def parse_verifier(name: str):

@@ -75,6 +75,28 @@ def bench(args) -> None:
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
 
 
+def serve_bench_cmd(args) -> None:
+    from pathlib import Path
+
+    from spec_adapt import serve_bench as sb
+    from spec_adapt.models import load_model
+    from spec_adapt.recipes import workloads
+
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    draft = _draft(model, args)
+    ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
+    results = sb.run_serve_bench(model, tok, list(ds["input_text"]), args.configs, args.rates, args.duration,
+                                 args.max_batch, args.new_tokens, draft, seed=args.seed)
+    name = Path(args.prompts).stem if args.prompts else args.workload
+    meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
+            "max_batch": args.max_batch, "new_tokens": args.new_tokens, "duration": args.duration,
+            "command": "spec-adapt " + " ".join(args.argv)}
+    out = Path(args.out or f"results/serve-{args.model}-{name}")
+    rows = sb.write(results, out, meta)
+    sb.print_table(rows)
+    print(f"\nwrote {out}/summary.json, timeline.json, serve.png")
+
+
 def _draft(model, args):
     """--draft: a known name, model folder or hub id, or a folder written by the distillation recipe;
     --draft-layers N: the target's first N layers (a cost stand-in)."""
@@ -274,6 +296,23 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out")
     p.set_defaults(func=lab_cmd)
+    p = sub.add_parser("serve-bench", help="the serving engine under Poisson arrivals: throughput, TTFT, TPOT")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--draft", help="draft model (enables draft:<policy>, draftc:<policy>, chain:<policy>)")
+    p.add_argument("--draft-layers", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat or mixed")
+    p.add_argument("--prompts", help="a JSONL file of prompts (overrides --workload)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="requests per second")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per (rate, config)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", nargs="+", default=["target", "lookup:fixed1", "lookup:fixed3", "lookup:adaptive",
+                                                    "lookup:nightjar"])
+    p.add_argument("--out")
+    p.set_defaults(func=serve_bench_cmd)
     p = sub.add_parser("eval", help="quality suite: BERTScore, cosine, reward deltas vs target-only and fixed-length")
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "humaneval"])
     p.add_argument("--num-prompts", type=int, default=32, help="per workload")

@@ -50,6 +50,12 @@ def check_rollback_cache(cache) -> None:
         )
 
 
+def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tensor:
+    """`tensor` [B, ...] with n zero rows appended (or prepended): rows that are all holes."""
+    zeros = tensor.new_zeros((n,) + tuple(tensor.shape[1:]))
+    return torch.cat([zeros, tensor] if before else [tensor, zeros])
+
+
 class KVLedger:
     """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
 
@@ -166,15 +172,29 @@ class KVLedger:
         width = max(self.physical_length, other.physical_length)
         for ledger in (self, other):
             ledger._widen(width)
+        mine_rows, their_rows = self.slots.shape[0], other.slots.shape[0]
         self.slots = torch.cat([self.slots, other.slots])
         self.pad = torch.cat([self.pad, other.pad])
         self.n_cached = torch.cat([self.n_cached, other.n_cached])
-        if not self._layers():         # this ledger never ran (no rows yet): take the other's cache as it is
+        mine, theirs = self._layers(), other._layers()
+        if not theirs:                 # the joining rows have no KV yet (an offloaded draft): holes for them
+            for layer in mine:
+                layer.keys, layer.values = _with_rows(layer.keys, their_rows), _with_rows(layer.values, their_rows)
+        elif not mine:                 # no KV here yet: take theirs, with holes for the rows already here
             self.cache = other.cache
-            return
-        for mine, theirs in zip(self._layers(), other._layers()):
-            mine.keys = torch.cat([mine.keys, theirs.keys])
-            mine.values = torch.cat([mine.values, theirs.values])
+            for layer in self._layers():
+                layer.keys = _with_rows(layer.keys, mine_rows, before=True)
+                layer.values = _with_rows(layer.values, mine_rows, before=True)
+        else:
+            for a, b in zip(mine, theirs):
+                a.keys, a.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
+
+    def drop_kv(self) -> None:
+        """Free every cached entry and keep the rows: nothing is cached past each row's padding, so the next
+        forward starts from the row's first token (an offloaded draft's catch-up)."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.slots = self.slots[:, :0]
+        self.n_cached = self.pad.clone()
 
     def _widen(self, width: int) -> None:
         extra = width - self.physical_length

@@ -109,9 +109,13 @@ class SpeculativeLoop:
         batch = len(self.rows)
         lengths = self.lengths[self.rows]
         remaining = self.limits[self.rows] - lengths
-        lag = self._guard("lag", self.drafter.lag, lengths) if self.drafter is not None else None
+        self.chosen = self.drafter is not None and bool(self._guard("available", self.drafter.available))
+        if not self.chosen:          # no drafter (or it is away): a plain step, the policy is not asked
+            return torch.zeros(batch, dtype=torch.long, device=self.device)
+        lag = self._guard("lag", self.drafter.lag, lengths)
         level_lags = self._guard("lag", self.drafter.level_lags, lengths) if self.drafter is not None else None
-        if self.drafter is None:
+        if self.drafter is None:     # lag failed: the fallback already dropped the drafter
+            self.chosen = False
             return torch.zeros(batch, dtype=torch.long, device=self.device)
         info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag, level_lags)
         gammas, self.members = check_plan(self.policy, self.policy.choose(info), batch)
@@ -177,7 +181,10 @@ class SpeculativeLoop:
             step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
         )
         self.stats.record(record)
-        self.policy.observe(record)
+        if self.chosen:
+            self.policy.observe(record)
+        if self.drafter is not None:
+            self._guard("observe", self.drafter.observe, record)
 
     def _retire(self) -> None:
         if not bool(self.finished.any()):

@@ -251,3 +251,22 @@ def test_ledger_add_rows_matches_each_row_alone(first, second, steps, seed):
     for i, seq in enumerate(seqs):
         alone = model(torch.tensor([seq + [int(probe[i])]])).logits[0, -1]
         torch.testing.assert_close(merged[i], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_serve_bench_schedule_and_measurements():
+    from spec_adapt.serve_bench import schedule, serve, summary_rows
+
+    arrivals = schedule(rate=50.0, duration=0.2, n_prompts=3, seed=1)
+    assert arrivals == schedule(rate=50.0, duration=0.2, n_prompts=3, seed=1) and len(arrivals) > 3
+    assert all(a < b for (a, _), (b, _) in zip(arrivals, arrivals[1:]))
+    rng = random.Random(6)
+    prompts = [torch.tensor(p) for p in random_prompts(rng, 3)]
+    rows = []
+    for config, drafter in (("target", None), ("lookup:fixed3", PromptLookupDrafter(2, 1))):
+        engine = Engine(MODEL, drafter=drafter, policy=FixedLength(0 if drafter is None else 3), max_batch=4,
+                        max_new_tokens=8, eos_token_id=None, pad_token_id=PAD)
+        out = serve(engine, prompts, arrivals)
+        assert out["requests"] == len(arrivals) and out["tokens"] == 8 * len(arrivals)
+        assert out["ttft_p50"] >= 0 and out["tpot_p50"] > 0 and out["mean_batch"] >= 1
+        rows.append({"rate": 50.0, "config": config, **out})
+    assert summary_rows(rows)[0]["speedup"] == 1.0

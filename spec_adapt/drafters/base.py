@@ -90,6 +90,14 @@ class Drafter:
     def propose(self, request: DraftRequest) -> Proposal:
         raise NotImplementedError
 
+    def available(self) -> bool:
+        """False while the drafter cannot draft (an offloaded draft): the loop then runs plain steps without asking
+        the policy."""
+        return True
+
+    def observe(self, record) -> None:
+        """After every step: the StepRecord (γ chosen, drafted, accepted, times), e.g. to decide an offload."""
+
     def add_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Serving: rows join the running batch after its active rows; their (left padded) prompts [n, L] and mask.
         They take the next user-row numbers (after every row seen so far). A drafter that cannot take rows
