@@ -183,6 +183,7 @@ class SpeculativeLoop:
         self.stats.record(record)
         if self.chosen:
             self.policy.observe(record)
+        self.verifier.observe(record)
         if self.drafter is not None:
             self._guard("observe", self.drafter.observe, record)
 
