@@ -80,7 +80,7 @@ def generate(
     drafter = as_drafter(drafter)
     if drafter is not None:
         drafter.validate(model)
-    policy = assistant_policy if assistant_policy is not None else Adaptive()
+    policy = assistant_policy if assistant_policy is not None else _default_policy(model, drafter)
     check_policy(policy)
     if acceptor is not None and not isinstance(acceptor, Acceptor):
         raise TypeError(f"acceptor must be a spec_adapt.fast.Acceptor, got {type(acceptor).__name__}.")
@@ -105,6 +105,11 @@ def generate(
             sequences=sequences, scores=loop.outputs("scores"), logits=loop.outputs("logits"), spec_stats=stats
         )
     return sequences
+
+
+def _default_policy(model, drafter) -> Adaptive:
+    """Adaptive, with the latency profile cached for this model (and draft model), dtype and device if there is one."""
+    return Adaptive.for_model(model, getattr(drafter, "model", None) if isinstance(drafter, ModelDrafter) else None)
 
 
 def as_drafter(drafter) -> Drafter | None:

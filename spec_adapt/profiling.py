@@ -200,3 +200,37 @@ def profile(model, draft=None, batch_sizes=(1, 4, 16), lengths=(0, 1, 2, 4, 8), 
                 ledger = primed(draft, batch, context)
                 table.prefill.setdefault(n, {})[batch] = timed(lambda: forward_then_rollback(ledger, n))
     return table
+
+
+# -- profiles cached per model, dtype and device ------------------------------------------------------------------------
+def profile_key(model, draft=None) -> str:
+    """Names what a latency table depends on: the model (its name and size), the draft, the dtype and the device
+    (the CPU's model name and core count, or the GPU's name)."""
+    import os
+    import platform
+    import re
+
+    def name(m):
+        base = Path(str(getattr(m.config, "_name_or_path", "") or m.config.model_type)).name
+        return f"{base}-{sum(p.numel() for p in m.parameters()) // 1_000_000}M"
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads"
+    parts = [name(model), f"draft-{name(draft)}" if draft is not None else "nodraft",
+             str(next(model.parameters()).dtype).removeprefix("torch."), where]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "__".join(parts))
+
+
+def profile_path(model, draft=None) -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "profiles" / f"{profile_key(model, draft)}.json"
+
+
+def cached_profile(model, draft=None) -> LatencyTable | None:
+    """The table `spec-adapt profile` cached for this model, draft, dtype and device, or None."""
+    path = profile_path(model, draft)
+    return LatencyTable.load(path) if path.exists() else None

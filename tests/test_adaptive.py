@@ -104,3 +104,22 @@ def test_adaptive_is_the_default_policy():
                          max_new_tokens=24, custom_generate=spec_adapt.generate, drafter=oracle.drafter())
     assert torch.equal(out, reference)
     assert spec_adapt.last_stats().policy == "Adaptive(max_gamma=8)"
+
+
+def test_profile_cached_per_model_dtype_device_is_loaded(tmp_path, monkeypatch):
+    """`spec-adapt profile` writes to the cache path; Adaptive.for_model and generate's default policy read it."""
+    from spec_adapt import api
+    from spec_adapt.profiling import LatencyTable, cached_profile, profile_key, profile_path
+
+    from conftest import tiny_model
+
+    monkeypatch.setenv("SPEC_ADAPT_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    assert cached_profile(model) is None and Adaptive.for_model(model).table is None
+    table = LatencyTable(step={1: {0: 0.01, 4: 0.02}}, meta={"note": "test"})
+    table.save(profile_path(model))
+    assert Adaptive.for_model(model).table.step == table.step
+    assert profile_key(model) != profile_key(model.to(torch.bfloat16))           # dtype is part of the key
+    assert api._default_policy(model.float(), None).table.step == table.step
+    draft = tiny_model("llama", seed=3, layers=1)
+    assert Adaptive.for_model(model, draft).table is None                          # so is the draft

@@ -29,7 +29,9 @@ Per step, for the active batch of B rows (every choice below is measured in the 
 6. Plain decoding is a first-class answer (s* = 0), and it does not deadlock: after `probe_gap` plain steps in a row
    the best speculative width runs once. A probe that loses to a plain step (catch-up excluded) doubles the gap, up
    to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
-7. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
+7. The baseline is measured, not extrapolated: the first `baseline_steps` steps in each batch-size bucket are plain,
+   so T(B, 0) is this bucket's own plain step (the line fit through drafting steps overestimated it at B = 16).
+8. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
    row's long wrong proposal would otherwise widen the whole batch); every `probe_every` steps all rows draft again.
    At B = 1 the width decision is the row's decision already.
 
@@ -61,7 +63,8 @@ PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step 
 class Adaptive(Policy):
     def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, explore: float = 0.05,
                  explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 8,
-                 row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0):
+                 row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
+                 baseline_steps: int = 2):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
@@ -69,6 +72,7 @@ class Adaptive(Policy):
         self.table, self.explore, self.explore_margin = latency, explore, explore_margin
         self.probe_every, self.max_probe_gap, self.horizon = probe_every, max_probe_gap, horizon
         self.row_floor, self.shrink, self.decay, self.ema, self.seed = row_floor, shrink, decay, ema, seed
+        self.baseline_steps = baseline_steps
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------------------------
@@ -107,6 +111,7 @@ class Adaptive(Policy):
     def step_time(self, batch: int, width: int, burst: bool = False) -> float:
         """Predicted seconds of a step at batch size `batch` when `width` drafts are asked (catch-up excluded)."""
         key = bucket(batch)
+        burst = burst and width > 0          # a plain step is a plain step, whatever the rows' state
         measured = self.measured.get((key, width, burst))
         if measured is not None and measured[1] >= 3:
             return measured[0]
@@ -156,7 +161,12 @@ class Adaptive(Policy):
         values = self.predict(batch, rows, lag)
         width = max(range(len(values)), key=values.__getitem__)
         probing = False
-        if width == 0:
+        baseline = self.measured.get((bucket(batch), 0, False))
+        if baseline is None or baseline[1] < self.baseline_steps:
+            # Measure this bucket's plain step first: without it T(B, 0) is extrapolated from drafting steps, and
+            # at B = 16 on the real pair that kept the draft on at 0.79x of plain decoding (bf16 bench).
+            width = 0
+        elif width == 0:
             self.idle += 1
             if self.idle >= self.probe_gap:
                 width, probing, self.idle = max(range(1, len(values)), key=values.__getitem__), True, 0
@@ -187,8 +197,9 @@ class Adaptive(Policy):
             seconds -= extra
         else:
             self.fits.setdefault(key, LineFit()).add(widest, seconds)
-            old = self.measured.get((key, width, burst))
-            self.measured[(key, width, burst)] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
+            slot = (key, width, burst and width > 0)
+            old = self.measured.get(slot)
+            self.measured[slot] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
         if width:
             self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)
         if pending["probing"]:
@@ -223,7 +234,8 @@ class Adaptive(Policy):
             "config": {"max_gamma": self.max_gamma, "explore": self.explore, "explore_margin": self.explore_margin,
                        "probe_every": self.probe_every, "max_probe_gap": self.max_probe_gap,
                        "horizon": self.horizon, "row_floor": self.row_floor, "shrink": self.shrink,
-                       "decay": self.decay, "ema": self.ema, "seed": self.seed},
+                       "decay": self.decay, "ema": self.ema, "seed": self.seed,
+                       "baseline_steps": self.baseline_steps},
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
             "measured": [[list(k), v] for k, v in self.measured.items()],
@@ -264,6 +276,14 @@ class Adaptive(Policy):
         policy = cls(latency=latency, **state["config"])
         policy.load_state_dict(state)
         return policy
+
+    @classmethod
+    def for_model(cls, model, draft=None, **kwargs) -> "Adaptive":
+        """An Adaptive with the latency table `spec-adapt profile` cached for this model, draft, dtype and device
+        (none cached: the step times are learned online from the first steps, as without a table)."""
+        from ..profiling import cached_profile
+
+        return cls(latency=cached_profile(model, draft), **kwargs)
 
     def to_vllm_schedule(self, max_batch: int = 256) -> list[tuple[int, int, int]]:
         """What was learned as vLLM's per-batch-size schedule: [(batch_lo, batch_hi, k), ...] over batch sizes
