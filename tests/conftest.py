@@ -63,6 +63,17 @@ def stock_greedy(model, ids, mask, **kw):
     return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, **kw)
 
 
+def spec_generate(model, ids, mask, drafter, policy, max_new_tokens=24, **kw):
+    """Greedy spec_adapt generation with no EOS: (sequences, SpecStats)."""
+    import spec_adapt
+
+    stats = spec_adapt.SpecStats()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                         max_new_tokens=max_new_tokens, custom_generate=spec_adapt.generate,
+                         drafter=drafter, assistant_policy=policy, spec_stats=stats, **kw)
+    return out, stats
+
+
 class Oracle:
     """Scripted drafts that know the target's greedy answer (the stock reference output).
 

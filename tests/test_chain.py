@@ -11,15 +11,11 @@ import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, PromptLookupDrafter, ScriptedDrafter
 from spec_adapt.synthetic import agreement, perturbed_copy
 
-from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
+from conftest import Oracle, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
 
 
 def run(model, ids, mask, drafter, policy, **kw):
-    stats = spec_adapt.SpecStats()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
-                         max_new_tokens=kw.pop("max_new_tokens", 28), custom_generate=spec_adapt.generate,
-                         drafter=drafter, assistant_policy=policy, spec_stats=stats, **kw)
-    return out, stats
+    return spec_generate(model, ids, mask, drafter, policy, **{"max_new_tokens": 28, **kw})
 
 
 @pytest.mark.parametrize("levels", [2, 3, 4])

@@ -8,12 +8,11 @@ import shutil
 import pytest
 import torch
 
-import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter, Nightjar
 from spec_adapt.drafters.offload import DraftOffload
 from spec_adapt.policies.base import Policy
 
-from conftest import PAD, cached_model, ragged_batch, stock_greedy, tiny_model
+from conftest import PAD, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
 
 
 def draft_model():
@@ -51,11 +50,7 @@ class Pressure:
 
 
 def run(model, ids, mask, drafter, policy, **kw):
-    stats = spec_adapt.SpecStats()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
-                         max_new_tokens=kw.pop("max_new_tokens", 40), custom_generate=spec_adapt.generate,
-                         drafter=drafter, assistant_policy=policy, spec_stats=stats, **kw)
-    return out, stats
+    return spec_generate(model, ids, mask, drafter, policy, **{"max_new_tokens": 40, **kw})
 
 
 @pytest.mark.parametrize("batch", [1, 3])
