@@ -88,6 +88,9 @@ def run_serve_bench(model, tok, prompts, configs, rates, duration, max_batch, ne
     serve(warm, encoded, [(0.0, 0)])                          # warm-up: first-call costs out of the table
     for rate, config in tqdm(cells, desc="serve-bench", disable=not progress):
         arrivals = schedule(rate, duration, len(encoded), seed)
+        if not arrivals:
+            raise ValueError(f"No request arrives within {duration} s at {rate} requests/s (seed {seed}): raise "
+                             "--duration or the rate.")
         engine = build_engine(config, model, tok, draft, max_batch, new_tokens, latency)
         out = serve(engine, encoded, arrivals)
         results.append({"rate": rate, "config": config, **out})
@@ -97,7 +100,7 @@ def run_serve_bench(model, tok, prompts, configs, rates, duration, max_batch, ne
 def summary_rows(results: list[dict]) -> list[dict]:
     base = {r["rate"]: r["tok_s"] for r in results if r["config"] == "target"}
     return [{k: v for k, v in r.items() if k != "steps"} | {"speedup": r["tok_s"] / base[r["rate"]]
-                                                             if r["rate"] in base else None} for r in results]
+                                                             if base.get(r["rate"]) else None} for r in results]
 
 
 def write(results, out_dir: Path, meta: dict) -> list[dict]:

@@ -270,3 +270,4 @@ def test_serve_bench_schedule_and_measurements():
         assert out["ttft_p50"] >= 0 and out["tpot_p50"] > 0 and out["mean_batch"] >= 1
         rows.append({"rate": 50.0, "config": config, **out})
     assert summary_rows(rows)[0]["speedup"] == 1.0
+    assert summary_rows([{**rows[0], "tok_s": 0.0}])[0]["speedup"] is None      # nothing served: no ratio
