@@ -339,7 +339,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
-    def _deliver(self) -> None:
+    def _deliver(self, cancelled: frozenset = frozenset()) -> None:
+        """New tokens to their handles; rows that left the batch complete theirs (done, or cancelled)."""
         loop, active = self.loop, set(self.loop.rows.tolist())
         for row in list(self.running):
             length = int(loop.lengths[row])
@@ -349,21 +350,13 @@ class Engine:
                 self.delivered[row] = length
             if row not in active:
                 del self.running[row]
-                handle._finish("done")
+                handle._finish("cancelled" if row in cancelled else "done")
 
     def _cancel_running(self, ids: set[int]) -> None:
         rows = [row for row, h in self.running.items() if h.id in ids]
-        if not rows:
-            return
-        self.loop.drop(rows)
-        self._deliver_cancelled(rows)
-
-    def _deliver_cancelled(self, rows) -> None:
-        for row in rows:
-            handle = self.running.pop(row)
-            length = int(self.loop.lengths[row])
-            handle._push(self.loop.buffer[row, self.delivered[row] : length].tolist())
-            handle._finish("cancelled")
+        if rows:
+            self.loop.drop(rows)
+            self._deliver(frozenset(rows))
 
     @property
     def stats(self) -> SpecStats:

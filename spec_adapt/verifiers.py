@@ -18,12 +18,12 @@ so the output stays exactly the target's.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .fast import token_rank
+from .policies.adaptive import bucket
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
 
@@ -117,6 +117,7 @@ class EarlyExitVerifier(Verifier):
         self.timing: dict = {}         # (bucket, width) -> {"full": [sum, n], "pruned": [sum, n], "streak": n}
         self._checkpoints: tuple[int, ...] = ()
         self.kernels = "auto"
+        self._full = FullVerifier()        # the path the gate compares against
 
     def __repr__(self):
         return f"EarlyExitVerifier(layers={self.layers}, top_k={self.top_k}, gate={self.gate!r})"
@@ -156,11 +157,11 @@ class EarlyExitVerifier(Verifier):
         batch, width = chunk.shape
         if width < 2:                                 # nothing drafted: nothing to test
             self.stats.full_steps += 1
-            return FullVerifier().verify(ledger, chunk, n_valid)
-        key = (_bucket(batch), width)
+            return self._full.verify(ledger, chunk, n_valid)
+        key = (bucket(batch), width)
         path = self._choose(key)
         if path == "full":
-            result = FullVerifier().verify(ledger, chunk, n_valid)
+            result = self._full.verify(ledger, chunk, n_valid)
             self.stats.full_steps += 1
         else:
             logits, kept = ledger.forward_pruned(chunk, n_valid, self._run)
@@ -257,27 +258,21 @@ class EarlyExitVerifier(Verifier):
                 "layers_saved": s.layers_saved, "per_layer": {k: dict(v) for k, v in s.per_layer.items()}}
 
 
-def predicted_gain(config, width: int, kept: float, checkpoint: int) -> float:
-    """Shape-only cost model, in decoder-layer units of compute per row: (layers the dropped positions skip) minus
-    (the head projections of the tested positions). `kept`: mean positions a row keeps after the checkpoint. Positive
-    = pruning should pay where the device is compute-bound (it never pays where a forward costs the weights' read)."""
+def _layer_weights(config) -> int:
+    """Weights of one decoder layer (attention projections with grouped KV heads, gated MLP): its compute per position."""
     hidden, inter = config.hidden_size, config.intermediate_size
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
-    layer = 2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * inter     # weights of one layer
-    head = config.vocab_size * hidden
-    remaining = config.num_hidden_layers - checkpoint - 1
-    saved = (width - kept) * remaining                    # position-layers skipped
-    cost = (width - 1) * head / layer                      # tested positions, each a head projection
-    return saved - cost
+    return 2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * inter
 
 
 def head_cost_in_layers(config) -> float:
     """The LM head's compute per position in units of one decoder layer's (the issue's 'about 8 layers' check)."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
-    layer = 2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * inter
-    return config.vocab_size * hidden / layer
+    return config.vocab_size * config.hidden_size / _layer_weights(config)
 
 
-def _bucket(batch: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(batch, 1))))
+def predicted_gain(config, width: int, kept: float, checkpoint: int) -> float:
+    """Shape-only cost model, in decoder-layer units of compute per row: (layers the dropped positions skip) minus
+    (the head projections of the tested positions). `kept`: mean positions a row keeps after the checkpoint. Positive
+    = pruning should pay where the device is compute-bound (it never pays where a forward costs the weights' read)."""
+    saved = (width - kept) * (config.num_hidden_layers - checkpoint - 1)     # position-layers skipped
+    return saved - (width - 1) * head_cost_in_layers(config)                 # tested positions, a head each
