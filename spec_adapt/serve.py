@@ -205,7 +205,8 @@ class Engine:
     def __init__(self, model, drafter=None, policy=None, max_batch: int = 8, max_new_tokens: int = 64,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id="model", pad_token_id: int | None = None,
-                 verifier=None, acceptor: Acceptor | None = None, tokenizer=None, seed: int | None = None):
+                 verifier=None, acceptor: Acceptor | None = None, tokenizer=None, seed: int | None = None,
+                 memory=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}.")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
@@ -241,6 +242,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        # memory: a MemoryBudget (spec_adapt.memory); admission then also waits for memory, not only max_batch.
+        self.memory = memory
+        if memory is not None:
+            memory.bind(self)
 
     # -- the user's side -----------------------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int | None = None) -> Handle:
@@ -290,6 +295,10 @@ class Engine:
         if self.max_positions is not None and len(ids) + budget > self.max_positions:
             raise RequestError(f"Prompt ({len(ids)} tokens) + max_new_tokens ({budget}) exceeds the model's "
                                f"{self.max_positions} positions: shorten the prompt or lower max_new_tokens.")
+        if self.memory is not None and not self.memory.fits_alone(len(ids) + budget):
+            raise RequestError(f"Prompt ({len(ids)} tokens) + max_new_tokens ({budget}) needs more KV memory than "
+                               f"the engine's budget holds even alone: shorten the prompt, lower max_new_tokens or "
+                               f"raise the budget.")
         return ids.long(), budget
 
     # -- the engine's side -----------------------------------------------------------------------------------------------
@@ -298,6 +307,8 @@ class Engine:
         with self.lock:
             cancelled, self.cancelled = self.cancelled, set()
             room = self.max_batch - len(self.running)
+            if self.memory is not None:
+                room = self.memory.admissible(self.waiting[:room])
             joining, self.waiting = self.waiting[:room], self.waiting[room:]
         self._cancel_running(cancelled)
         if joining:
@@ -310,8 +321,10 @@ class Engine:
         if len(self.loop.rows):
             self.loop.step()
             record = self.loop.stats.trace[-1]
+            drafter = self.loop.drafter
             self.timeline.append({"time": time.perf_counter(), "batch_size": record.batch_size,
-                                  "gammas": record.gammas, "waiting": len(self.waiting)})
+                                  "gammas": record.gammas, "waiting": len(self.waiting),
+                                  "draft_resident": drafter is not None and not getattr(drafter, "offloaded", False)})
             self._deliver()
         with self.lock:
             return bool(self.running or self.waiting)
