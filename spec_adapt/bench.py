@@ -136,7 +136,9 @@ def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> l
 
 
 def drafter_factory(name: str, tok, draft=None):
-    """fn() -> a fresh drafter for a config's drafter name (none, lookup, suffix, draft, draftc, wrong, chain)."""
+    """fn() -> a fresh drafter for a config's drafter name (none, lookup, suffix, draft, draftc, offload, wrong,
+    chain). "offload" is the draft inside a DraftOffload (low = 0, persist = 4): under a serve-bench memory budget it
+    leaves when speculation is off and the queue waits for memory."""
     import spec_adapt
 
     make = {
@@ -147,14 +149,21 @@ def drafter_factory(name: str, tok, draft=None):
         "draft": (lambda: draft) if draft is not None else None,
         # The draft with stock assisted generation's confidence early exit (a row stops below 0.4 top probability).
         "draftc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4)) if draft is not None else None,
+        "offload": (lambda: _offload(draft)) if draft is not None else None,
         "wrong": lambda: spec_adapt.ScriptedDrafter(
             lambda row, context, gamma: [(context[-1] + 1) % len(tok)] * gamma),
         "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
         if draft is not None else None,
     }.get(name)
     if make is None:
-        raise ValueError(f"Unknown drafter {name!r} (or --draft missing for 'draft'/'draftc'/'chain').")
+        raise ValueError(f"Unknown drafter {name!r} (or --draft missing for 'draft'/'draftc'/'offload'/'chain').")
     return make
+
+
+def _offload(draft):
+    from .drafters.offload import DraftOffload
+
+    return DraftOffload(draft, low=0, persist=4)
 
 
 def parse_verifier(name: str):

@@ -93,11 +93,15 @@ def serve_bench_cmd(args) -> None:
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     draft = _draft(model, args)
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
+    memory = int(args.memory_budget * 2**20) if args.memory_budget else None
+    phases = sb.parse_phases(args.phases) if args.phases else None
     results = sb.run_serve_bench(model, tok, list(ds["input_text"]), args.configs, args.rates, args.duration,
-                                 args.max_batch, args.new_tokens, draft, seed=args.seed)
+                                 args.max_batch, args.new_tokens, draft, seed=args.seed, memory=memory,
+                                 phases=phases)
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
-            **_draft_meta(draft, args), "max_batch": args.max_batch, "new_tokens": args.new_tokens, "duration": args.duration,
+            **_draft_meta(draft, args), "max_batch": args.max_batch, "new_tokens": args.new_tokens,
+            "duration": args.duration, "memory_budget_mb": args.memory_budget, "phases": args.phases,
             "command": "spec-adapt " + " ".join(args.argv)}
     out = Path(args.out or f"results/serve-{args.model}-{name}")
     rows = sb.write(results, out, meta)
@@ -334,6 +338,10 @@ def main(argv=None) -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="requests per second")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per (rate, config)")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--memory-budget", type=float, help="MB the engine may use (weights, resident draft, KV reserved "
+                   "per request): admission waits for memory; drafter 'offload' leaves under pressure")
+    p.add_argument("--phases", help="a load that changes: RATE:SECONDS pairs, e.g. 0.1:30,1.5:30,0.1:30 "
+                   "(replaces --rates/--duration)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", nargs="+", default=["target", "lookup:fixed1", "lookup:fixed3", "lookup:adaptive",

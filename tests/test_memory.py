@@ -148,3 +148,29 @@ def test_never_over_budget_and_every_request_matches_stock(tmp_path_factory, see
     for prompt, b, handle in zip(prompts, budgets, handles):
         assert handle.state == "done" and handle.result() == stock(prompt, b)
     assert all(reserved_tokens(h) > 0 for h in handles)
+
+
+def test_serve_bench_phases_memory_and_residency(tmp_path):
+    """The memory-pressure run's machinery: a phased schedule, a budget per engine, the draft reloaded after the
+    run (its weights are shared with the next configuration), residency in the timeline and the plot."""
+    from spec_adapt import serve_bench as sb
+
+    phases = sb.parse_phases("40:0.1,400:0.05,40:0.1")
+    arrivals = sb.phased_schedule(phases, n_prompts=3, seed=2)
+    assert arrivals == sb.phased_schedule(phases, n_prompts=3, seed=2)
+    assert all(a < b for (a, _), (b, _) in zip(arrivals, arrivals[1:])) and arrivals[-1][0] <= 0.25
+    with pytest.raises(ValueError, match="RATE:SECONDS"):
+        sb.parse_phases("fast")
+    with pytest.raises(ValueError, match="positive"):
+        sb.parse_phases("0:10")
+    draft = tiny_model("llama", seed=0)
+    prompts = [torch.tensor([5 + i, 9, 11, 4]) for i in range(3)]
+    offload = DraftOffload(ModelDrafter(draft), low=0, persist=2, folder=tmp_path / "d")
+    engine = Engine(MODEL, drafter=offload, policy=PlainWhenBusy(), max_batch=8, max_new_tokens=12,
+                    eos_token_id=None, pad_token_id=PAD, memory=MemoryBudget(budget_for(2, 16, draft)))
+    out = sb.serve(engine, prompts, [(0.0, i % 3) for i in range(6)])
+    assert out["requests"] == 6 and out["tokens"] == 6 * 12 and out["offloads"] >= 1
+    assert not offload.offloaded                                  # reloaded for whoever uses the draft next
+    assert 0 < out["resident_share"] < 1 and all("rss_mb" in s for s in out["steps"])
+    rows = sb.write([{"rate": "40:0.1", "config": "offload:busy", **out}], tmp_path / "out", {})
+    assert (tmp_path / "out" / "serve.png").exists() and rows[0]["offloads"] == out["offloads"]
