@@ -158,6 +158,15 @@ def write(results, out_dir: Path, meta: dict) -> list[dict]:
     return rows
 
 
+def replot(out_dir: Path) -> None:
+    """Draw serve.png again from a run's summary.json and timeline.json."""
+    out_dir = Path(out_dir)
+    saved = json.loads((out_dir / "summary.json").read_text())
+    steps = {(t["rate"], t["config"]): t["steps"] for t in json.loads((out_dir / "timeline.json").read_text())}
+    results = [{"offloads": 0, **r, "steps": steps[(r["rate"], r["config"])]} for r in saved["summary"]]
+    _plot(results, out_dir, saved["meta"])
+
+
 def print_table(rows) -> None:
     print(f"{'rate':>5} {'config':<22} {'tok/s':>7} {'speedup':>8} {'TTFT p50/p99 s':>16} {'TPOT p50/p99 ms':>17}"
           f" {'batch':>6} {'γ':>5}")
@@ -180,13 +189,14 @@ def _plot(results, out_dir, meta) -> None:
     residency = any(r["offloads"] for r in results)      # a third row when a draft left and came back
     fig, axes = plt.subplots(3 if residency else 2, len(rates), figsize=(5 * len(rates) + 3 * (len(rates) == 1),
                                                                           8 if residency else 6), squeeze=False)
+    colors = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(r["config"] for r in results))}
     for col, rate in enumerate(rates):
         for r in (r for r in results if r["rate"] == rate):
-            t = [s["t"] for s in r["steps"]]
-            axes[0][col].plot(t, [s["batch_size"] for s in r["steps"]], label=r["config"], lw=0.8)
-            axes[1][col].plot(t, [s["gamma"] for s in r["steps"]], label=r["config"], lw=0.8)
+            t, style = [s["t"] for s in r["steps"]], {"label": r["config"], "lw": 0.8, "color": colors[r["config"]]}
+            axes[0][col].plot(t, [s["batch_size"] for s in r["steps"]], **style)
+            axes[1][col].plot(t, [s["gamma"] for s in r["steps"]], **style)
             if residency and r["config"] != "target":
-                axes[2][col].step(t, [int(s["draft_resident"]) for s in r["steps"]], label=r["config"], lw=0.8)
+                axes[2][col].step(t, [int(s["draft_resident"]) for s in r["steps"]], **style)
         axes[0][col].set(title=f"{rate} req/s", ylabel="batch size")
         axes[1][col].set(xlabel="seconds", ylabel="γ (widest row)")
         if residency:
