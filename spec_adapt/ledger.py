@@ -76,6 +76,17 @@ class KVLedger:
         self.n_cached: torch.Tensor | None = None  # [B] long, buffer tokens whose KV is cached (a prefix)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
+    @classmethod
+    def empty(cls, model, pad, device=None, **kwargs) -> "KVLedger":
+        """A ledger for rows (left padding `pad`, one per row) with nothing cached yet: the next `forward` starts
+        at each row's first token. A draft starts this way, so its prompt is a catch-up like any other."""
+        ledger = cls(model, **kwargs)
+        device = device if device is not None else ledger.device
+        ledger.pad = torch.as_tensor(pad, dtype=torch.long, device=device).reshape(-1)
+        ledger.slots = torch.zeros(len(ledger.pad), 0, dtype=torch.long, device=device)
+        ledger.n_cached = ledger.pad.clone()
+        return ledger
+
     # -- forward passes --------------------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Run the prompt [B, L] (left padded; mask [B, L] or None). Returns last-position logits [B, V]."""

@@ -123,3 +123,43 @@ def test_profile_cached_per_model_dtype_device_is_loaded(tmp_path, monkeypatch):
     assert api._default_policy(model.float(), None).table.step == table.step
     draft = tiny_model("llama", seed=3, layers=1)
     assert Adaptive.for_model(model, draft).table is None                          # so is the draft
+
+
+def test_a_call_kept_plain_never_runs_the_draft():
+    """The draft is not prefilled: a call the policy keeps plain costs no draft forward at all (an eager prompt
+    prefill cost the 0.5B draft more than its drafts saved at batch 4 on the real pair)."""
+    from spec_adapt import ModelDrafter
+
+    from conftest import spec_generate, tiny_model
+
+    model, draft = cached_model("llama"), tiny_model("llama", seed=3, layers=1)
+    calls = []
+    hook = draft.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        ids, mask = ragged_batch(3)
+        drafter = ModelDrafter(draft)
+        out, stats = spec_generate(model, ids, mask, drafter, FixedLength(0))
+        assert not calls and drafter.kv_writes == 0
+        assert torch.equal(out, stock_greedy(model, ids, mask, eos_token_id=None))
+        out, stats = spec_generate(model, ids, mask, ModelDrafter(draft), FixedLength(2))
+        assert calls and stats.drafted > 0                       # the first proposal caught up on the prompt
+        assert torch.equal(out, stock_greedy(model, ids, mask, eos_token_id=None))
+    finally:
+        hook.remove()
+
+
+def test_catch_up_cost_is_a_line_in_the_lag():
+    policy = Adaptive()
+    assert policy.catchup_time(0, 100) == 0.0                   # nothing seen: no charge
+    from spec_adapt.policies.default import LineFit
+
+    policy.catchup[0] = fit = LineFit(window=32, min_samples=3)
+    fit.add(100, 1.0)
+    assert policy.catchup_time(0, 10) == pytest.approx(0.1)     # one sample: proportional to the lag
+    fit.add(10, 0.2)
+    fit.add(100, 1.0)
+    assert policy.catchup_time(0, 50) == pytest.approx(0.2 + 40 * 0.8 / 90)   # a line once two lags are seen
+    state = policy.state_dict()
+    again = Adaptive()
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert again.catchup_time(0, 50) == pytest.approx(policy.catchup_time(0, 50))

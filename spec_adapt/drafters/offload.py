@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal, left_padding
+from .base import Drafter, DraftRequest, Proposal
 from .model import ModelDrafter
 
 
@@ -167,18 +167,10 @@ class DraftOffload(Drafter):
 
     def begin(self, input_ids, attention_mask):
         self._steps, self.idle = 0, 0
-        if self.offloaded:
-            self.inner.vocab = self.inner.vocab or self.model.config.vocab_size
-            self.inner.ledger = _empty_ledger(self.model, left_padding(input_ids, attention_mask), input_ids.device)
-        else:
-            self.inner.begin(input_ids, attention_mask)
+        self.inner.begin(input_ids, attention_mask)        # nothing cached yet: no weights needed
 
     def add_rows(self, input_ids, attention_mask):
-        if self.offloaded:
-            more = _empty_ledger(self.model, left_padding(input_ids, attention_mask), input_ids.device)
-            self.inner.ledger.add_rows(more)
-        else:
-            self.inner.add_rows(input_ids, attention_mask)
+        self.inner.add_rows(input_ids, attention_mask)
 
     def propose(self, request: DraftRequest) -> Proposal:
         if self.offloaded:                                   # the loop does not ask while unavailable
@@ -220,14 +212,3 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):          # not glibc (macOS, musl): the allocator decides
         pass
-
-
-def _empty_ledger(model, pad: list[int], device):
-    """A ledger for rows whose KV is not built yet: nothing cached past the padding (the catch-up builds it)."""
-    from ..ledger import KVLedger
-
-    ledger = KVLedger(model)
-    ledger.pad = torch.tensor(pad, dtype=torch.long, device=device)
-    ledger.slots = torch.zeros(len(pad), 0, dtype=torch.long, device=device)
-    ledger.n_cached = ledger.pad.clone()
-    return ledger

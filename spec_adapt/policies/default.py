@@ -21,9 +21,10 @@ Per step, for the active batch of B rows (every choice below is measured in the 
    Nightjar keeps its arms per batch-size context; tokens come from the acceptance model, so a width is judged
    from the first step it runs (an arm's mean goodput needs many, and a multiplicative goodput correction learned
    that way condemned good widths after one unlucky stretch on the recorded traces: tried and removed).
-4. Switching cost: after plain steps a draft model must first catch up (Nightjar's c_prefill). Steps that had a lag
-   beyond the usual teach a per-bucket catch-up time, kept out of T; re-enabling speculation is charged that time
-   spread over `horizon` steps.
+4. Switching cost: after plain steps a draft model must first catch up (Nightjar's c_prefill), and a draft model
+   starts every call with the whole prompt to catch up on (it is not prefilled: a call kept plain never runs it).
+   Steps that had a lag beyond the usual teach a per-bucket line, catch-up seconds = a + d x lag, kept out of T;
+   re-enabling speculation is charged the predicted time for the current lag spread over `horizon` steps.
 5. Exploration, only where it is cheap: with probability `explore` a neighbouring width (s* +- 1) whose predicted
    goodput is within `explore_margin` of the best. It also gives the fit the second width it needs.
 6. Plain decoding is a first-class answer (s* = 0), and it does not deadlock: after `probe_gap` plain steps in a row
@@ -85,7 +86,7 @@ class Adaptive(Policy):
         self.begin(0)
         self.fits: dict[int, LineFit] = {}        # bucket -> T(s) = a + d s over its recent steps
         self.measured: dict[tuple, list] = {}     # (bucket, asked s, burst) -> [EMA seconds, samples]
-        self.catchup: dict[int, float] = {}       # bucket -> EMA seconds a catch-up adds to a step
+        self.catchup: dict[int, LineFit] = {}     # bucket -> seconds a catch-up adds to a step, as a + d x lag
         self.span: dict[tuple, float] = {}        # (bucket, any row in a burst) -> EMA widest proposal / width asked
         self.rng = random.Random(self.seed)
         self.idle, self.probe_gap, self.steps = 0, self.probe_every, 0
@@ -126,6 +127,18 @@ class Adaptive(Policy):
         base = plain[0]
         return base * (1.0 + (0.1 + 0.02 * batch) * widest)
 
+    def catchup_time(self, key: int, lag: int) -> float:
+        """Seconds a catch-up of `lag` tokens adds to a step in bucket `key`: a line in the lag once two lags are
+        seen (the first proposal of a call catches up on the whole prompt, a re-enable after plain steps on a few
+        tokens), before that proportional to the lag; 0 until one is seen."""
+        fit = self.catchup.get(key)
+        if fit is None or not fit.samples:
+            return 0.0
+        if fit.ready():
+            return fit(lag)
+        n, sx, sy = fit.sums[:3]
+        return sy / max(sx, 1e-9) * lag
+
     def expected(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """E[committed | s] for s = 0..max_gamma: [S+1] for a request not yet seen, or [B, S+1] for these rows.
         Row values are recomputed when counts change (`observe`), so a decision only gathers them."""
@@ -148,7 +161,7 @@ class Adaptive(Policy):
         expected = self.expected(rows) if rows is not None else self.expected()[None].expand(batch, -1)
         tokens = torch.where(expected >= 1 + self.row_floor, expected, 1.0).sum(dim=0).tolist()
         key, burst = bucket(batch), self._burst(rows)
-        switch = self.catchup.get(key, 0.0) / self.horizon if lag > USUAL_LAG else 0.0
+        switch = self.catchup_time(key, lag) / self.horizon if lag > USUAL_LAG else 0.0
         return [n / (self.step_time(batch, s, burst) + (switch if s else 0.0)) for s, n in enumerate(tokens)]
 
     def _burst(self, rows) -> bool:
@@ -193,7 +206,7 @@ class Adaptive(Policy):
         seconds = record.step_time
         if pending["lag"] > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
             extra = max(0.0, seconds - self.step_time(batch, width, burst))
-            self.catchup[key] = _ema(self.catchup.get(key), extra, self.ema)
+            self.catchup.setdefault(key, LineFit(window=32, min_samples=3)).add(pending["lag"], extra)
             seconds -= extra
         else:
             self.fits.setdefault(key, LineFit()).add(widest, seconds)
@@ -239,7 +252,7 @@ class Adaptive(Policy):
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
             "measured": [[list(k), v] for k, v in self.measured.items()],
-            "catchup": [[k, v] for k, v in self.catchup.items()],
+            "catchup": [[k, list(map(list, f.samples))] for k, f in self.catchup.items()],
             "span": [[list(k), v] for k, v in self.span.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
             "probe_gap": self.probe_gap, "idle": self.idle, "steps": self.steps,
@@ -255,7 +268,10 @@ class Adaptive(Policy):
             fit = self.fits[int(key)] = LineFit()
             for x, y in samples:
                 fit.add(x, y)
-        self.catchup = {int(k): v for k, v in state["catchup"]}
+        for key, samples in state["catchup"]:
+            fit = self.catchup[int(key)] = LineFit(window=32, min_samples=3)
+            for x, y in samples:
+                fit.add(x, y)
         self.span = {tuple(k): v for k, v in state["span"]}
         tried, accepted, row_state = state["row_states"]
         self.row_tried = torch.tensor(tried).view(-1, STATES, self.max_gamma)
