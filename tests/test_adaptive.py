@@ -163,3 +163,24 @@ def test_catch_up_cost_is_a_line_in_the_lag():
     again = Adaptive()
     again.load_state_dict(json.loads(json.dumps(state)))
     assert again.catchup_time(0, 50) == pytest.approx(policy.catchup_time(0, 50))
+
+
+def test_a_probe_pays_for_its_catch_up():
+    """A probe whose draft first caught up on a long lag (a whole prompt) is judged with that time: when the catch-up
+    costs more than the probe's drafts saved, the gap to the next probe doubles instead of resetting."""
+    from spec_adapt.metrics import StepRecord
+    from spec_adapt.policies.default import bucket
+
+    def record(seconds, committed):
+        return StepRecord(4, [0, 1, 2, 3], [3] * 4, [3] * 4, [c - 1 for c in committed], committed, seconds, 0, 0)
+
+    policy = Adaptive(probe_every=4, max_probe_gap=64)
+    policy.measured[(bucket(4), 0, False)] = [0.2, 10]          # a plain step at batch 4: 0.2 s for 4 tokens
+    gap = policy.probe_gap
+    # The step itself (0.4 s for 12 tokens: 0.033 s per row-token) beats plain (0.05 s), its 3 s catch-up does not.
+    policy._pending = {"width": 3, "lag": 300, "probing": True, "burst": False}
+    policy.observe(record(3.4, [3, 3, 3, 3]))
+    assert policy.probe_gap == 2 * gap
+    policy._pending = {"width": 3, "lag": 1, "probing": True, "burst": False}    # no catch-up: a winning probe
+    policy.observe(record(0.4, [3, 3, 3, 3]))
+    assert policy.probe_gap == policy.probe_every

@@ -28,8 +28,9 @@ Per step, for the active batch of B rows (every choice below is measured in the 
 5. Exploration, only where it is cheap: with probability `explore` a neighbouring width (s* +- 1) whose predicted
    goodput is within `explore_margin` of the best. It also gives the fit the second width it needs.
 6. Plain decoding is a first-class answer (s* = 0), and it does not deadlock: after `probe_gap` plain steps in a row
-   the best speculative width runs once. A probe that loses to a plain step (catch-up excluded) doubles the gap, up
-   to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
+   the best speculative width runs once. A probe that loses to a plain step (its catch-up included: on the real pair
+   a probe's catch-up of the whole prompt at batch 4 cost more than the call's drafts could save) doubles the gap,
+   up to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
 7. The baseline is measured, not extrapolated: the first `baseline_steps` steps in each batch-size bucket are plain,
    so T(B, 0) is this bucket's own plain step (the line fit through drafting steps overestimated it at B = 16).
 8. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
@@ -216,7 +217,9 @@ class Adaptive(Policy):
         if width:
             self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)
         if pending["probing"]:
-            lost = seconds / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
+            # Judged with its catch-up: a probe whose draft first had to catch up on a long lag (a whole prompt,
+            # for a draft model the call has not run yet) has to pay for that too, or it keeps being retried.
+            lost = record.step_time / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap) if lost else self.probe_every
 
     def _count(self, record: StepRecord) -> None:
