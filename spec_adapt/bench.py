@@ -52,6 +52,7 @@ class Cell:
     steps: int = 0
     plain_steps: int = 0           # steps the policy ran at gamma = 0 for every row
     verifier: dict = field(default_factory=dict)   # summed SpecStats.verifier counters (EarlyExitVerifier)
+    warm: bool | None = None       # --policy-state: the policy started from a saved state (None: not applicable)
 
     def add_stats(self, stats) -> None:
         self.drafted += stats.drafted
@@ -208,8 +209,11 @@ def parse_policy(name: str, latency=None):
 
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
-              repeats: int, draft=None, progress=True, rows: int = 8, latency=None, ignore_eos=False) -> list[Cell]:
-    """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU)."""
+              repeats: int, draft=None, progress=True, rows: int = 8, latency=None, ignore_eos=False,
+              policy_state=None) -> list[Cell]:
+    """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU).
+    `policy_state`: a folder; each cell's policy starts from what a previous run saved there (warm; none saved:
+    cold) and is saved there after the cell."""
     names = ["target"] + [c for c in configs if c != "target"]
     cells = []
     for batch in batch_sizes:
@@ -220,6 +224,8 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
             fn = build_config(name, model, tok, new_tokens, draft, latency, ignore_eos)
             if fn is not None:
                 runnable[name] = fn
+                if policy_state is not None:
+                    fn.warm = _policy_file(policy_state, name, batch, fn, load=True)
         used = prompts[: max(batch, rows)]
         batches = [tok(used[i : i + batch], return_tensors="pt", padding=True)
                    for i in range(0, len(used) - batch + 1, batch)]
@@ -229,8 +235,31 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
                                desc=f"B={batch}", progress=progress)
         for name, fn in runnable.items():   # warm-up included: the scheduler's choices from its first step
             row[name].choices = list(getattr(getattr(fn, "policy", None), "history", None) or [])
+            row[name].warm = getattr(fn, "warm", None)
+            if policy_state is not None:
+                _policy_file(policy_state, name, batch, fn, load=False)
         cells.extend(row.values())
     return cells
+
+
+def _policy_file(folder, name: str, batch: int, fn, load: bool) -> bool | None:
+    """Load (True if a saved state was found) or save a cell's policy state as JSON; None for policies without
+    state_dict / load_state_dict (fixed lengths, stock configurations)."""
+    import json
+    import re
+
+    policy = getattr(fn, "policy", None)
+    if policy is None or not hasattr(policy, "state_dict") or not hasattr(policy, "load_state_dict"):
+        return None
+    path = Path(folder) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-B{batch}.json"
+    if not load:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(policy.state_dict()))
+        return None
+    if not path.exists():
+        return False
+    policy.load_state_dict(json.loads(path.read_text()))
+    return True
 
 
 def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, count, desc: str = "",
@@ -294,7 +323,7 @@ def summarize(cells: list[Cell]) -> list[dict]:
             # c: seconds per drafted position over seconds per verification step (of the steps that drafted)
             "c": (c.draft_seconds / c.draft_positions) / (c.verify_seconds / c.verify_steps)
             if c.draft_positions and c.verify_seconds else None,
-            "plain_step_share": c.plain_steps / c.steps if c.steps else None,
+            "plain_step_share": c.plain_steps / c.steps if c.steps else None, "warm": c.warm,
             "verify_ms": 1000 * c.verify_seconds / c.verify_steps if c.verify_steps else None,
             **({"pruned_share": c.verifier["pruned"] / max(1, c.verifier["tested"]),
                 "pruned_step_share": c.verifier["pruned_steps"] / max(1, c.verifier["pruned_steps"]

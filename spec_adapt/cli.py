@@ -71,12 +71,13 @@ def bench(args) -> None:
 
     latency = LatencyTable.load(args.latency) if args.latency else None
     cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
-                        rows=args.rows, latency=latency, ignore_eos=args.ignore_eos)
+                        rows=args.rows, latency=latency, ignore_eos=args.ignore_eos, policy_state=args.policy_state)
     summary = b.summarize(cells)
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
-            **_draft_meta(draft, args), "new_tokens": args.new_tokens, "prompts": len(prompts), "repeats": args.repeats,
+            **_draft_meta(draft, args), "policy_state": args.policy_state, "new_tokens": args.new_tokens,
+            "prompts": len(prompts), "repeats": args.repeats,
             "command": "spec-adapt " + " ".join(args.argv)}
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
@@ -292,6 +293,8 @@ def main(argv=None) -> None:
     p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
+    p.add_argument("--policy-state", help="a folder: each cell's policy starts from the state a previous run saved "
+                   "there (warm; cold if none) and is saved there afterwards")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
     p.set_defaults(func=bench)
     p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")

@@ -184,3 +184,20 @@ def test_a_probe_pays_for_its_catch_up():
     policy._pending = {"width": 3, "lag": 1, "probing": True, "burst": False}    # no catch-up: a winning probe
     policy.observe(record(0.4, [3, 3, 3, 3]))
     assert policy.probe_gap == policy.probe_every
+
+
+def test_bench_policy_state_round_trip(tmp_path):
+    """`spec-adapt bench --policy-state`: a cell's policy is saved after the run and a later run starts from it."""
+    from types import SimpleNamespace
+
+    from spec_adapt.bench import _policy_file
+
+    lat = latency(0.15, 0.9)
+    trained = Adaptive(seed=3)
+    simulate(trained, synthetic_requests(8, 60, 0.8, seed=1), lat, Static(4))
+    fresh = SimpleNamespace(policy=Adaptive(seed=3))
+    assert _policy_file(tmp_path, "lookup:adaptive", 4, fresh, load=True) is False          # nothing saved: cold
+    _policy_file(tmp_path, "lookup:adaptive", 4, SimpleNamespace(policy=trained), load=False)
+    assert _policy_file(tmp_path, "lookup:adaptive", 4, fresh, load=True) is True           # warm
+    assert json.dumps(fresh.policy.state_dict()) == json.dumps(trained.state_dict())
+    assert _policy_file(tmp_path, "target", 4, SimpleNamespace(policy=None), load=True) is None
