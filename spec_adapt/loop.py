@@ -33,33 +33,40 @@ class SpeculativeLoop:
         acceptor: Acceptor | None = None, verifier: Verifier | None = None,
     ):
         cfg = generation_config
-        self.device = model.device
+        self._hold(model, drafter=drafter, policy=policy, processor=ScoreProcessor(logits_processor),
+                   sampling=bool(cfg.do_sample), acceptor=acceptor, verifier=verifier, stats=stats, streamer=streamer)
         self.input_ids = input_ids.to(self.device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         batch, self.prompt_length = input_ids.shape
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device)
         pad = cfg._pad_token_tensor
         self.pad_id = int(pad) if pad is not None else 0
-        self.buffer = torch.full((batch, self.stopper.max_length), self.pad_id, dtype=torch.long, device=self.device)
-        self.buffer[:, : self.prompt_length] = self.input_ids
-        self.lengths = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
+        buffer = torch.full((batch, self.stopper.max_length), self.pad_id, dtype=torch.long, device=self.device)
+        buffer[:, : self.prompt_length] = self.input_ids
+        lengths = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
         # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
         # with their own prompt widths and token budgets; one generate call has one of each).
-        self.starts = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
-        self.limits = torch.full((batch,), self.stopper.max_length, dtype=torch.long, device=self.device)
-        self.rows = torch.arange(batch, device=self.device)
-        self.sampling = bool(cfg.do_sample)
-        self.process = ScoreProcessor(logits_processor)
-        self.acceptor = (acceptor or Acceptor()).for_call()
+        self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
+        self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
+        self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
+
+    def _hold(self, model, *, drafter, policy, processor, sampling, acceptor, verifier, stats, streamer=None):
+        """What a loop holds besides its rows: the models' roles, the rules and the counters (shared with serving)."""
+        self.model, self.device = model, model.device
+        self.sampling, self.process = sampling, processor
+        self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
         self.members = None            # the policy's plan for the drafter this step (chain members), if any
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.sync = self.device.type == "cuda" and getattr(policy, "needs_timing", True)
-        self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
-        self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+
+    def _hold_rows(self, buffer, lengths, starts, limits) -> None:
+        """The rows' state: token buffer, committed lengths, where each row's output starts and may end."""
+        self.buffer, self.lengths, self.starts, self.limits = buffer, lengths, starts, limits
+        self.rows = torch.arange(len(lengths), device=self.device)
+        self.finished = torch.zeros(len(lengths), dtype=torch.bool, device=self.device)
 
     # -- the call ----------------------------------------------------------------------------------------------------
     def run(self) -> torch.Tensor:

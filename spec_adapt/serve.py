@@ -107,25 +107,17 @@ class ServingLoop(SpeculativeLoop):
 
     def __init__(self, model, *, drafter, policy, processor, sampling, eos, pad_id, max_length, acceptor,
                  verifier):
-        self.model, self.device = model, model.device
+        self._hold(model, drafter=drafter, policy=policy, processor=processor, sampling=sampling, acceptor=acceptor,
+                   verifier=verifier, stats=SpecStats())
         self.stopper = Stopper([], max_length, self.device)
         self.stopper.eos = eos
         self.pad_id = pad_id
-        self.buffer = torch.full((0, 1), pad_id, dtype=torch.long, device=self.device)
-        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.starts, self.limits = self.lengths.clone(), self.lengths.clone()
-        self.rows = self.lengths.clone()
-        self.finished = torch.zeros(0, dtype=torch.bool, device=self.device)
-        self.sampling, self.process = sampling, processor
-        self.acceptor = acceptor.for_call()
-        self.target: KVLedger | None = None
-        self.verifier = verifier
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._hold_rows(torch.full((0, 1), pad_id, dtype=torch.long, device=self.device), empty, empty.clone(),
+                        empty.clone())
+        self.target: KVLedger | None = None          # made by the first admission
+        self.scores, self.raw_logits = None, None
         self.verifier.begin()
-        self.members = None
-        self.drafter, self.given_drafter, self.policy = drafter, drafter, policy
-        self.streamer, self.scores, self.raw_logits = None, None, None
-        self.sync = self.device.type == "cuda" and getattr(policy, "needs_timing", True)
-        self.stats = SpecStats()
         self.stats.start(0)
         self.policy.begin(0)
         self.vocab = model.get_output_embeddings().weight.shape[0]
