@@ -10,9 +10,10 @@ import spec_adapt
 from spec_adapt import Adaptive, ModelDrafter
 from spec_adapt.models import load_draft, load_model
 
-target, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.bfloat16)
+# float32: token-identical to stock generate (in bf16 both paths can break a 1-ulp logit tie differently, README).
+target, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.float32)
 draft = load_draft(target, "qwen2.5-coder-0.5b", quantization="nf4")     # or "int8"; or any model you quantized
-print(f"draft weights: {draft.get_memory_footprint() / 2**20:.0f} MB (bf16: about 1200 MB)")
+print(f"draft weights: {draft.get_memory_footprint() / 2**20:.0f} MB (unquantized fp32: about 2400 MB)")
 
 batch = tok(["def fibonacci(n):", "def is_prime(n):"], return_tensors="pt", padding=True)
 stats = spec_adapt.SpecStats()

@@ -9,13 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter
 from spec_adapt.drafters.offload import DraftOffload
 from spec_adapt.models import bnb_config, is_quantized, load_model
 
 from conftest import PAD, VOCAB, ragged_batch, spec_generate, stock_greedy
-from test_sampling import VOCAB_SMALL, exact_marginals, sample
+from test_sampling import VOCAB_SMALL, assert_follows_target
 
 
 def small_llama(seed: int, vocab: int = VOCAB, head_scale: float = 8.0):
@@ -64,15 +63,7 @@ def test_quantized_draft_is_lossless(pair, quantization, policy, batch):
 def test_quantized_draft_sampling_follows_target_distribution(tmp_path):
     target = small_llama(5, vocab=VOCAB_SMALL, head_scale=0.3)
     draft = quantized_copy(small_llama(6, vocab=VOCAB_SMALL, head_scale=0.3), "nf4", tmp_path)
-    n = 4000
-    marginals = exact_marginals(target, [3, 7, 9, 4])
-    tokens = sample(target, ModelDrafter(draft), n, seed=0)
-    stats = spec_adapt.last_stats()
-    assert stats.fallback is None and stats.drafted > 0 and 0 < stats.accepted < stats.drafted
-    for position, exact in enumerate(marginals):
-        empirical = torch.bincount(tokens[:, position], minlength=VOCAB_SMALL).float() / n
-        tolerance = 5 * (exact * (1 - exact) / n).sqrt() + 2e-3
-        assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
+    assert_follows_target(target, ModelDrafter(draft), 4000)
 
 
 def test_unknown_quantization_is_refused():

@@ -67,10 +67,17 @@ def test_sampled_tokens_follow_target_distribution(small, kind):
         drafter = draft
     else:  # a point-mass draft that always proposes the same (often wrong) tokens
         drafter = ScriptedDrafter(lambda row, context, gamma: [int(marginals[1].argmax()), 5, 6][:gamma])
+    assert_follows_target(target, drafter, n)
+
+
+def assert_follows_target(target, drafter, n):
+    """Sample n continuations through the loop with `drafter`; each of the first 3 tokens' empirical distribution
+    must match the target's exact marginal (5 standard errors). Token 1 comes from the prefill; tokens 2 and 3 are
+    drafted, accepted or recovered."""
+    marginals = exact_marginals(target, [3, 7, 9, 4])
     tokens = sample(target, drafter, n, seed=0)
     stats = spec_adapt.last_stats()
     assert stats.fallback is None and stats.drafted > 0 and 0 < stats.accepted < stats.drafted
-    # Token 1 comes from the prefill; tokens 2 and 3 are drafted, accepted or recovered.
     for position, exact in enumerate(marginals):
         empirical = torch.bincount(tokens[:, position], minlength=VOCAB_SMALL).float() / n
         tolerance = 5 * (exact * (1 - exact) / n).sqrt() + 2e-3
