@@ -113,9 +113,10 @@ def serve_bench_cmd(args) -> None:
 def _draft_meta(draft, args) -> dict:
     if draft is None:
         return {}
-    print(f"draft: {draft.get_memory_footprint() / 2**20:.0f} MB of weights")
+    megabytes = draft.get_memory_footprint() / 2**20
+    print(f"draft: {megabytes:.0f} MB of weights")
     return {"draft_quant": args.draft_quant, "draft_dtype": str(draft.dtype).replace("torch.", ""),
-            "draft_mb": draft.get_memory_footprint() / 2**20}
+            "draft_mb": megabytes}
 
 
 def _draft(model, args):

@@ -90,9 +90,9 @@ class MemoryBudget:
 
     def fits_alone(self, tokens: int) -> bool:
         """Whether a request of `tokens` could ever run (with the draft resident, or offloaded if it can be)."""
-        can_offload = self.draft_weights > 0 and hasattr(self.draft, "offloaded")
-        floor = self.weights + (0 if can_offload else self.draft_weights)
-        return floor + self.request_bytes(tokens, with_draft=not can_offload and self.draft_weights > 0) <= self.total
+        stays = self.draft_weights > 0 and not hasattr(self.draft, "offloaded")     # a draft that cannot leave
+        floor = self.weights + (self.draft_weights if stays else 0)
+        return floor + self.request_bytes(tokens, with_draft=stays) <= self.total
 
     def free(self) -> int:
         """Bytes free once the head of the queue is admitted (negative: it waits for memory). While the draft is
@@ -103,11 +103,6 @@ class MemoryBudget:
         if not self.draft_resident and self.draft_weights and self.engine:
             free -= self.draft_per_token * sum(reserved_tokens(h) for h in self.engine.running.values())
         return free
-
-    def rows(self, tokens: int, with_draft: bool) -> int:
-        """How many requests of `tokens` tokens fit (for reports)."""
-        room = self.total - self.weights - (self.draft_weights if with_draft else 0)
-        return max(0, room // max(1, self.request_bytes(tokens, with_draft)))
 
 
 def reserved_tokens(handle) -> int:

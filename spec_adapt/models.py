@@ -123,10 +123,17 @@ def bnb_config(quantization: str, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
+def quantization_of(model) -> str | None:
+    """"8bit" / "4bit" for a model loaded with a bitsandbytes config (by `load_model` or by the user), else None."""
+    if getattr(model, "is_loaded_in_8bit", False):
+        return "8bit"
+    return "4bit" if getattr(model, "is_loaded_in_4bit", False) else None
+
+
 def is_quantized(model) -> bool:
-    """True for a model loaded with a bitsandbytes config (by `load_model` or by the user)."""
-    return bool(getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
-                or getattr(getattr(model, "config", None), "quantization_config", None) is not None)
+    """True for a bitsandbytes model, or any model whose config carries a quantization config."""
+    return quantization_of(model) is not None or \
+        getattr(getattr(model, "config", None), "quantization_config", None) is not None
 
 
 def cached_safetensors(source: GGUFSource) -> Path:

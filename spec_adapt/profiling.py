@@ -220,8 +220,9 @@ def profile_key(model, draft=None) -> str:
     else:
         where = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads"
     def draft_name(d):     # a draft in another dtype, or quantized, costs differently
-        quant = "8bit" if getattr(d, "is_loaded_in_8bit", False) else "4bit" if getattr(d, "is_loaded_in_4bit", False) \
-            else None
+        from .models import quantization_of
+
+        quant = quantization_of(d)
         return f"draft-{name(d)}-{str(d.dtype).removeprefix('torch.')}" + (f"-{quant}" if quant else "")
 
     parts = [name(model), draft_name(draft) if draft is not None else "nodraft",

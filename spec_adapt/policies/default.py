@@ -137,7 +137,7 @@ class Adaptive(Policy):
             return 0.0
         if fit.ready():
             return fit(lag)
-        n, sx, sy = fit.sums[:3]
+        _, sx, sy = fit.sums[:3]
         return sy / max(sx, 1e-9) * lag
 
     def expected(self, rows: torch.Tensor | None = None) -> torch.Tensor:
