@@ -32,6 +32,7 @@ class Request:
     arrival: float = 0.0
     name: str = ""
     lengths: list[int] | None = None   # lengths[t]: most tokens the drafter proposes at t (None: as many as asked)
+    prompt: int = 0                    # the draft model's lag on arrival: it catches up on the prompt when it first drafts
 
 
 @dataclass
@@ -121,7 +122,7 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
     while pending or active:
         while pending and len(active) < limit and (pending[0][0] <= now or isinstance(schedule, Static)):
             arrival, index = pending.pop(0)
-            active.append({"id": index, "pos": 0, "lag": 0, "arrival": max(arrival, 0.0) if not
+            active.append({"id": index, "pos": 0, "lag": requests[index].prompt, "arrival": max(arrival, 0.0) if not
                            isinstance(schedule, Static) else now, "runs": requests[index].runs,
                            "lengths": requests[index].lengths})
         if not active:

@@ -14,7 +14,9 @@ Per step, for the active batch of B rows (every choice below is measured in the 
 2. Time: T(B, s) = the whole step (drafting included): per B's bucket (powers of two), the EMA of the steps that
    asked s, once seen three times (step time is not linear in s: on this CPU verifying 3 tokens at B = 1 costs 20%
    more than 2; and what a batch asked s really verifies depends on the drafter's fill), else a least-squares line
-   a + d w over the bucket's recent steps at their widest proposal w, with w = s x the measured span. One fit per bucket: a single fit over all B (a + bB + cBs + ds) learned at B = 1 alone
+   a + d w over the bucket's recent drafting steps at their widest proposal w, with w = s x the measured span
+   (plain steps stay out of the line: 128 of them in a row pushed every drafting width out of its window, and the
+   optimistic prior below came back). One fit per bucket: a single fit over all B (a + bB + cBs + ds) learned at B = 1 alone
    extrapolates wildly to B = 16 (the lab caught it). A profiled `LatencyTable` stands in until a bucket's fit is
    ready, else a cautious prior, T(B, s) / T(B, 0) = 1 + (0.1 + 0.02 B) s, so first steps draft little at large B.
 3. Width: s* = argmax_s sum_b E_b(s) / T(B, s). Time is measured per (bucket, asked width, burst or not), as
@@ -23,14 +25,19 @@ Per step, for the active batch of B rows (every choice below is measured in the 
    that way condemned good widths after one unlucky stretch on the recorded traces: tried and removed).
 4. Switching cost: after plain steps a draft model must first catch up (Nightjar's c_prefill), and a draft model
    starts every call with the whole prompt to catch up on (it is not prefilled: a call kept plain never runs it).
-   Steps that had a lag beyond the usual teach a per-bucket line, catch-up seconds = a + d x lag, kept out of T;
-   re-enabling speculation is charged the predicted time for the current lag spread over `horizon` steps.
+   Steps that had a lag beyond the usual teach a per-bucket line, catch-up seconds = a + d x lag, kept out of T
+   (before one is seen, a profiled table's c_prefill(L, B) stands in); re-enabling speculation is charged the
+   predicted time for the current lag spread over the steps it can still pay off: the rows' remaining tokens /
+   E(s), at most `horizon`. (A fixed 8 steps let 32-token calls on the real pair pay a 1.1 s catch-up of the prompt
+   at batch 4 that their ~12 drafting steps could never earn back.)
 5. Exploration, only where it is cheap: with probability `explore` a neighbouring width (s* +- 1) whose predicted
    goodput is within `explore_margin` of the best. It also gives the fit the second width it needs.
 6. Plain decoding is a first-class answer (s* = 0), and it does not deadlock: after `probe_gap` plain steps in a row
    the best speculative width runs once. A probe that loses to a plain step (its catch-up included: on the real pair
    a probe's catch-up of the whole prompt at batch 4 cost more than the call's drafts could save) doubles the gap,
    up to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
+   A probe that must first pay a catch-up waits until that catch-up is at most `probe_budget` of the plain time
+   since the last probe (a 1.1 s catch-up at 0.145 s plain steps: one probe per ~760 steps, not per 16).
 7. The baseline is measured, not extrapolated: the first `baseline_steps` steps in each batch-size bucket are plain,
    so T(B, 0) is this bucket's own plain step (the line fit through drafting steps overestimated it at B = 16).
 8. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
@@ -64,9 +71,9 @@ PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step 
 
 class Adaptive(Policy):
     def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, explore: float = 0.05,
-                 explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 8,
+                 explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 128,
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
-                 baseline_steps: int = 2):
+                 baseline_steps: int = 2, probe_budget: float = 0.01):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
@@ -74,7 +81,7 @@ class Adaptive(Policy):
         self.table, self.explore, self.explore_margin = latency, explore, explore_margin
         self.probe_every, self.max_probe_gap, self.horizon = probe_every, max_probe_gap, horizon
         self.row_floor, self.shrink, self.decay, self.ema, self.seed = row_floor, shrink, decay, ema, seed
-        self.baseline_steps = baseline_steps
+        self.baseline_steps, self.probe_budget = baseline_steps, probe_budget
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------------------------
@@ -115,7 +122,7 @@ class Adaptive(Policy):
         key = bucket(batch)
         burst = burst and width > 0          # a plain step is a plain step, whatever the rows' state
         measured = self.measured.get((key, width, burst))
-        if measured is not None and measured[1] >= 3:
+        if measured is not None and (measured[1] >= 3 or width == 0):
             return measured[0]
         widest = width * self.span.get((key, burst), 1.0)      # what a batch asked `width` really proposes
         fit = self.fits.get(key)
@@ -134,7 +141,7 @@ class Adaptive(Policy):
         tokens), before that proportional to the lag; 0 until one is seen."""
         fit = self.catchup.get(key)
         if fit is None or not fit.samples:
-            return 0.0
+            return self.table.switch_cost(lag, key) if self.table is not None else 0.0
         if fit.ready():
             return fit(lag)
         _, sx, sy = fit.sums[:3]
@@ -156,14 +163,27 @@ class Adaptive(Policy):
         t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
         self.row_expected = _tokens((a + self.shrink * pooled[self.row_state]) / (t + self.shrink))
 
-    def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0) -> list[float]:
+    def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0, left: int | None = None
+                ) -> list[float]:
         """Predicted goodput (tokens / s) of every width 0..max_gamma, hopeless rows (gain < row_floor) counted at
-        one token."""
+        one token. `left`: the most tokens a row may still generate (bounds the steps a catch-up is spread over)."""
         expected = self.expected(rows) if rows is not None else self.expected()[None].expand(batch, -1)
         tokens = torch.where(expected >= 1 + self.row_floor, expected, 1.0).sum(dim=0).tolist()
         key, burst = bucket(batch), self._burst(rows)
-        switch = self.catchup_time(key, lag) / self.horizon if lag > USUAL_LAG else 0.0
-        return [n / (self.step_time(batch, s, burst) + (switch if s else 0.0)) for s, n in enumerate(tokens)]
+        catchup = self.catchup_time(key, lag) if lag > USUAL_LAG else 0.0
+        out = []
+        for s, n in enumerate(tokens):
+            steps = self.horizon if left is None else min(self.horizon, max(1.0, left * batch / n))
+            out.append(n / (self.step_time(batch, s, burst) + (catchup / steps if s else 0.0)))
+        return out
+
+    def _probe_due(self, batch: int, lag: int) -> bool:
+        """After `probe_gap` plain steps, and once a catch-up the probe must pay is within `probe_budget` of the
+        plain time since the last probe."""
+        if self.idle < self.probe_gap:
+            return False
+        catchup = self.catchup_time(bucket(batch), lag) if lag > USUAL_LAG else 0.0
+        return catchup <= self.probe_budget * self.idle * self.step_time(batch, 0)
 
     def _burst(self, rows) -> bool:
         return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
@@ -172,7 +192,7 @@ class Adaptive(Policy):
     def choose(self, info: StepInfo):
         batch, rows = info.batch_size, info.rows.cpu()
         lag = int(info.draft_lag.max()) if info.draft_lag is not None and len(info.draft_lag) else 0
-        values = self.predict(batch, rows, lag)
+        values = self.predict(batch, rows, lag, int(info.remaining.max()) if len(info.remaining) else None)
         width = max(range(len(values)), key=values.__getitem__)
         probing = False
         baseline = self.measured.get((bucket(batch), 0, False))
@@ -182,7 +202,7 @@ class Adaptive(Policy):
             width = 0
         elif width == 0:
             self.idle += 1
-            if self.idle >= self.probe_gap:
+            if self._probe_due(batch, lag):
                 width, probing, self.idle = max(range(1, len(values)), key=values.__getitem__), True, 0
         else:
             self.idle = 0
@@ -210,7 +230,8 @@ class Adaptive(Policy):
             self.catchup.setdefault(key, LineFit(window=32, min_samples=3)).add(pending["lag"], extra)
             seconds -= extra
         else:
-            self.fits.setdefault(key, LineFit()).add(widest, seconds)
+            if widest:     # drafting steps only: a long plain run would push every drafting width out of the window
+                self.fits.setdefault(key, LineFit()).add(widest, seconds)
             slot = (key, width, burst and width > 0)
             old = self.measured.get(slot)
             self.measured[slot] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
@@ -251,7 +272,7 @@ class Adaptive(Policy):
                        "probe_every": self.probe_every, "max_probe_gap": self.max_probe_gap,
                        "horizon": self.horizon, "row_floor": self.row_floor, "shrink": self.shrink,
                        "decay": self.decay, "ema": self.ema, "seed": self.seed,
-                       "baseline_steps": self.baseline_steps},
+                       "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget},
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
             "measured": [[list(k), v] for k, v in self.measured.items()],
