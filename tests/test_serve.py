@@ -271,3 +271,23 @@ def test_serve_bench_schedule_and_measurements():
         rows.append({"rate": 50.0, "config": config, **out})
     assert summary_rows(rows)[0]["speedup"] == 1.0
     assert summary_rows([{**rows[0], "tok_s": 0.0}])[0]["speedup"] is None      # nothing served: no ratio
+
+
+def test_a_joining_row_catches_up_apart_from_the_running_rows():
+    """A request that joins a drafting batch has its whole prompt to catch up on while the running rows are one or two
+    tokens behind: its catch-up runs in a ledger of its own (one row's width, not the batch's), and every output is
+    still identical to stock."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (4, 5, 24)]
+    widths = []
+    hook = DRAFT.register_forward_hook(lambda module, args, kwargs, out: widths.append(tuple(kwargs["input_ids"].shape)),
+                                       with_kwargs=True)
+    try:
+        engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), policy=FixedLength(2), max_batch=3)
+        handles = drive(engine, prompts, [12, 12, 8], [0, 0, 3])
+    finally:
+        hook.remove()
+    for h, p, n in zip(handles, prompts, [12, 12, 8]):
+        assert h.result() == stock(p, n)
+    assert (1, 25) in widths                       # the joiner's prompt and its first token, alone
+    assert not any(b > 1 and w >= 20 for b, w in widths)   # never the running rows padded out to its width

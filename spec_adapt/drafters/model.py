@@ -72,11 +72,7 @@ class ModelDrafter(Drafter):
 
         # Catch up on committed tokens the draft has not cached yet (rows that draft nothing skip it).
         pending = torch.where(gammas > 0, lengths - self.ledger.n_cached, 0)             # [B]
-        width = int(pending.max())
-        offset = torch.arange(width, device=device)[None, :]
-        index = (self.ledger.n_cached[:, None] + offset).clamp(max=tokens.shape[1] - 1)
-        logits = self.ledger.forward(tokens.gather(1, index), pending)                     # [B, W, V']
-        last = logits[torch.arange(batch, device=device), (pending - 1).clamp(min=0)]      # [B, V']
+        last = self._catch_up(tokens, pending)                                           # [B, V']
 
         self.kv_writes += int(pending.sum())
         drafted = torch.zeros_like(gammas)            # per row: tokens drafted so far
@@ -101,6 +97,29 @@ class ModelDrafter(Drafter):
         out_probs = probs.to(target_device) if probs is not None else None
         return Proposal(drafts.to(target_device), drafted.to(target_device), out_probs)
 
+    def _catch_up(self, tokens, pending) -> torch.Tensor:
+        """Feed each row its pending committed tokens; the logits after each row's last one [B, V'].
+
+        One forward is [B, max pending] wide, holes included. When rows that joined a running batch (nothing cached
+        yet: a whole prompt pending) catch up next to rows that are one or two tokens behind, that width would be
+        paid by every row, so the fresh rows run apart in a ledger of their own and rejoin the batch afterwards
+        (at batch 4 a joiner's 147-token prompt then costs one row's forward, not four)."""
+        ledger = self.ledger
+        fresh = (ledger.n_cached == ledger.pad) & (pending > 0)
+        if not bool(fresh.any()) or bool(fresh.all()) or int(pending[~fresh].max()) >= int(pending[fresh].max()):
+            return _forward_pending(ledger, tokens, pending)
+        joined, others = fresh.nonzero().squeeze(1), (~fresh).nonzero().squeeze(1)
+        apart = KVLedger.empty(self.model, ledger.pad[joined], ledger.device)
+        ledger.select_rows(others)
+        first = _forward_pending(apart, tokens[joined], pending[joined])
+        last = first.new_zeros(len(pending), first.shape[1])       # rows drafting nothing: never read
+        last[joined] = first
+        if bool((pending[others] > 0).any()):
+            last[others] = _forward_pending(ledger, tokens[others], pending[others])
+        ledger.add_rows(apart)
+        ledger.select_rows(torch.cat([others, joined]).argsort())      # back to the batch's row order
+        return last
+
     def lag(self, lengths):
         if self.ledger is None:
             return None
@@ -114,3 +133,11 @@ class ModelDrafter(Drafter):
 
     def end(self, tokens=None, lengths=None):
         self.ledger = None
+
+
+def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """One forward feeding row b its next pending[b] buffer tokens; the logits after the last of them [B, V']."""
+    offset = torch.arange(int(pending.max()), device=tokens.device)[None, :]
+    index = (ledger.n_cached[:, None] + offset).clamp(max=tokens.shape[1] - 1)
+    logits = ledger.forward(tokens.gather(1, index), pending)                              # [B, W, V']
+    return logits[torch.arange(len(pending), device=tokens.device), (pending - 1).clamp(min=0)]
