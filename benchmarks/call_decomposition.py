@@ -1,9 +1,11 @@
 """Where a batched call's time goes on the real pair: the target's prefill, then the steps (draft, verify).
 
     python benchmarks/call_decomposition.py --batch 4 --new-tokens 32
+    python benchmarks/call_decomposition.py --model smollm2-135m --dtype float32 --workload sharegpt --batch 4
 
-One call each of stock `generate`, spec_adapt at γ = 0 and with the 0.5B draft at fixed widths, on the first
-`--batch` HumanEval-chat prompts; prints wall time, the loop's prefill and step times. Single samples: run it twice.
+One call each of stock `generate`, spec_adapt at γ = 0 and with the draft at fixed widths (the 0.5B for the Qwen
+target, prompt lookup for the others), on the first `--batch` prompts of the workload; prints wall time, the loop's
+prefill and step times, and each path's median step. Single samples: run it twice.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 import torch
 
 import spec_adapt
-from spec_adapt import FixedLength, ModelDrafter
+from spec_adapt import FixedLength, ModelDrafter, PromptLookupDrafter
 from spec_adapt.models import load_model
 from spec_adapt.recipes import workloads
 
@@ -24,11 +26,17 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--workload", default="humaneval-chat")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
-    model, tok = load_model("qwen2.5-coder-1.5b", dtype=dtype)
-    draft = load_model("qwen2.5-coder-0.5b", dtype=dtype)[0]
-    ds = workloads.with_inputs(workloads.load("humaneval-chat", args.batch), tok)
+    model, tok = load_model(args.model, dtype=dtype)
+    if args.model == "qwen2.5-coder-1.5b":
+        draft = load_model("qwen2.5-coder-0.5b", dtype=dtype)[0]
+        drafter = lambda: ModelDrafter(draft)      # noqa: E731
+    else:
+        drafter = PromptLookupDrafter
+    ds = workloads.with_inputs(workloads.load(args.workload, args.batch), tok)
     batch = tok(list(ds["input_text"])[: args.batch], return_tensors="pt", padding=True)
     print("prompt batch", tuple(batch.input_ids.shape))
     with torch.no_grad():
@@ -38,9 +46,16 @@ def main():
             print(f"target prefill alone: {time.perf_counter() - start:.2f} s")
 
     def stock():
+        times = []
+        hook = model.register_forward_pre_hook(lambda *a: times.append(time.perf_counter()))
         start = time.perf_counter()
-        model.generate(**batch, max_new_tokens=args.new_tokens, do_sample=False)
-        print(f"{'stock generate':16s} wall {time.perf_counter() - start:.2f} s")
+        try:
+            model.generate(**batch, max_new_tokens=args.new_tokens, do_sample=False)
+        finally:
+            hook.remove()
+        gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))       # decode forwards, start to start
+        print(f"{'stock generate':16s} wall {time.perf_counter() - start:.2f} s, {len(times)} forwards, median "
+              f"decode step {1000 * gaps[len(gaps) // 2]:.1f} ms")
 
     def ours(label, **kw):
         stats = spec_adapt.SpecStats()
@@ -49,13 +64,15 @@ def main():
                        spec_stats=stats, **kw)
         wall = time.perf_counter() - start
         steps = sum(r.step_time for r in stats.trace)
+        median = sorted(r.step_time for r in stats.trace)[len(stats.trace) // 2]
         print(f"{label:16s} wall {wall:.2f} s: prefill {stats.time_prefill:.2f}, {len(stats.trace)} steps "
-              f"{steps:.2f} (draft {stats.time_draft:.2f}, verify {stats.time_verify:.2f})")
+              f"{steps:.2f} (draft {stats.time_draft:.2f}, verify {stats.time_verify:.2f}), median step "
+              f"{1000 * median:.1f} ms")
 
     stock()
     ours("spec γ=0", assistant_policy=FixedLength(0))
     for gamma in (1, 2, 3):
-        ours(f"draft fixed{gamma}", drafter=ModelDrafter(draft), assistant_policy=FixedLength(gamma))
+        ours(f"draft fixed{gamma}", drafter=drafter(), assistant_policy=FixedLength(gamma))
     stock()
 
 
