@@ -245,3 +245,18 @@ def test_a_profiled_catch_up_cost_is_used_until_one_is_measured():
     policy = Adaptive(latency=lat)
     assert policy.catchup_time(4, 147) == pytest.approx(1.1)       # the table's c_prefill(L, B)
     assert Adaptive().catchup_time(4, 147) == 0.0
+
+
+def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
+    """No catch-up measured yet: a probe that would catch a draft model up on a 500-token prompt is not due however
+    long the plain run (worst case: a plain step per lag token); once a catch-up is measured cheap, it is."""
+    from spec_adapt.policies.default import LineFit, bucket
+
+    policy = Adaptive(probe_every=4)
+    policy.measured[(bucket(32), 0, False)] = [1.0, 10]
+    policy.idle = 10_000
+    assert not policy._probe_due(32, 500)
+    assert policy._probe_due(32, 1)                              # nothing to catch up on: the usual gap
+    policy.catchup[bucket(32)] = fit = LineFit(window=32, min_samples=3)
+    fit.add(500, 5.0)                                            # measured: 5 s, within 1% of 10,000 plain seconds
+    assert policy._probe_due(32, 500)

@@ -37,7 +37,9 @@ Per step, for the active batch of B rows (every choice below is measured in the 
    a probe's catch-up of the whole prompt at batch 4 cost more than the call's drafts could save) doubles the gap,
    up to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
    A probe that must first pay a catch-up waits until that catch-up is at most `probe_budget` of the plain time
-   since the last probe (a 1.1 s catch-up at 0.145 s plain steps: one probe per ~760 steps, not per 16).
+   since the last probe (a 1.1 s catch-up at 0.145 s plain steps: one probe per ~760 steps, not per 16); a catch-up
+   never measured counts as one plain step per lag token, the most a draft smaller than the target can cost, so a
+   cold policy does not probe a draft model through a whole prompt (it drafts where the prediction says so).
 7. The baseline is measured, not extrapolated: the first `baseline_steps` steps in each batch-size bucket are plain,
    so T(B, 0) is this bucket's own plain step (the line fit through drafting steps overestimated it at B = 16).
 8. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
@@ -182,8 +184,14 @@ class Adaptive(Policy):
         plain time since the last probe."""
         if self.idle < self.probe_gap:
             return False
-        catchup = self.catchup_time(bucket(batch), lag) if lag > USUAL_LAG else 0.0
-        return catchup <= self.probe_budget * self.idle * self.step_time(batch, 0)
+        key, plain = bucket(batch), self.step_time(batch, 0)
+        if lag <= USUAL_LAG:
+            return True
+        known = (key in self.catchup and self.catchup[key].samples) or (self.table is not None and self.table.prefill)
+        # Never measured: assume the worst a draft smaller than the target can cost, one plain step per lag token
+        # (a cold probe at batch 32 on the pair caught 32 ShareGPT prompts up and cost the call 13%).
+        catchup = self.catchup_time(key, lag) if known else lag * plain
+        return catchup <= self.probe_budget * self.idle * plain
 
     def _burst(self, rows) -> bool:
         return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
