@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import spec_adapt
 from spec_adapt import Drafter, FixedLength, Heuristic, Policy
 
-from conftest import BOS, EOS, PAD, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
+from conftest import BOS, EOS, PAD, Oracle, ragged_batch, stock_greedy, tiny_model
 
 
 def spec(model, ids, mask, drafter=None, policy=None, **kw):

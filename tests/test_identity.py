@@ -12,7 +12,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import spec_adapt
-from spec_adapt import FixedLength, Heuristic, ModelDrafter, ScriptedDrafter
+from spec_adapt import FixedLength, Heuristic
 
 from conftest import EOS, PAD, VOCAB, Collect, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
 

@@ -16,7 +16,6 @@ prompt's) must be flagged by the same test, or the verdicts mean nothing.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,7 @@ class Config:
 
 
 def default_configs() -> list[Config]:
-    from spec_adapt import ElasticEWMA, FixedLength, ModelDrafter, Nightjar, PromptLookupDrafter, SuffixDrafter, SuffixIndex
+    from spec_adapt import ElasticEWMA, FixedLength, Nightjar, PromptLookupDrafter, SuffixDrafter, SuffixIndex
 
     return [
         Config("target-only"),

@@ -10,7 +10,6 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 
-import torch
 
 from ..metrics import StepRecord
 from ..profiling import LatencyTable, OnlineLatency
