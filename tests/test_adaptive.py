@@ -260,3 +260,10 @@ def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
     policy.catchup[bucket(32)] = fit = LineFit(window=32, min_samples=3)
     fit.add(500, 5.0)                                            # measured: 5 s, within 1% of 10,000 plain seconds
     assert policy._probe_due(32, 500)
+
+
+@pytest.mark.parametrize("kwargs", [dict(explore=1.5), dict(probe_every=0), dict(max_probe_gap=2), dict(horizon=0),
+                                    dict(probe_budget=-0.1), dict(max_gamma=0)])
+def test_malformed_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match="Adaptive"):
+        Adaptive(**kwargs)

@@ -80,6 +80,9 @@ class Adaptive(Policy):
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
                              f"max_probe_gap; got {explore}, {explore_margin}, {probe_every}, {max_probe_gap}.")
+        if not (horizon >= 1 and probe_budget >= 0):
+            raise ValueError(f"Adaptive needs horizon >= 1 (steps a catch-up is spread over) and probe_budget >= 0 "
+                             f"(a fraction of plain time); got {horizon}, {probe_budget}.")
         self.table, self.explore, self.explore_margin = latency, explore, explore_margin
         self.probe_every, self.max_probe_gap, self.horizon = probe_every, max_probe_gap, horizon
         self.row_floor, self.shrink, self.decay, self.ema, self.seed = row_floor, shrink, decay, ema, seed
@@ -137,13 +140,14 @@ class Adaptive(Policy):
         base = plain[0]
         return base * (1.0 + (0.1 + 0.02 * batch) * widest)
 
-    def catchup_time(self, key: int, lag: int) -> float:
+    def catchup_time(self, key: int, lag: int, unknown: float = 0.0) -> float:
         """Seconds a catch-up of `lag` tokens adds to a step in bucket `key`: a line in the lag once two lags are
         seen (the first proposal of a call catches up on the whole prompt, a re-enable after plain steps on a few
-        tokens), before that proportional to the lag; 0 until one is seen."""
+        tokens), before that proportional to the lag; until one is seen, the profiled table's c_prefill(L, B), and
+        with no table, `unknown`."""
         fit = self.catchup.get(key)
         if fit is None or not fit.samples:
-            return self.table.switch_cost(lag, key) if self.table is not None else 0.0
+            return self.table.switch_cost(lag, key) if self.table is not None and self.table.prefill else unknown
         if fit.ready():
             return fit(lag)
         _, sx, sy = fit.sums[:3]
@@ -184,14 +188,12 @@ class Adaptive(Policy):
         plain time since the last probe."""
         if self.idle < self.probe_gap:
             return False
-        key, plain = bucket(batch), self.step_time(batch, 0)
         if lag <= USUAL_LAG:
             return True
-        known = (key in self.catchup and self.catchup[key].samples) or (self.table is not None and self.table.prefill)
         # Never measured: assume the worst a draft smaller than the target can cost, one plain step per lag token
         # (a cold probe at batch 32 on the pair caught 32 ShareGPT prompts up and cost the call 13%).
-        catchup = self.catchup_time(key, lag) if known else lag * plain
-        return catchup <= self.probe_budget * self.idle * plain
+        plain = self.step_time(batch, 0)
+        return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= self.probe_budget * self.idle * plain
 
     def _burst(self, rows) -> bool:
         return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
