@@ -21,7 +21,7 @@ from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with
 from .fast import Acceptor
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
-from .policies.base import Policy, StepInfo, check_plan
+from .policies.base import Policy, StepInfo, check_plan, check_rows
 from .processors import ScoreProcessor
 from .verifiers import FullVerifier, Verifier
 
@@ -186,6 +186,7 @@ class SpeculativeLoop:
             batch_size=len(self.rows), rows=self.rows.tolist(), gammas=gammas.tolist(),
             drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
             step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
+            held=self.target.held_rows,
         )
         self.stats.record(record)
         if self.chosen:
@@ -201,9 +202,17 @@ class SpeculativeLoop:
         self.rows = self.rows[keep]
         self.finished = self.finished[keep]
         if len(self.rows):
-            self.target.select_rows(keep)
-            if self.drafter is not None:
-                self._guard("select_rows", self.drafter.select_rows, keep)
+            self._shrink(keep)
+
+    def _shrink(self, keep: torch.Tensor) -> None:
+        """The ledgers follow the rows that stay. The target may keep some that left as spare rows, when the policy
+        measured the bigger batch to run faster (drafters always compact: their batch shapes vary anyway)."""
+        live, held = len(keep), self.target.held_rows
+        ask = getattr(self.policy, "batch_rows", None)     # a duck-typed policy without it compacts
+        rows = check_rows(self.policy, ask(live, held), live, held) if live and ask is not None else live
+        self.target.select_rows(keep, spare=rows - live)
+        if self.drafter is not None:
+            self._guard("select_rows", self.drafter.select_rows, keep)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _guard(self, what, fn, *args):

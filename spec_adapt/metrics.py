@@ -24,6 +24,7 @@ class StepRecord:
     draft_time: float
     verify_time: float
     telemetry: dict | None = None   # the drafter's own measurements this step (Proposal.telemetry), e.g. a chain's
+    held: int | None = None         # rows the target's forward ran: the active rows and spare rows (None: batch_size)
 
 
 @dataclass

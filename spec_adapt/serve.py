@@ -186,9 +186,7 @@ class ServingLoop(SpeculativeLoop):
             return
         keep = (~self.finished).nonzero().squeeze(1)
         self.rows, self.finished = self.rows[keep], self.finished[keep]
-        self.target.select_rows(keep)
-        if self.drafter is not None:
-            self._guard("select_rows", self.drafter.select_rows, keep)
+        self._shrink(keep)
 
 
 class Engine:

@@ -1,5 +1,5 @@
-"""KV ledger properties: any sequence of appends, per-row rollbacks, compactions and row removals leaves attention
-over the valid entries identical to a cache built fresh from the committed tokens."""
+"""KV ledger properties: any sequence of appends, per-row rollbacks, compactions and row removals (keeping spare
+rows or not) leaves attention over the valid entries identical to a cache built fresh from the committed tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ op = st.one_of(
     st.tuples(st.just("append"), st.integers(1, 5), st.integers(0, 2**31 - 1)),
     st.tuples(st.just("rollback"), st.integers(0, 2**31 - 1)),
     st.tuples(st.just("compact")),
-    st.tuples(st.just("drop_row"), st.integers(0, 7)),
+    st.tuples(st.just("drop_row"), st.integers(0, 7), st.integers(0, 2)),   # (row, spare rows to keep)
+    st.tuples(st.just("release")),
 )
 
 
@@ -70,14 +71,19 @@ def test_ledger_matches_fresh_cache(batch, prompt_seed, ops, arch):
             elif kind == "drop_row" and len(seqs) > 1:
                 drop = operation[1] % len(seqs)
                 keep_rows = [b for b in range(len(seqs)) if b != drop]
-                ledger.select_rows(torch.tensor(keep_rows))
+                ledger.select_rows(torch.tensor(keep_rows), spare=operation[2])
                 seqs, pads = [seqs[b] for b in keep_rows], [pads[b] for b in keep_rows]
+            elif kind == "release":
+                ledger.release_spares()
+            assert all(layer.keys.shape[0] == ledger.held_rows for layer in ledger._layers())
+            assert ledger.held_rows == len(seqs) + ledger.spare
 
         assert ledger.n_cached.tolist() == [len(s) + p for s, p in zip(seqs, pads)]
         assert ((ledger.slots >= 0).sum(dim=1)).tolist() == [len(s) for s in seqs]
         # Probe: one more token per row through the ledger vs. a fresh prefill of the same sequences.
         probe = torch.randint(3, VOCAB, (len(seqs), 1), generator=gen)
         ours = ledger.forward(probe, torch.ones(len(seqs), dtype=torch.long))[:, 0]
+        assert ours.shape[0] == len(seqs)                       # spare rows' logits never come back
         theirs = fresh_logits(model, [s + [int(t)] for s, t in zip(seqs, probe[:, 0])])
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
@@ -97,3 +103,28 @@ def test_rollback_is_only_a_mask_and_trim():
     assert torch.equal(ledger.cache.layers[0].keys, keys_before[:, :, :5])
     ledger.compact()
     assert ledger.slots.tolist() == [[1, 2, 3, 4], [0, 1, 2, 3]]
+
+
+def test_spare_rows_keep_the_batch_shape_and_leave_with_added_rows():
+    """A row that leaves can stay in the cache as a spare: the model still runs 3 rows, the ledger describes 2;
+    adding rows releases it first."""
+    model = cached_model("llama")
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 4, 4]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    ledger = KVLedger(model)
+    ledger.prefill(ids, mask)
+    ledger.select_rows(torch.tensor([0, 2]), spare=5)          # at most the one row that left
+    assert (ledger.spare, ledger.held_rows, ledger.slots.shape[0]) == (1, 3, 2)
+    seen = []
+    handle = model.register_forward_hook(lambda mod, args, kwargs, out: seen.append(kwargs["input_ids"].shape),
+                                         with_kwargs=True)
+    try:
+        logits = ledger.forward(torch.tensor([[10], [11]]), torch.tensor([1, 1]))
+    finally:
+        handle.remove()
+    assert seen == [(3, 1)] and logits.shape[0] == 2
+    other = KVLedger(model)
+    other.prefill(torch.tensor([[3, 3]]), None)
+    ledger.add_rows(other)
+    assert (ledger.spare, ledger.held_rows) == (0, 3)
+    assert ledger.cache.layers[0].keys.shape[0] == 3
