@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from spec_adapt import ScriptedDrafter
+from spec_adapt import FixedLength, ScriptedDrafter
 
 VOCAB = 96
 PAD, BOS, EOS = 0, 1, 2
@@ -111,6 +111,13 @@ class Oracle:
 
     def drafter(self):
         return ScriptedDrafter(self)
+
+
+class SpareRows(FixedLength):
+    """FixedLength that keeps every row that leaves as a spare row: the target always runs the first batch shape."""
+
+    def batch_rows(self, live, held):
+        return held
 
 
 class Collect:

@@ -14,7 +14,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import spec_adapt
 from spec_adapt import FixedLength, Heuristic
 
-from conftest import EOS, PAD, VOCAB, Collect, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
+from conftest import EOS, PAD, VOCAB, Collect, Oracle, SpareRows, cached_model, ragged_batch, stock_greedy, tiny_model
 
 MODES = {"right": ["right"], "wrong": ["wrong"], "j2": [2], "mixed": ["right", "wrong", 1, 3, 0]}
 
@@ -77,6 +77,39 @@ def test_eos_mid_batch(arch, batch):
     assert_scripted_acceptance(stats, oracle)
     assert min(stats.per_row_new_tokens) < max(stats.per_row_new_tokens) or batch == 1
     assert [r.batch_size for r in stats.trace] == sorted((r.batch_size for r in stats.trace), reverse=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("draft", ["scripted", "model"])
+def test_spare_rows_keep_identity(arch, draft):
+    """Rows that finish stay in the target's batch as spare rows (the policy asks for all of them): the live rows'
+    tokens equal stock generate's, the forward keeps the first shape, the spares' outputs never reach the buffer."""
+    model = cached_model(arch)
+    ids, mask = ragged_batch(6, seed=20)
+    free = stock_greedy(model, ids, mask, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 3])
+    reference = stock_greedy(model, ids, mask, eos_token_id=eos)
+    oracle = Oracle(reference, mask, MODES["mixed"], eos=(eos,))
+    drafter = oracle.drafter() if draft == "scripted" else tiny_model(arch, seed=7, layers=1)
+    out, stats = run_spec(model, ids, mask, drafter, SpareRows(3), eos_token_id=eos)
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.drafted > 0
+    if draft == "scripted":
+        assert_scripted_acceptance(stats, oracle)
+    assert min(r.batch_size for r in stats.trace) < 6            # rows did leave ...
+    assert {r.held for r in stats.trace} == {6}                  # ... and the target kept running 6 rows
+
+
+def test_a_malformed_batch_rows_answer_is_refused(llama):
+    class Bad(FixedLength):
+        def batch_rows(self, live, held):
+            return held + 1
+
+    ids, mask = ragged_batch(4, seed=21)
+    free = stock_greedy(llama, ids, mask, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 2])
+    with pytest.raises(ValueError, match=r"Bad.batch_rows\(\d, 4\) returned 5; expected an int from \d"):
+        run_spec(llama, ids, mask, None, Bad(2), eos_token_id=eos)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

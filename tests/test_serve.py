@@ -15,7 +15,7 @@ import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter, Nightjar, PromptLookupDrafter, ScriptedDrafter
 from spec_adapt.serve import Engine, RequestError
 
-from conftest import EOS, PAD, VOCAB, cached_model, tiny_model
+from conftest import EOS, PAD, VOCAB, SpareRows, cached_model, tiny_model
 
 MODEL = cached_model("llama")
 DRAFT = tiny_model("llama", seed=7, layers=1)
@@ -77,7 +77,7 @@ DRAFTERS = {
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10_000), drafter=st.sampled_from(sorted(DRAFTERS)),
-       policy=st.sampled_from(["fixed", "adaptive", "nightjar"]), max_batch=st.integers(1, 5))
+       policy=st.sampled_from(["fixed", "adaptive", "nightjar", "spares"]), max_batch=st.integers(1, 5))
 def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch):
     rng = random.Random(seed)
     n = rng.randrange(2, 8)
@@ -89,7 +89,8 @@ def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch):
         made = ScriptedDrafter(Truth(prompts, budgets, modes))
     else:
         made = DRAFTERS[drafter]()
-    chooser = {"fixed": FixedLength(rng.randrange(1, 6)), "adaptive": Adaptive(), "nightjar": Nightjar()}[policy]
+    chooser = {"fixed": FixedLength(rng.randrange(1, 6)), "adaptive": Adaptive(), "nightjar": Nightjar(),
+               "spares": SpareRows(rng.randrange(1, 6))}[policy]
     engine = Engine(MODEL, drafter=made, policy=chooser, max_batch=max_batch, eos_token_id=EOS, pad_token_id=PAD)
     handles = drive(engine, prompts, budgets, arrivals)
     assert engine.fallback is None
