@@ -263,7 +263,78 @@ def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
 
 
 @pytest.mark.parametrize("kwargs", [dict(explore=1.5), dict(probe_every=0), dict(max_probe_gap=2), dict(horizon=0),
-                                    dict(probe_budget=-0.1), dict(max_gamma=0)])
+                                    dict(probe_budget=-0.1), dict(max_gamma=0), dict(shape_margin=-1)])
 def test_malformed_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="Adaptive"):
         Adaptive(**kwargs)
+
+
+def shape_record(held, live, drafted, verify_time):
+    from spec_adapt.metrics import StepRecord
+
+    return StepRecord(live, list(range(live)), [drafted] * live, [drafted] * live, [0] * live, [1] * live,
+                      verify_time, 0, verify_time, held=held)
+
+
+def test_batch_rows_keeps_a_faster_bigger_batch():
+    """The 2-core CPU's SmolLM2 forwards (97 ms at 4 rows, 158 ms at 3, 113 ms at 2): when rows finish, the target
+    keeps 4 rows; where the smaller batch is as fast (a GPU), it compacts; a size never measured is not kept."""
+    policy = Adaptive()
+    assert policy.batch_rows(3, 4) == 3                          # nothing measured: compact (and measure 3)
+    for held, seconds in ((4, 0.097), (3, 0.158), (2, 0.113)):
+        for _ in range(2):
+            policy.observe(shape_record(held, held, 0, seconds))
+    assert policy.batch_rows(3, 4) == 4
+    assert policy.batch_rows(2, 4) == 4 and policy.batch_rows(2, 3) == 2
+    assert policy.batch_rows(1, 4) == 1                          # batch 1 never ran: nothing to compare with
+    again = Adaptive()
+    again.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    assert again.batch_rows(3, 4) == 4
+    gpu = Adaptive()
+    for held, seconds in ((4, 0.0100), (3, 0.0098), (2, 0.0097)):
+        for _ in range(2):
+            gpu.observe(shape_record(held, held, 2, seconds))
+    assert gpu.batch_rows(3, 4) == 3 and gpu.batch_rows(2, 4) == 2
+    gpu.observe(shape_record(4, 4, 5, 0.001))                    # one sample at another width: not enough
+    assert gpu.batch_rows(2, 4) == 2
+
+
+def test_batch_rows_compares_at_the_widths_both_sizes_ran():
+    policy = Adaptive()
+    for _ in range(2):
+        policy.observe(shape_record(4, 4, 3, 0.10))              # 4 rows only ever verified 4 tokens
+        policy.observe(shape_record(3, 3, 0, 0.05))              # 3 rows only ever ran plain
+    assert policy.batch_rows(3, 4) == 3                          # no common width: no comparison, compact
+    for _ in range(2):
+        policy.observe(shape_record(3, 3, 3, 0.20))
+    assert policy.batch_rows(3, 4) == 4
+
+
+def test_a_slow_batch_of_three_keeps_a_spare_row_in_a_real_loop(monkeypatch):
+    """End to end on a tiny model whose forward at 3 rows is made slower: the first call compacts and measures
+    it, the second keeps the finished row as a spare; every output equals stock generate."""
+    import time
+
+    from spec_adapt import PromptLookupDrafter
+
+    model = cached_model("llama")
+    ids, mask = ragged_batch(4, seed=30)
+    free = stock_greedy(model, ids, mask, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 2])
+    reference = stock_greedy(model, ids, mask, eos_token_id=eos)
+    hook = model.register_forward_hook(
+        lambda mod, args, kwargs, out: time.sleep(0.03 if kwargs["input_ids"].shape[0] == 3 else 0),
+        with_kwargs=True)
+    policy = Adaptive()
+    try:
+        held = []
+        for _ in range(2):
+            stats = spec_adapt.SpecStats()
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
+                                 max_new_tokens=24, eos_token_id=eos, custom_generate=spec_adapt.generate,
+                                 drafter=PromptLookupDrafter(3, 1), assistant_policy=policy, spec_stats=stats)
+            assert torch.equal(out, reference)
+            held.append({r.held for r in stats.trace if r.batch_size == 3})
+    finally:
+        hook.remove()
+    assert held[0] == {3} and held[1] == {4}

@@ -45,6 +45,12 @@ Per step, for the active batch of B rows (every choice below is measured in the 
 8. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
    row's long wrong proposal would otherwise widen the whole batch); every `probe_every` steps all rows draft again.
    At B = 1 the width decision is the row's decision already.
+9. Batch shape: when rows finish, the target's batch keeps spare rows (their outputs dropped) where a bigger batch
+   ran faster on this machine: the target forward's time is measured per (rows it ran, widest proposal), and the batch
+   keeps the size between the live rows and the rows it holds whose time is lowest, the smallest within `shape_margin`
+   of it; a size not measured yet is not kept, and the live size is measured first (the first call compacts). Stock
+   generate keeps finished rows to the end; on the 2-core CPU SmolLM2 ran a one-token step in 97 ms at batch 4,
+   158 ms at 3 and 113 ms at 2 (`python benchmarks/batch_shape.py`), so retiring rows lost to it at batch 4.
 
 Learning carries over: `save(path)` / `Adaptive.load(path)` (JSON), and `to_vllm_schedule()` exports the widths it
 would choose per batch size as vLLM's per-batch-size schedule. Decisions are list arithmetic over [B, s] (no model
@@ -75,7 +81,7 @@ class Adaptive(Policy):
     def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, explore: float = 0.05,
                  explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 128,
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
-                 baseline_steps: int = 2, probe_budget: float = 0.01):
+                 baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
@@ -86,7 +92,9 @@ class Adaptive(Policy):
         self.table, self.explore, self.explore_margin = latency, explore, explore_margin
         self.probe_every, self.max_probe_gap, self.horizon = probe_every, max_probe_gap, horizon
         self.row_floor, self.shrink, self.decay, self.ema, self.seed = row_floor, shrink, decay, ema, seed
-        self.baseline_steps, self.probe_budget = baseline_steps, probe_budget
+        if not shape_margin >= 0:
+            raise ValueError(f"Adaptive needs shape_margin >= 0 (a fraction of a forward's time); got {shape_margin}.")
+        self.baseline_steps, self.probe_budget, self.shape_margin = baseline_steps, probe_budget, shape_margin
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------------------------
@@ -101,6 +109,7 @@ class Adaptive(Policy):
         self.measured: dict[tuple, list] = {}     # (bucket, asked s, burst) -> [EMA seconds, samples]
         self.catchup: dict[int, LineFit] = {}     # bucket -> seconds a catch-up adds to a step, as a + d x lag
         self.span: dict[tuple, float] = {}        # (bucket, any row in a burst) -> EMA widest proposal / width asked
+        self.shapes: dict[tuple, list] = {}       # (rows the target ran, widest proposal) -> [EMA verify s, samples]
         self.rng = random.Random(self.seed)
         self.idle, self.probe_gap, self.steps = 0, self.probe_every, 0
         self._pending: dict | None = None
@@ -229,6 +238,9 @@ class Adaptive(Policy):
     def observe(self, record: StepRecord):
         pending, self._pending = self._pending, None
         self.steps += 1
+        shape = (record.held or record.batch_size, max(record.drafted, default=0))
+        old = self.shapes.get(shape)
+        self.shapes[shape] = [_ema(old and old[0], record.verify_time, self.ema), (old[1] if old else 0) + 1]
         if pending is None:
             return
         batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
@@ -252,6 +264,26 @@ class Adaptive(Policy):
             # for a draft model the call has not run yet) has to pay for that too, or it keeps being retried.
             lost = record.step_time / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap) if lost else self.probe_every
+
+    def batch_rows(self, live: int, held: int) -> int:
+        """Rows the target's batch keeps when rows finish (9. above): the size in [live, held] whose measured forward
+        is fastest, compared with the live size at the proposal widths both ran; the smallest within shape_margin."""
+        ratios = {live: 1.0}
+        for rows in range(live + 1, held + 1):
+            ratio = self._shape_ratio(rows, live)
+            if ratio is not None:
+                ratios[rows] = ratio
+        best = min(ratios.values())
+        return min(rows for rows, ratio in ratios.items() if ratio <= best * (1 + self.shape_margin))
+
+    def _shape_ratio(self, rows: int, live: int) -> float | None:
+        """Geometric mean over the widths both sizes ran (twice or more) of T(rows, w) / T(live, w); None if none."""
+        logs = []
+        for (size, width), (seconds, samples) in self.shapes.items():
+            theirs = self.shapes.get((live, width))
+            if size == rows and samples >= 2 and theirs is not None and theirs[1] >= 2:
+                logs.append(math.log(max(seconds, 1e-9) / max(theirs[0], 1e-9)))
+        return math.exp(sum(logs) / len(logs)) if logs else None
 
     def _count(self, record: StepRecord) -> None:
         """Position i + 1 was reached by a row that asked for more than i drafts and had i accepted; a hit if it
@@ -282,12 +314,14 @@ class Adaptive(Policy):
                        "probe_every": self.probe_every, "max_probe_gap": self.max_probe_gap,
                        "horizon": self.horizon, "row_floor": self.row_floor, "shrink": self.shrink,
                        "decay": self.decay, "ema": self.ema, "seed": self.seed,
-                       "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget},
+                       "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget,
+                       "shape_margin": self.shape_margin},
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
             "measured": [[list(k), v] for k, v in self.measured.items()],
             "catchup": [[k, list(map(list, f.samples))] for k, f in self.catchup.items()],
             "span": [[list(k), v] for k, v in self.span.items()],
+            "shapes": [[list(k), v] for k, v in self.shapes.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
             "probe_gap": self.probe_gap, "idle": self.idle, "steps": self.steps,
             "rng": _listed(self.rng.getstate()),
@@ -307,6 +341,7 @@ class Adaptive(Policy):
             for x, y in samples:
                 fit.add(x, y)
         self.span = {tuple(k): v for k, v in state["span"]}
+        self.shapes = {tuple(k): v for k, v in state.get("shapes", [])}   # files saved before shapes were learned
         tried, accepted, row_state = state["row_states"]
         self.row_tried = torch.tensor(tried).view(-1, STATES, self.max_gamma)
         self.row_accepted = torch.tensor(accepted).view(-1, STATES, self.max_gamma)
