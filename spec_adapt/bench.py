@@ -75,8 +75,8 @@ class Cell:
             if isinstance(value, int):
                 self.verifier[key] = self.verifier.get(key, 0) + value
         self.trace.extend(
-            {"batch_size": r.batch_size, "gammas": r.gammas, "drafted": r.drafted, "accepted": r.accepted,
-             "step_time": r.step_time}
+            {"batch_size": r.batch_size, "held": r.held, "gammas": r.gammas, "drafted": r.drafted,
+             "accepted": r.accepted, "step_time": r.step_time}
             for r in stats.trace
         )
 
