@@ -86,19 +86,22 @@ def main():
         ids = tok(text, return_tensors="pt").input_ids
         plain_s, out = timed(lambda: model.generate(ids, **settings))
         assisted_s, assisted = timed(lambda: model.generate(ids, assistant_model=draft, **settings))
-        assert torch.equal(out, assisted), "stock assisted generation diverged from stock generate"
+        # bf16 can differ between a one-token and a multi-token forward, so stock assisted may leave stock greedy
+        # output (the bound is over stock generate's output); counted, not asserted.
+        same = torch.equal(out, assisted)
         output = out[0, ids.shape[1]:]
         prefill_s, _ = timed(lambda: model(input_ids=ids))
         runs = agreement_runs(draft, ids[0], output, model.config.vocab_size)
         oracle_s, widths = best_schedule(runs, len(output), cost, args.max_gamma)
         rows.append(dict(plain=plain_s, assisted=assisted_s, oracle=prefill_s + oracle_s,
-                         plain_model=prefill_s + (len(output) - 1) * cost(0), steps=len(widths)))
+                         plain_model=prefill_s + (len(output) - 1) * cost(0), steps=len(widths), same=same))
     total = {k: sum(r[k] for r in rows) for k in ("plain", "assisted", "oracle", "plain_model")}
     print(f"\n{args.model} <- {args.draft}, {args.dtype}, {args.workload}, {len(rows)} prompts x "
           f"{args.new_tokens} new tokens, batch 1")
     print(f"stock generate        {total['plain']:7.2f} s   (the cost model says {total['plain_model']:.2f} s)")
     print(f"stock assisted        {total['assisted']:7.2f} s   {total['plain'] / total['assisted']:.2f}x")
     print(f"hindsight schedule    {total['oracle']:7.2f} s   {total['plain'] / total['oracle']:.2f}x  (bound)")
+    print(f"stock assisted output identical to stock generate on {sum(r['same'] for r in rows)} of {len(rows)} prompts")
     ratios = [r["assisted"] / r["oracle"] for r in rows]
     print(f"bound / stock assisted: {total['assisted'] / total['oracle']:.2f}x over all prompts, per prompt median "
           f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
