@@ -63,6 +63,7 @@ def timed(fn):
     return time.perf_counter() - start, out
 
 
+@torch.no_grad()
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -94,13 +95,14 @@ def main():
         runs = agreement_runs(draft, ids[0], output, model.config.vocab_size)
         oracle_s, widths = best_schedule(runs, len(output), cost, args.max_gamma)
         rows.append(dict(plain=plain_s, assisted=assisted_s, oracle=prefill_s + oracle_s,
-                         plain_model=prefill_s + (len(output) - 1) * cost(0), steps=len(widths), same=same))
+                         plain_model=prefill_s + (len(output) - 1) * cost(0), steps=len(widths), tokens=len(output) - 1, same=same))
     total = {k: sum(r[k] for r in rows) for k in ("plain", "assisted", "oracle", "plain_model")}
     print(f"\n{args.model} <- {args.draft}, {args.dtype}, {args.workload}, {len(rows)} prompts x "
           f"{args.new_tokens} new tokens, batch 1")
     print(f"stock generate        {total['plain']:7.2f} s   (the cost model says {total['plain_model']:.2f} s)")
     print(f"stock assisted        {total['assisted']:7.2f} s   {total['plain'] / total['assisted']:.2f}x")
-    print(f"hindsight schedule    {total['oracle']:7.2f} s   {total['plain'] / total['oracle']:.2f}x  (bound)")
+    print(f"hindsight schedule    {total['oracle']:7.2f} s   {total['plain'] / total['oracle']:.2f}x  (bound, "
+          f"{sum(r['steps'] for r in rows)} steps for {sum(r['tokens'] for r in rows)} tokens)")
     print(f"stock assisted output identical to stock generate on {sum(r['same'] for r in rows)} of {len(rows)} prompts")
     ratios = [r["assisted"] / r["oracle"] for r in rows]
     print(f"bound / stock assisted: {total['assisted'] / total['oracle']:.2f}x over all prompts, per prompt median "
