@@ -108,13 +108,18 @@ class KVLedger:
         check_rollback_cache(self.cache)  # layers exist only after the first forward
         return logits[:, -1]
 
-    def forward(self, tokens: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        """Append tokens [B, W]; row b uses its first n_valid[b] (the rest become holes). Returns logits [B, W, V].
+    def forward(self, tokens: torch.Tensor, n_valid: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """Append tokens [B, W]; row b uses its first n_valid[b] (the rest become holes). Returns logits [B, W, V],
+        or with `columns` [B, K] (long, < W) only those after row b's tokens columns[b] [B, K, V].
 
         The valid tokens of row b are its buffer tokens n_cached[b] .. n_cached[b] + n_valid[b] - 1.
+        `columns` is for drafts and chain levels, which read few positions: the vocabulary projection of the others
+        is work thrown away (a 150-token prompt catch-up x 152k logits is over a third of the Qwen draft's prefill).
         """
+        n_valid = n_valid.to(self.device)
         new, slots = self._append(tokens.shape[1], n_valid)
-        logits = self._run(tokens.to(self.device), slots, keep=tokens.shape[1], new=new)
+        keep = columns.to(self.device) if columns is not None else tokens.shape[1]
+        logits = self._run(tokens.to(self.device), slots, keep=keep, new=new)
         self.slots = slots
         self.n_cached = self.n_cached + n_valid.to(self.device)
         return logits
@@ -157,15 +162,23 @@ class KVLedger:
         return mask, position_ids
 
     def _run(self, tokens, slots, keep, new=None):
+        """The model over `tokens`; logits of the last `keep` columns, or (keep a [B, K] tensor) of columns keep[b]."""
         mask, position_ids = self._inputs(slots, slots if new is None else new)
+        live = tokens.shape[0]
         if self.spare:
             tokens, mask, position_ids = self._with_spares(tokens, mask, position_ids)
+            if torch.is_tensor(keep):
+                keep = torch.cat([keep, keep.new_zeros((self.spare, keep.shape[1]))])
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         out = self.model(
             input_ids=tokens, attention_mask=mask, position_ids=position_ids,
             past_key_values=self.cache, use_cache=True, **kwargs,
         )
-        return out.logits[: slots.shape[0], -keep:]
+        if not torch.is_tensor(keep):
+            return out.logits[:live, -keep:]
+        if self._keeps_logits:
+            return out.logits[:live]
+        return out.logits[:live].gather(1, keep[:live, :, None].expand(-1, -1, out.logits.shape[-1]))
 
     def _with_spares(self, tokens, mask, position_ids):
         """The forward's inputs with the spare rows after the live ones: token 0 at position 0, attending to every

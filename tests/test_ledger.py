@@ -80,11 +80,13 @@ def test_ledger_matches_fresh_cache(batch, prompt_seed, ops, arch):
 
         assert ledger.n_cached.tolist() == [len(s) + p for s, p in zip(seqs, pads)]
         assert ((ledger.slots >= 0).sum(dim=1)).tolist() == [len(s) for s in seqs]
-        # Probe: one more token per row through the ledger vs. a fresh prefill of the same sequences.
-        probe = torch.randint(3, VOCAB, (len(seqs), 1), generator=gen)
-        ours = ledger.forward(probe, torch.ones(len(seqs), dtype=torch.long))[:, 0]
+        # Probe: one or two more tokens per row through the ledger, read at each row's last one (the draft's
+        # catch-up path: `columns`), vs. a fresh prefill of the same sequences.
+        probe = torch.randint(3, VOCAB, (len(seqs), 2), generator=gen)
+        n_probe = torch.randint(1, 3, (len(seqs),), generator=gen)
+        ours = ledger.forward(probe, n_probe, columns=(n_probe - 1)[:, None])[:, 0]
         assert ours.shape[0] == len(seqs)                       # spare rows' logits never come back
-        theirs = fresh_logits(model, [s + [int(t)] for s, t in zip(seqs, probe[:, 0])])
+        theirs = fresh_logits(model, [s + probe[b, : int(n_probe[b])].tolist() for b, s in enumerate(seqs)])
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
@@ -128,3 +130,36 @@ def test_spare_rows_keep_the_batch_shape_and_leave_with_added_rows():
     ledger.add_rows(other)
     assert (ledger.spare, ledger.held_rows) == (0, 3)
     assert ledger.cache.layers[0].keys.shape[0] == 3
+
+
+class _NoLogitsToKeep(torch.nn.Module):
+    """A causal LM whose forward does not take `logits_to_keep` (older remote-code models)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=past_key_values, use_cache=use_cache)
+
+
+def test_columns_read_the_same_logits_with_or_without_logits_to_keep():
+    model = cached_model("llama")
+    ids = torch.randint(3, VOCAB, (3, 4), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
+    chunk = torch.randint(3, VOCAB, (3, 3), generator=torch.Generator().manual_seed(1))
+    n_valid, columns = torch.tensor([3, 1, 2]), torch.tensor([[2, 0], [0, 0], [1, 0]])
+    with torch.no_grad():
+        full = KVLedger(model)
+        full.prefill(ids, mask)
+        expected = full.forward(chunk, n_valid).gather(1, columns[..., None].expand(-1, -1, VOCAB))
+        for wrapped in (model, _NoLogitsToKeep(model)):
+            ledger = KVLedger(wrapped)
+            assert ledger._keeps_logits == (wrapped is model)
+            ledger.prefill(ids, mask)
+            torch.testing.assert_close(ledger.forward(chunk, n_valid, columns=columns), expected)

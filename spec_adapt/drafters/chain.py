@@ -47,10 +47,10 @@ class VerifierLevel(ModelDrafter):
         index = (self.ledger.n_cached[:, None] + offset).clamp(max=tokens.shape[1] - 1)
         context = with_drafts(tokens, lengths, drafts)
         chunk = context.gather(1, index)
-        logits = self.ledger.forward(chunk, pending + n)                             # [B, W', V']
         # Position i of the proposal is scored by the chunk position just before it.
         pos = (pending[:, None] - 1 + torch.arange(width + 1, device=device)[None, :]).clamp(max=chunk_width - 1)
-        scores = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))[..., : self.vocab].float()
+        logits = self.ledger.forward(chunk, pending + n, columns=pos)                # [B, width + 1, V']
+        scores = logits[..., : self.vocab].float()
         scores = request.process.positions(scores, context, lengths, n + 1, request.rows.to(device))
         # The target's own acceptance rule (the call's acceptor), so a level keeps exactly what the target would.
         acceptor = request.acceptor or Acceptor()

@@ -139,5 +139,4 @@ def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tens
     """One forward feeding row b its next pending[b] buffer tokens; the logits after the last of them [B, V']."""
     offset = torch.arange(int(pending.max()), device=tokens.device)[None, :]
     index = (ledger.n_cached[:, None] + offset).clamp(max=tokens.shape[1] - 1)
-    logits = ledger.forward(tokens.gather(1, index), pending)                              # [B, W, V']
-    return logits[torch.arange(len(pending), device=tokens.device), (pending - 1).clamp(min=0)]
+    return ledger.forward(tokens.gather(1, index), pending, columns=(pending - 1).clamp(min=0)[:, None])[:, 0]
