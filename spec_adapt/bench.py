@@ -11,7 +11,7 @@ Configuration names:
   none:fixed0                   spec_adapt's loop with no drafter (its overhead over stock generate; use --ignore-eos)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
-  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, wrong}, policy in {adaptive,
+  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, wrong}, policy in {adaptive,
                                 fixed<k>, heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore,
                                 ewma, per-request, chain} ("wrong" drafts tokens that are never right)
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
@@ -150,6 +150,9 @@ def drafter_factory(name: str, tok, draft=None):
         "draft": (lambda: draft) if draft is not None else None,
         # The draft with stock assisted generation's confidence early exit (a row stops below 0.4 top probability).
         "draftc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4)) if draft is not None else None,
+        # The draft with its head cut to 32,768 low ids + the prompt's tokens + special tokens (drafters.head); a
+        # fresh one per call, so repeats never score with tokens learned from their own earlier outputs.
+        "draftp": (lambda: spec_adapt.ModelDrafter(draft, head_tokens=32768)) if draft is not None else None,
         "offload": (lambda: _offload(draft)) if draft is not None else None,
         "wrong": lambda: spec_adapt.ScriptedDrafter(
             lambda row, context, gamma: [(context[-1] + 1) % len(tok)] * gamma),

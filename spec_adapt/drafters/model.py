@@ -6,6 +6,7 @@ import torch
 
 from ..ledger import KVLedger
 from .base import Drafter, DraftRequest, Proposal, left_padding
+from .head import ShortHead, check_short_head
 
 
 def _vocab_size(model) -> int:
@@ -22,13 +23,20 @@ class ModelDrafter(Drafter):
     device and proposals move back, so a draft on another device (or offloaded) works the same.
     """
 
-    def __init__(self, model, confidence_threshold: float | None = None):
+    def __init__(self, model, confidence_threshold: float | None = None, head_tokens: int | None = None):
         """`confidence_threshold`: Elastic Speculation's early exit. A row stops drafting once the draft's top
         probability (after the logits processors) falls below it; its remaining draft slots are holes that write
-        no KV. None = always draft the full length."""
+        no KV. None = always draft the full length.
+
+        `head_tokens`: score drafts over a subset of the vocabulary (spec_adapt.drafters.head): the `head_tokens`
+        lowest ids, the special tokens, the call's prompt tokens and every token committed in earlier calls. Lossless
+        (the target verifies with its full head); cheaper per draft token. None = the whole vocabulary."""
         if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold must be within [0, 1], got {confidence_threshold!r}.")
+        if head_tokens is not None and (isinstance(head_tokens, bool) or not isinstance(head_tokens, int)):
+            raise ValueError(f"head_tokens must be an int (a count of token ids) or None, got {head_tokens!r}.")
         self.model = model
+        self.short = ShortHead(model, head_tokens) if head_tokens is not None else None
         self.threshold = confidence_threshold
         self.ledger: KVLedger | None = None
         self.vocab = None
@@ -51,15 +59,28 @@ class ModelDrafter(Drafter):
                 )
         # A larger draft vocabulary is a padded superset (embedding rows rounded up): its logits are sliced.
         self.vocab = target_vocab
+        if self.short is not None:
+            check_short_head(self.short)
+
+    @property
+    def runner(self):
+        """What the ledger runs: the model, or the model with its head cut to `head_tokens`."""
+        return self.short if self.short is not None else self.model
 
     def begin(self, input_ids, attention_mask):
         # Nothing is cached yet: the prompt is fed by the first proposal's catch-up. So a call (or a batch size)
         # the policy keeps plain never runs the draft at all; an eager prefill of the prompt cost the 0.5B draft
         # more than its drafts saved at batch 4 on the real pair, even with 90% plain steps.
-        self.ledger = KVLedger.empty(self.model, left_padding(input_ids, attention_mask), self.model.device)
+        self._learn(input_ids)
+        self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
 
     def add_rows(self, input_ids, attention_mask):
-        self.ledger.add_rows(KVLedger.empty(self.model, left_padding(input_ids, attention_mask), self.model.device))
+        self._learn(input_ids)
+        self.ledger.add_rows(KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device))
+
+    def _learn(self, tokens):
+        if self.short is not None:
+            self.short.add(tokens)
 
     def propose(self, request: DraftRequest) -> Proposal:
         device, target_device = self.ledger.device, request.tokens.device
@@ -109,7 +130,7 @@ class ModelDrafter(Drafter):
         if not bool(fresh.any()) or bool(fresh.all()) or int(pending[~fresh].max()) >= int(pending[fresh].max()):
             return _forward_pending(ledger, tokens, pending)
         joined, others = fresh.nonzero().squeeze(1), (~fresh).nonzero().squeeze(1)
-        apart = KVLedger.empty(self.model, ledger.pad[joined], ledger.device)
+        apart = KVLedger.empty(self.runner, ledger.pad[joined], ledger.device)
         ledger.select_rows(others)
         first = _forward_pending(apart, tokens[joined], pending[joined])
         last = first.new_zeros(len(pending), first.shape[1])       # rows drafting nothing: never read
@@ -132,6 +153,9 @@ class ModelDrafter(Drafter):
         self.ledger.select_rows(index)
 
     def end(self, tokens=None, lengths=None):
+        if tokens is not None and lengths is not None:      # what the target committed: scored in later calls
+            written = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths.to(tokens.device)[:, None]
+            self._learn(tokens[written])
         self.ledger = None
 
 
