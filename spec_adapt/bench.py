@@ -11,7 +11,7 @@ Configuration names:
   none:fixed0                   spec_adapt's loop with no drafter (its overhead over stock generate; use --ignore-eos)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
-  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, wrong}, policy in {adaptive,
+  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, draftpc, wrong}, policy in {adaptive,
                                 fixed<k>, heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore,
                                 ewma, per-request, chain} ("wrong" drafts tokens that are never right)
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
@@ -137,8 +137,8 @@ def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> l
 
 
 def drafter_factory(name: str, tok, draft=None):
-    """fn() -> a fresh drafter for a config's drafter name (none, lookup, suffix, draft, draftc, offload, wrong,
-    chain). "offload" is the draft inside a DraftOffload (low = 0, persist = 4): under a serve-bench memory budget it
+    """fn() -> a fresh drafter for a config's drafter name (none, lookup, suffix, draft, draftc, draftp, draftpc,
+    offload, wrong, chain). "offload" is the draft inside a DraftOffload (low = 0, persist = 4): under a serve-bench memory budget it
     leaves when speculation is off and the queue waits for memory."""
     import spec_adapt
 
@@ -153,6 +153,8 @@ def drafter_factory(name: str, tok, draft=None):
         # The draft with its head cut to 32,768 low ids + the prompt's tokens + special tokens (drafters.head); a
         # fresh one per call, so repeats never score with tokens learned from their own earlier outputs.
         "draftp": (lambda: spec_adapt.ModelDrafter(draft, head_tokens=32768)) if draft is not None else None,
+        "draftpc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4, head_tokens=32768))
+        if draft is not None else None,
         "offload": (lambda: _offload(draft)) if draft is not None else None,
         "wrong": lambda: spec_adapt.ScriptedDrafter(
             lambda row, context, gamma: [(context[-1] + 1) % len(tok)] * gamma),
