@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import spec_adapt
@@ -68,6 +68,7 @@ def drive(engine, prompts, budgets, arrivals, cancel_at=None):
 DRAFTERS = {
     "scripted": None,                      # built per test from the truth
     "model": lambda: ModelDrafter(DRAFT),
+    "short-head": lambda: ModelDrafter(DRAFT, head_tokens=24),     # joiners' prompts join the scored set
     "lookup": lambda: PromptLookupDrafter(2, 1),
     "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
     "chain": lambda: spec_adapt.ChainDrafter([PromptLookupDrafter(2, 1), DRAFT]),
@@ -75,9 +76,10 @@ DRAFTERS = {
 }
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10_000), drafter=st.sampled_from(sorted(DRAFTERS)),
        policy=st.sampled_from(["fixed", "adaptive", "nightjar", "spares"]), max_batch=st.integers(1, 5))
+@example(seed=7, drafter="short-head", policy="fixed", max_batch=3)      # always run: rows join mid-batch
 def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch):
     rng = random.Random(seed)
     n = rng.randrange(2, 8)
