@@ -11,9 +11,11 @@ Configuration names:
   none:fixed0                   spec_adapt's loop with no drafter (its overhead over stock generate; use --ignore-eos)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
-  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, draftpc, wrong}, policy in {adaptive,
-                                fixed<k>, heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore,
-                                ewma, per-request, chain} ("wrong" drafts tokens that are never right)
+  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, draftpc,
+                                wrong}, policy in {adaptive, fixed<k>, heuristic[<initial>], nightjar,
+                                nightjar-local, ucb, goodput, goodput-explore, ewma, per-request, chain} ("wrong"
+                                drafts tokens that are never right; draftc/draftp/draftpc: the draft with the 0.4
+                                confidence exit / a 32,768-token short head / both)
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
@@ -138,8 +140,8 @@ def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> l
 
 def drafter_factory(name: str, tok, draft=None):
     """fn() -> a fresh drafter for a config's drafter name (none, lookup, suffix, draft, draftc, draftp, draftpc,
-    offload, wrong, chain). "offload" is the draft inside a DraftOffload (low = 0, persist = 4): under a serve-bench memory budget it
-    leaves when speculation is off and the queue waits for memory."""
+    offload, wrong, chain). "offload" is the draft inside a DraftOffload (low = 0, persist = 4): under a serve-bench
+    memory budget it leaves when speculation is off and the queue waits for memory."""
     import spec_adapt
 
     make = {

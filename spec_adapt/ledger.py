@@ -54,6 +54,14 @@ def check_rollback_cache(cache) -> None:
         )
 
 
+def select_positions(x: torch.Tensor, keep) -> torch.Tensor:
+    """x [B, W, ...] at the positions `logits_to_keep` names: the last `keep` (an int, 0 = all) or, per row, the columns
+    keep [B, K]. What transformers' `slice_logits_to_keep` does, for models (and versions) that do not take it."""
+    if torch.is_tensor(keep):
+        return x.gather(1, keep.reshape(*keep.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
+    return x[:, -keep:] if keep else x
+
+
 def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tensor:
     """`tensor` [B, ...] with n zero rows appended (or prepended): rows that are all holes."""
     zeros = tensor.new_zeros((n,) + tuple(tensor.shape[1:]))
@@ -121,7 +129,7 @@ class KVLedger:
         keep = columns.to(self.device) if columns is not None else tokens.shape[1]
         logits = self._run(tokens.to(self.device), slots, keep=keep, new=new)
         self.slots = slots
-        self.n_cached = self.n_cached + n_valid.to(self.device)
+        self.n_cached = self.n_cached + n_valid
         return logits
 
     def forward_pruned(self, tokens: torch.Tensor, n_valid: torch.Tensor, runner):
@@ -174,11 +182,10 @@ class KVLedger:
             input_ids=tokens, attention_mask=mask, position_ids=position_ids,
             past_key_values=self.cache, use_cache=True, **kwargs,
         )
-        if not torch.is_tensor(keep):
-            return out.logits[:live, -keep:]
-        if self._keeps_logits:
-            return out.logits[:live]
-        return out.logits[:live].gather(1, keep[:live, :, None].expand(-1, -1, out.logits.shape[-1]))
+        logits = out.logits[:live]
+        if self._keeps_logits:           # the model has already kept only the wanted positions
+            return logits
+        return select_positions(logits, keep[:live] if torch.is_tensor(keep) else keep)
 
     def _with_spares(self, tokens, mask, position_ids):
         """The forward's inputs with the spare rows after the live ones: token 0 at position 0, attending to every

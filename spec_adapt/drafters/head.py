@@ -21,6 +21,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from ..ledger import select_positions
+
 
 class ShortHead(nn.Module):
     """Runs `model` (a causal LM) with its vocabulary projection restricted to `self.keep` (bool [V]); logits of the
@@ -75,19 +77,12 @@ class ShortHead(nn.Module):
                 logits_to_keep=0):
         out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_values=past_key_values, use_cache=use_cache)
-        hidden = _positions(out.last_hidden_state, logits_to_keep)
+        hidden = select_positions(out.last_hidden_state, logits_to_keep)
         ids, weight, bias = self._projection()
         scores = nn.functional.linear(hidden, weight, bias)
         logits = hidden.new_full((*hidden.shape[:-1], len(self.keep)), float("-inf"))
         logits.index_copy_(-1, ids, scores)
         return SimpleNamespace(logits=logits, past_key_values=out.past_key_values)
-
-
-def _positions(hidden: torch.Tensor, keep) -> torch.Tensor:
-    """The hidden states [B, K, H] whose logits are wanted: the last `keep` (0 = all), or columns keep [B, K]."""
-    if torch.is_tensor(keep):
-        return hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))
-    return hidden[:, -keep:] if keep else hidden
 
 
 def check_short_head(short: ShortHead) -> None:
