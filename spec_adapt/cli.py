@@ -177,7 +177,8 @@ def lab_cmd(args) -> None:
     report = {}
     for spec in args.schedules:
         kind, _, value = spec.partition(":")
-        schedule = {"static": lambda: lab.Static(int(value)), "poisson": lambda: lab.Poisson(float(value)),
+        schedule = {"static": lambda: lab.Static(int(value)), "batches": lambda: lab.Batches(int(value)),
+                    "poisson": lambda: lab.Poisson(float(value)),
                     "curve": lambda: lab.RateCurve([(60.0, 0.5), (60.0, float(value or 20))])}[kind]()
         policies = {name: parse_policy(name, table) for name in args.policies}
         # Model-free drafters cost nothing to run: only the verification part of the table applies.
@@ -320,7 +321,9 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--traces", help="traces JSON to replay (default: <out>/traces.json, recorded if missing)")
     p.add_argument("--latency", required=True, help="latency table from `spec-adapt profile`")
-    p.add_argument("--schedules", nargs="+", default=["static:1", "static:4", "static:16", "curve:20"])
+    p.add_argument("--schedules", nargs="+", default=["static:1", "static:4", "static:16", "curve:20"],
+                   help="static:B (B running, refilled), batches:B (closed batches: generate calls), poisson:RATE, "
+                        "curve:RATE")
     p.add_argument("--policies", nargs="+", default=["nightjar", "nightjar-local", "ucb", "goodput",
                                                      "goodput-explore", "ewma", "per-request", "heuristic4"])
     p.add_argument("--cycles", type=int, default=20, help="replay the recorded requests this many times")

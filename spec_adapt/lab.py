@@ -9,8 +9,10 @@ known acceptance rate, so the best fixed γ is known analytically.
 Step time = table.step_time(B, max tokens drafted in the batch) (+ with `draft_cost`, the draft model's per-token
 cost and its catch-up cost c_prefill(L_max, B) when a row drafts after sitting out steps, or for the first time:
 `Request.prompt` is the lag it arrives with, as a draft model that is not prefilled has its prompt to catch up on; a
-model-free drafter costs neither). A row drafts min(γ, lengths[t]) tokens and accepts min(that, runs[t]). Schedules: `Static(B)` keeps B requests running (closed loop), `Poisson(rate)`
-and `RateCurve([(seconds, rate), ...])` admit arrivals up to `max_batch`.
+model-free drafter costs neither). A row drafts min(γ, lengths[t]) tokens and accepts min(that, runs[t]). Schedules: `Static(B)` keeps B requests
+running (a finished one is replaced at once, as in serving), `Batches(B)` runs closed batches of B one after the
+other (generate calls: a batch ends with its slowest request), `Poisson(rate)` and `RateCurve([(seconds, rate),
+...])` admit arrivals up to `max_batch`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ class Request:
 
 @dataclass
 class Static:
+    batch: int
+
+    def arrivals(self, n: int, rng) -> list[float]:
+        return [0.0] * n
+
+
+@dataclass
+class Batches:
+    """Closed batches of `batch` requests, one after the other, as separate generate calls: a batch is admitted
+    whole and the next one only when all of it has finished (policies see `StepInfo.closed`)."""
+
     batch: int
 
     def arrivals(self, n: int, rng) -> list[float]:
@@ -113,7 +126,9 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
              name: str | None = None, draft_cost: bool = True) -> SimResult:
     """Run `policy` over `requests` (all of them, in order) and return what happened."""
     rng = random.Random(seed)
-    limit = schedule.batch if isinstance(schedule, Static) else (max_batch or 16)
+    closed = isinstance(schedule, Batches)
+    queued = isinstance(schedule, (Static, Batches))     # everything is there from the start
+    limit = schedule.batch if queued else (max_batch or 16)
     arrivals = schedule.arrivals(len(requests), rng)
     pending = sorted(zip(arrivals, range(len(requests))))
     result = SimResult(name or type(policy).__name__)
@@ -121,10 +136,11 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
     now, last_gamma, extra = 0.0, None, 0.0
     policy.begin(limit)
     while pending or active:
-        while pending and len(active) < limit and (pending[0][0] <= now or isinstance(schedule, Static)):
+        admit = not active if closed else True
+        while admit and pending and len(active) < limit and (pending[0][0] <= now or queued):
             arrival, index = pending.pop(0)
             active.append({"id": index, "pos": 0, "lag": requests[index].prompt, "arrival": max(arrival, 0.0) if not
-                           isinstance(schedule, Static) else now, "runs": requests[index].runs,
+                           queued else now, "runs": requests[index].runs,
                            "lengths": requests[index].lengths})
         if not active:
             now = pending[0][0]
@@ -134,7 +150,7 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
         # A model-free drafter (draft_cost=False) has nothing to catch up on: the loop reports no lag for it either.
         lags = torch.tensor([r["lag"] for r in active]) if draft_cost else None
         info = StepInfo(batch, torch.tensor([r["id"] for r in active]),
-                        torch.tensor([r["pos"] for r in active]), remaining, result.steps, lags)
+                        torch.tensor([r["pos"] for r in active]), remaining, result.steps, lags, closed=closed)
         info.oracle = [r["runs"][r["pos"]] for r in active]
         start = time.perf_counter()
         gammas = torch.minimum(check_gammas(policy, policy.choose(info), batch), remaining - 1).tolist()

@@ -27,6 +27,8 @@ from .verifiers import FullVerifier, Verifier
 
 
 class SpeculativeLoop:
+    closed = True     # one generate call: no row joins, the call ends with its slowest row (StepInfo.closed)
+
     def __init__(
         self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
         stopping_criteria, generation_config, streamer=None, stats: SpecStats, cache=None,
@@ -124,7 +126,8 @@ class SpeculativeLoop:
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
             self.chosen = False
             return torch.zeros(batch, dtype=torch.long, device=self.device)
-        info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag, level_lags)
+        info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag, level_lags,
+                        self.closed)
         gammas, self.members = check_plan(self.policy, self.policy.choose(info), batch)
         if self.members is not None:
             self.drafter.check_members(self.members)

@@ -105,6 +105,8 @@ class Handle:
 class ServingLoop(SpeculativeLoop):
     """SpeculativeLoop with an admission phase. It starts with no rows; `admit` appends rows, `step` is inherited."""
 
+    closed = False    # requests join as others leave: a step is worth the tokens it commits (throughput)
+
     def __init__(self, model, *, drafter, policy, processor, sampling, eos, pad_id, max_length, acceptor,
                  verifier):
         self._hold(model, drafter=drafter, policy=policy, processor=processor, sampling=sampling, acceptor=acceptor,

@@ -3,6 +3,7 @@ carries over. Deterministic simulations in the lab (no model runs): each workloa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import Adaptive, FixedLength, Heuristic, Nightjar
-from spec_adapt.lab import Request, Static, best_fixed, compare, simulate, synthetic_requests
+from spec_adapt.lab import Batches, Request, Static, best_fixed, compare, simulate, synthetic_requests
 from spec_adapt.profiling import LatencyTable
 
 from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy
@@ -72,6 +73,79 @@ def test_a_draft_that_is_always_wrong_costs_almost_nothing(batch):
     ours = simulate(Adaptive(), requests, lat, Static(batch))
     assert ours.seconds <= 1.03 * plain.seconds, ours.seconds / plain.seconds
     assert simulate(Nightjar(), requests, lat, Static(batch)).seconds > 1.03 * plain.seconds
+
+
+class Open(Adaptive):
+    """Adaptive told every batch is open: it counts every row's tokens, as before closed batches were told apart."""
+
+    def choose(self, info):
+        return super().choose(dataclasses.replace(info, closed=False))
+
+
+def mixed_batches(groups: int, length: int = 200) -> list[Request]:
+    """Closed batches of 4 equally long requests: one the draft gets right for long runs, three it never does."""
+    requests = []
+    for g in range(groups):
+        requests += synthetic_requests(1, length, 0.95, seed=g) + [Request([0] * length) for _ in range(3)]
+    return requests
+
+
+def test_a_closed_batch_is_judged_by_its_slowest_row():
+    """A generate call ends with its slowest row. Drafting is cheap, so counting every row's tokens (throughput)
+    drafts for the one good row: it finishes early and the call still takes as many steps, each dearer. Judged by
+    the slowest row, Adaptive stays plain; the per-step choice differs the same way."""
+    lat = latency(0.05, 0.2)
+    requests = mixed_batches(6)
+    plain = simulate(FixedLength(0), requests, lat, Batches(4))
+    open_ = simulate(Open(), requests, lat, Batches(4))
+    closed = simulate(Adaptive(), requests, lat, Batches(4))
+    assert open_.seconds > 1.03 * plain.seconds, open_.seconds / plain.seconds
+    assert closed.seconds <= 1.02 * plain.seconds, closed.seconds / plain.seconds
+    assert speculative_share(open_) > 0.08 and speculative_share(closed) < 0.06     # probes only
+
+
+def test_a_closed_batch_still_drafts_when_every_row_gains():
+    lat = latency(0.05, 0.2)
+    requests = synthetic_requests(24, 200, 0.85, seed=5)
+    gamma, best, fixed = best_fixed(requests, lat, Batches(4))
+    result = simulate(Adaptive(), requests, lat, Batches(4))
+    assert gamma > 0 and result.goodput >= 0.95 * best.goodput, (gamma, result.goodput / best.goodput)
+    assert result.goodput > 1.5 * fixed[0].goodput
+
+
+def test_closed_batch_value_is_the_slowest_rows_progress():
+    """batch_tokens: sum over rows when open; sum_b r_b / max_b (r_b / E_b(s)) when closed (equal at B = 1)."""
+    from spec_adapt.policies.default import batch_tokens
+
+    expected = torch.tensor([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
+    assert batch_tokens(expected) == [2.0, 3.0, 4.0]
+    assert batch_tokens(expected, torch.tensor([10, 10])) == [2.0, 2.0, 2.0]      # row 1 sets the pace
+    # Row 1 has a fifth of row 0's budget left: row 0 is the slowest at every width, and it gains.
+    assert batch_tokens(expected, torch.tensor([10, 2])) == pytest.approx([1.2, 2.4, 3.6])
+    assert batch_tokens(expected[:1], torch.tensor([7])) == batch_tokens(expected[:1])
+
+
+def test_the_loop_tells_the_policy_its_batch_is_closed():
+    """A generate call's StepInfo says closed; the serving loop's says open."""
+    from spec_adapt.loop import SpeculativeLoop
+    from spec_adapt.serve import ServingLoop
+
+    seen = []
+
+    class Spy(FixedLength):
+        def choose(self, info):
+            seen.append(info.closed)
+            return super().choose(info)
+
+    model = cached_model("llama")
+    ids, mask = ragged_batch(2, seed=71)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=6)
+    oracle = Oracle(reference, mask, ["right", "right"])
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                         max_new_tokens=6, custom_generate=spec_adapt.generate, drafter=oracle.drafter(),
+                         assistant_policy=Spy(2))
+    assert torch.equal(out, reference) and seen and all(seen)
+    assert SpeculativeLoop.closed is True and ServingLoop.closed is False
 
 
 def test_what_was_learned_carries_over(tmp_path):

@@ -30,6 +30,9 @@ class StepInfo:
     step: int                 # verification steps done so far in this call
     draft_lag: torch.Tensor | None = None   # [B] committed tokens a draft model has not cached (catch-up cost)
     level_lags: list[int] | None = None     # multi-level drafters: each level's largest lag (index = level)
+    # A closed batch (one generate call) takes no new rows, so it ends with its slowest row: tokens a step gives the
+    # other rows do not shorten it. An open batch (serving, the lab's refilled batches) is judged by throughput.
+    closed: bool = False
 
 
 @dataclass

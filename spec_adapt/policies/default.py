@@ -19,7 +19,9 @@ Per step, for the active batch of B rows (every choice below is measured in the 
    optimistic prior below came back). One fit per bucket: a single fit over all B (a + bB + cBs + ds) learned at B = 1 alone
    extrapolates wildly to B = 16 (the lab caught it). A profiled `LatencyTable` stands in until a bucket's fit is
    ready, else a cautious prior, T(B, s) / T(B, 0) = 1 + (0.1 + 0.02 B) s, so first steps draft little at large B.
-3. Width: s* = argmax_s sum_b E_b(s) / T(B, s). Time is measured per (bucket, asked width, burst or not), as
+3. Width: s* = argmax_s N(s) / T(B, s), N(s) = sum_b E_b(s) for an open batch (serving: throughput). A closed batch
+   (a generate call: no row joins, it ends with its slowest row) counts N(s) = sum_b r_b / max_b (r_b / E_b(s)),
+   r_b the rows' remaining budgets: drafts for rows that end early anyway do not shorten the call (`batch_tokens`). Time is measured per (bucket, asked width, burst or not), as
    Nightjar keeps its arms per batch-size context; tokens come from the acceptance model, so a width is judged
    from the first step it runs (an arm's mean goodput needs many, and a multiplicative goodput correction learned
    that way condemned good widths after one unlucky stretch on the recorded traces: tried and removed).
@@ -179,12 +181,13 @@ class Adaptive(Policy):
         t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
         self.row_expected = _tokens((a + self.shrink * pooled[self.row_state]) / (t + self.shrink))
 
-    def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0, left: int | None = None
-                ) -> list[float]:
+    def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0, left: int | None = None,
+                remaining: torch.Tensor | None = None) -> list[float]:
         """Predicted goodput (tokens / s) of every width 0..max_gamma, hopeless rows (gain < row_floor) counted at
-        one token. `left`: the most tokens a row may still generate (bounds the steps a catch-up is spread over)."""
+        one token. `left`: the most tokens a row may still generate (bounds the steps a catch-up is spread over).
+        `remaining` [B]: the batch is closed and these are its rows' token budgets (see `batch_tokens`)."""
         expected = self.expected(rows) if rows is not None else self.expected()[None].expand(batch, -1)
-        tokens = torch.where(expected >= 1 + self.row_floor, expected, 1.0).sum(dim=0).tolist()
+        tokens = batch_tokens(torch.where(expected >= 1 + self.row_floor, expected, 1.0), remaining)
         key, burst = bucket(batch), self._burst(rows)
         catchup = self.catchup_time(key, lag) if lag > USUAL_LAG else 0.0
         out = []
@@ -212,7 +215,8 @@ class Adaptive(Policy):
     def choose(self, info: StepInfo):
         batch, rows = info.batch_size, info.rows.cpu()
         lag = int(info.draft_lag.max()) if info.draft_lag is not None and len(info.draft_lag) else 0
-        values = self.predict(batch, rows, lag, int(info.remaining.max()) if len(info.remaining) else None)
+        remaining = info.remaining.cpu() if getattr(info, "closed", False) and len(info.remaining) else None
+        values = self.predict(batch, rows, lag, int(info.remaining.max()) if len(info.remaining) else None, remaining)
         width = max(range(len(values)), key=values.__getitem__)
         probing = False
         baseline = self.measured.get((bucket(batch), 0, False))
@@ -425,6 +429,21 @@ class LineFit:
         n, sx, sy, sxx, sxy = self.sums
         d = max(0.0, (n * sxy - sx * sy) / max(n * sxx - sx * sx, 1e-12))
         return (sy - d * sx) / n + d * x
+
+
+def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) -> list[float]:
+    """What a step at each width is worth to the batch, in tokens, from E_b(s) [B, S+1].
+
+    Open batch (remaining None): the sum over rows, its throughput. Closed batch (one generate call, `remaining` [B]
+    the rows' token budgets): it ends with its slowest row, so a width is worth the batch's remaining tokens over the
+    steps its slowest row still needs, sum_b r_b / max_b (r_b / E_b(s)). Tokens a step gives a row that finishes
+    early anyway do not shorten the call (measured: SmolLM2 at batch 4 on ShareGPT, lookup steps committed 7 tokens
+    where plain ones committed 4, and the calls still took as many steps as stock generate's, each dearer). At B = 1,
+    and for rows with equal budgets and rates, both are the same."""
+    if remaining is None:
+        return expected.sum(dim=0).tolist()
+    budget = remaining.clamp(min=1).to(expected.dtype)[:, None]
+    return (budget.sum() / (budget / expected).max(dim=0).values).tolist()
 
 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:
