@@ -9,10 +9,11 @@ known acceptance rate, so the best fixed γ is known analytically.
 Step time = table.step_time(B, max tokens drafted in the batch) (+ with `draft_cost`, the draft model's per-token
 cost and its catch-up cost c_prefill(L_max, B) when a row drafts after sitting out steps, or for the first time:
 `Request.prompt` is the lag it arrives with, as a draft model that is not prefilled has its prompt to catch up on; a
-model-free drafter costs neither). A row drafts min(γ, lengths[t]) tokens and accepts min(that, runs[t]). Schedules: `Static(B)` keeps B requests
-running (a finished one is replaced at once, as in serving), `Batches(B)` runs closed batches of B one after the
-other (generate calls: a batch ends with its slowest request), `Poisson(rate)` and `RateCurve([(seconds, rate),
-...])` admit arrivals up to `max_batch`.
+model-free drafter costs neither). A row drafts min(γ, lengths[t]) tokens and accepts min(that, runs[t]).
+
+Schedules: `Static(B)` keeps B requests running (a finished one is replaced at once, as in serving), `Batches(B)`
+runs closed batches of B one after the other (generate calls: a batch ends with its slowest request), `Poisson(rate)`
+and `RateCurve([(seconds, rate), ...])` admit arrivals up to `max_batch`.
 """
 
 from __future__ import annotations

@@ -126,8 +126,8 @@ class SpeculativeLoop:
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
             self.chosen = False
             return torch.zeros(batch, dtype=torch.long, device=self.device)
-        info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag, level_lags,
-                        self.closed)
+        info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag,
+                        level_lags, self.closed)
         gammas, self.members = check_plan(self.policy, self.policy.choose(info), batch)
         if self.members is not None:
             self.drafter.check_members(self.members)
