@@ -22,12 +22,28 @@ from .base import Drafter, DraftRequest, Proposal, left_padding
 class SuffixIndex:
     """Counts of next tokens after every context of 1..depth tokens. Shared by drafters; grows as text is added."""
 
-    def __init__(self, depth: int = 8, max_contexts: int = 2_000_000):
-        self.depth, self.max_contexts = depth, max_contexts
+    def __init__(self, depth: int = 8, max_contexts: int = 2_000_000, max_pending: int = 1_000_000):
+        self.depth, self.max_contexts, self.max_pending = depth, max_contexts, max_pending
         self.next: dict[tuple, Counter] = defaultdict(Counter)
+        self.pending: list[tuple[list[int], int]] = []   # (tokens, start) to index before the next read
+
+    def add_later(self, tokens: list[int], start: int = 0) -> None:
+        """`add`, when the index is next used: a finished call's text costs nothing until a draft needs it (a
+        generate call whose policy kept it plain, or a fresh index per call, never pays it), as a draft model's
+        prompt is only caught up on when it drafts. Bounded: past `max_pending` tokens it is indexed at once."""
+        self.pending.append((tokens, start))
+        if sum(len(t) - s for t, s in self.pending) > self.max_pending:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for tokens, start in pending:
+            self.add(tokens, start)
 
     def add(self, tokens: list[int], start: int = 0) -> None:
         """Index the transitions into tokens[start:], each with up to `depth` tokens of left context."""
+        if self.pending:
+            self._flush()
         if len(self.next) > self.max_contexts:   # bounded memory in a long-lived process: start afresh
             self.next.clear()
         for i in range(max(start, 1), len(tokens)):
@@ -36,6 +52,8 @@ class SuffixIndex:
                 self.next[tuple(tokens[i - n : i])][token] += 1
 
     def continuation(self, context: list[int], gamma: int, min_share: float, min_depth: int = 1) -> list[int]:
+        if self.pending:
+            self._flush()
         out, ctx = [], list(context[-self.depth:])
         while len(out) < gamma:
             counts = None
@@ -91,5 +109,5 @@ class SuffixDrafter(Drafter):
         if tokens is None or self.pad is None:
             return
         for row, (pad, length) in enumerate(zip(self.pad, lengths.tolist())):
-            self.index.add(tokens[row, pad:length].tolist(), start=self.indexed[row])
+            self.index.add_later(tokens[row, pad:length].tolist(), start=self.indexed[row])
         self.pad = self.indexed = None
