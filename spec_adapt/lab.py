@@ -137,7 +137,7 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
     now, last_gamma, extra = 0.0, None, 0.0
     policy.begin(limit)
     while pending or active:
-        admit = not active if closed else True
+        admit = not (closed and active)      # a closed batch takes new requests only once it is empty
         while admit and pending and len(active) < limit and (pending[0][0] <= now or queued):
             arrival, index = pending.pop(0)
             active.append({"id": index, "pos": 0, "lag": requests[index].prompt, "arrival": max(arrival, 0.0) if not

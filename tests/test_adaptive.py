@@ -3,7 +3,6 @@ carries over. Deterministic simulations in the lab (no model runs): each workloa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -75,13 +74,6 @@ def test_a_draft_that_is_always_wrong_costs_almost_nothing(batch):
     assert simulate(Nightjar(), requests, lat, Static(batch)).seconds > 1.03 * plain.seconds
 
 
-class Open(Adaptive):
-    """Adaptive told every batch is open: it counts every row's tokens, as before closed batches were told apart."""
-
-    def choose(self, info):
-        return super().choose(dataclasses.replace(info, closed=False))
-
-
 def mixed_batches(groups: int, length: int = 200) -> list[Request]:
     """Closed batches of 4 equally long requests: one the draft gets right for long runs, three it never does."""
     requests = []
@@ -97,7 +89,7 @@ def test_a_closed_batch_is_judged_by_its_slowest_row():
     lat = latency(0.05, 0.2)
     requests = mixed_batches(6)
     plain = simulate(FixedLength(0), requests, lat, Batches(4))
-    open_ = simulate(Open(), requests, lat, Batches(4))
+    open_ = simulate(Adaptive(closed_batches=False), requests, lat, Batches(4))
     closed = simulate(Adaptive(), requests, lat, Batches(4))
     assert open_.seconds > 1.03 * plain.seconds, open_.seconds / plain.seconds
     assert closed.seconds <= 1.02 * plain.seconds, closed.seconds / plain.seconds
@@ -337,7 +329,8 @@ def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
 
 
 @pytest.mark.parametrize("kwargs", [dict(explore=1.5), dict(probe_every=0), dict(max_probe_gap=2), dict(horizon=0),
-                                    dict(probe_budget=-0.1), dict(max_gamma=0), dict(shape_margin=-1)])
+                                    dict(probe_budget=-0.1), dict(max_gamma=0), dict(shape_margin=-1),
+                                    dict(closed_batches="yes")])
 def test_malformed_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="Adaptive"):
         Adaptive(**kwargs)

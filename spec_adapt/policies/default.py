@@ -21,7 +21,9 @@ Per step, for the active batch of B rows (every choice below is measured in the 
    ready, else a cautious prior, T(B, s) / T(B, 0) = 1 + (0.1 + 0.02 B) s, so first steps draft little at large B.
 3. Width: s* = argmax_s N(s) / T(B, s), N(s) = sum_b E_b(s) for an open batch (serving: throughput). A closed batch
    (a generate call: no row joins, it ends with its slowest row) counts N(s) = sum_b r_b / max_b (r_b / E_b(s)),
-   r_b the rows' remaining budgets: drafts for rows that end early anyway do not shorten the call (`batch_tokens`). Time is measured per (bucket, asked width, burst or not), as
+   r_b the rows' remaining budgets: drafts for rows that end early anyway do not shorten the call (`batch_tokens`;
+   `closed_batches=False` counts throughput there too, the behaviour before session 8). Time is measured per
+   (bucket, asked width, burst or not), as
    Nightjar keeps its arms per batch-size context; tokens come from the acceptance model, so a width is judged
    from the first step it runs (an arm's mean goodput needs many, and a multiplicative goodput correction learned
    that way condemned good widths after one unlucky stretch on the recorded traces: tried and removed).
@@ -84,7 +86,8 @@ class Adaptive(Policy):
     def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, explore: float = 0.05,
                  explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 128,
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
-                 baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05):
+                 baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
+                 closed_batches: bool = True):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
@@ -98,6 +101,9 @@ class Adaptive(Policy):
         if not shape_margin >= 0:
             raise ValueError(f"Adaptive needs shape_margin >= 0 (a fraction of a forward's time); got {shape_margin}.")
         self.baseline_steps, self.probe_budget, self.shape_margin = baseline_steps, probe_budget, shape_margin
+        if not isinstance(closed_batches, bool):
+            raise ValueError(f"Adaptive(closed_batches) must be True or False, got {closed_batches!r}.")
+        self.closed_batches = closed_batches
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------------------------
@@ -215,7 +221,8 @@ class Adaptive(Policy):
     def choose(self, info: StepInfo):
         batch, rows = info.batch_size, info.rows.cpu()
         lag = int(info.draft_lag.max()) if info.draft_lag is not None and len(info.draft_lag) else 0
-        remaining = info.remaining.cpu() if getattr(info, "closed", False) and len(info.remaining) else None
+        closed = info.closed and self.closed_batches and len(info.remaining)
+        remaining = info.remaining.cpu() if closed else None
         values = self.predict(batch, rows, lag, int(info.remaining.max()) if len(info.remaining) else None, remaining)
         width = max(range(len(values)), key=values.__getitem__)
         probing = False
@@ -325,7 +332,7 @@ class Adaptive(Policy):
                        "horizon": self.horizon, "row_floor": self.row_floor, "shrink": self.shrink,
                        "decay": self.decay, "ema": self.ema, "seed": self.seed,
                        "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget,
-                       "shape_margin": self.shape_margin},
+                       "shape_margin": self.shape_margin, "closed_batches": self.closed_batches},
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
             "measured": [[list(k), v] for k, v in self.measured.items()],
