@@ -2,9 +2,10 @@
 head, with the set learned from the call instead of a corpus).
 
 On the Qwen2.5-Coder 0.5B draft the projection onto 151,936 tokens is 19% of a batch-1 draft step in bf16 (14.9 of
-77.7 ms) and 27% in fp32 (39.7 of 147.3 ms); `benchmarks/draft_head.py` measures both this and the coverage below. A draft only has to propose what the target will accept, and the target
-verifies with its own full head, so scoring a subset is lossless: greedy drafts are the argmax over the subset,
-sampled drafts come from the softmax over the subset (zero elsewhere, which rejection sampling handles exactly).
+77.7 ms) and 27% in fp32 (39.7 of 147.3 ms); `benchmarks/draft_head.py` measures both this and the coverage below.
+A draft only has to propose what the target will accept, and the target verifies with its own full head, so scoring
+a subset is lossless: greedy drafts are the argmax over the subset, sampled drafts come from the softmax over the
+subset (zero elsewhere, which rejection sampling handles exactly).
 
 Which subset: byte-level BPE numbers tokens in merge order, so low ids are the frequent ones; but chat answers also
 use rare high-id tokens ('```', 'Certainly', identifiers from the prompt). Measured on 32 HumanEval-chat and 32

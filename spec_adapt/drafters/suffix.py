@@ -26,17 +26,19 @@ class SuffixIndex:
         self.depth, self.max_contexts, self.max_pending = depth, max_contexts, max_pending
         self.next: dict[tuple, Counter] = defaultdict(Counter)
         self.pending: list[tuple[list[int], int]] = []   # (tokens, start) to index before the next read
+        self.pending_tokens = 0
 
     def add_later(self, tokens: list[int], start: int = 0) -> None:
         """`add`, when the index is next used: a finished call's text costs nothing until a draft needs it (a
         generate call whose policy kept it plain, or a fresh index per call, never pays it), as a draft model's
         prompt is only caught up on when it drafts. Bounded: past `max_pending` tokens it is indexed at once."""
         self.pending.append((tokens, start))
-        if sum(len(t) - s for t, s in self.pending) > self.max_pending:
+        self.pending_tokens += len(tokens) - start
+        if self.pending_tokens > self.max_pending:
             self._flush()
 
     def _flush(self) -> None:
-        pending, self.pending = self.pending, []
+        pending, self.pending, self.pending_tokens = self.pending, [], 0
         for tokens, start in pending:
             self.add(tokens, start)
 
