@@ -13,7 +13,7 @@ import time
 import torch
 
 from spec_adapt.ledger import KVLedger
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
 

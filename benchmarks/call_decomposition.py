@@ -17,7 +17,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import FixedLength, ModelDrafter, PromptLookupDrafter
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/chain_synthetic.py --batch-size 1 --new-tokens 48 --repeats 3
 
-Family (`spec_adapt.synthetic.layered_family`): a random 24-layer Llama target (hidden 512, vocab 8192, untied head) and two
+Family (`spec_adapt.tools.synthetic.layered_family`): a random 24-layer Llama target (hidden 512, vocab 8192, untied head) and two
 drafts that are its first 1 and first 4 layers, so their costs follow their depth. Two scenarios set how much the
 dropped layers matter: "middle-good" (the 4-layer level agrees well with the target) and "middle-poor" (it does
 not). Every option runs the same prompts, interleaved in each repeat: stock `generate` (target only), every fixed
@@ -23,8 +23,8 @@ import torch
 
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, FixedLength
-from spec_adapt.bench import chain_windows, time_interleaved
-from spec_adapt.synthetic import agreement, layered_family
+from spec_adapt.tools.bench import chain_windows, time_interleaved
+from spec_adapt.tools.synthetic import agreement, layered_family
 
 SCENARIOS = {"middle-good": (0.1, 0.01), "middle-poor": (0.05, 0.1)}
 CHAINS = [(0,), (1,), (0, 1)]

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import spec_adapt
 from spec_adapt import Adaptive
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
 
@@ -42,7 +42,7 @@ def main():
                for i in range(0, len(prompts) - args.batch + 1, args.batch)]
     common = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     make = {"lookup": lambda: spec_adapt.PromptLookupDrafter(max_ngram=3, min_ngram=2),
-            "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex())}[args.drafter]
+            "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.drafters.SuffixIndex())}[args.drafter]
 
     def stock(enc):
         starts = []

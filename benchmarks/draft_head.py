@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
 SIZES = (16384, 32768, 65536)

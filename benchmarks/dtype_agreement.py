@@ -4,7 +4,7 @@
     python benchmarks/dtype_agreement.py
 """
 import json, torch
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 torch.set_grad_enabled(False)
 res = {}

@@ -39,7 +39,7 @@ def draft_fn(name, target, tok):
         from spec_adapt.drafters.lookup import lookup_continuation
 
         return lambda ctx, gamma: lookup_continuation(ctx, gamma, 3, 2).tolist()
-    from spec_adapt.models import load_model
+    from spec_adapt.tools.models import load_model
 
     draft = load_model(name, dtype=target.dtype)[0]
 
@@ -163,7 +163,7 @@ def main():
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from spec_adapt.models import load_model
+    from spec_adapt.tools.models import load_model
     from spec_adapt.recipes import workloads
 
     model, tok = load_model(args.model)

@@ -5,7 +5,7 @@ tokens) and the 0.5B draft at width 1, batch 1 and 4, median of 7.
     python benchmarks/forward_costs.py bfloat16
 """
 import time, torch, sys
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 from transformers import DynamicCache
 dt = getattr(torch, sys.argv[1])
 tgt, tok = load_model("qwen2.5-coder-1.5b", dtype=dt)

@@ -21,7 +21,7 @@ def main():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (the kernels' CPU tests run under TRITON_INTERPRET=1).")
     from triton.testing import do_bench
 
-    from spec_adapt import fast
+    from spec_adapt import acceptor
     from spec_adapt.accept import greedy_accept, rejection_sample, sample_randoms
     from spec_adapt.kernels.compact import gather_slots
     from spec_adapt.kernels.verify import greedy_verify, rejection_verify, token_rank, token_rank_reference
@@ -67,9 +67,9 @@ def main():
     for batch, heads, length, dim in ((1, 8, 4096, 128), (16, 8, 2048, 128), (64, 8, 1024, 128)):
         cache = torch.randn(batch, heads, length, dim, device=dev, dtype=torch.bfloat16)
         index = torch.sort(torch.rand(batch, length, device=dev), dim=1).indices[:, : length * 3 // 4].sort(1).values
-        assert torch.equal(gather_slots(cache, index), fast.gather_slots_reference(cache, index))
+        assert torch.equal(gather_slots(cache, index), acceptor.gather_slots_reference(cache, index))
         record("compact", (batch, heads, length, dim), lambda: gather_slots(cache, index),
-               lambda: fast.gather_slots_reference(cache, index), 2 * cache[:, :, : index.shape[1]].numel() * 2)
+               lambda: acceptor.gather_slots_reference(cache, index), 2 * cache[:, :, : index.shape[1]].numel() * 2)
     name = torch.cuda.get_device_name().replace(" ", "_")
     out = Path(f"results/kernels-{name}.json")
     out.parent.mkdir(exist_ok=True)

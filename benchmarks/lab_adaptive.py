@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from spec_adapt import Adaptive, lab
-from spec_adapt.profiling import LatencyTable
+from spec_adapt import Adaptive
+from spec_adapt.tools import lab
+from spec_adapt.policies.estimators import LatencyTable
 
 
 def main():

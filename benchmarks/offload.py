@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from spec_adapt.drafters.offload import DraftOffload
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 
 
 def rss() -> int:

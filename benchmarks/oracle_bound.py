@@ -23,8 +23,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from spec_adapt.models import load_model
-from spec_adapt.profiling import profile
+from spec_adapt.tools.models import load_model
+from spec_adapt.tools.profiling import profile
 from spec_adapt.recipes import workloads
 
 

@@ -11,8 +11,8 @@ import sys
 import torch
 
 import spec_adapt.ledger as ledger
-from spec_adapt import serve_bench as sb
-from spec_adapt.models import load_model
+from spec_adapt.tools import serve_bench as sb
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
 threshold, minimum = float(sys.argv[1]), int(sys.argv[2])

@@ -9,8 +9,9 @@ import json
 import torch
 
 import spec_adapt
-from spec_adapt import Nightjar, SuffixDrafter
-from spec_adapt.models import load_model
+from spec_adapt import SuffixDrafter
+from spec_adapt.policies import Nightjar
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
 model, tok = load_model()

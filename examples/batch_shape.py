@@ -12,7 +12,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import Adaptive, PromptLookupDrafter
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
 model, tok = load_model("smollm2-135m")

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import spec_adapt
 from spec_adapt import FixedLength
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 
 model, tok = load_model()
 # Any causal LM with the target's tokenizer can draft; here a random 1-layer one just to show the plumbing

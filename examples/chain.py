@@ -8,9 +8,9 @@ import torch
 
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, PromptLookupDrafter
-from spec_adapt.models import load_model
-from spec_adapt.models import is_distilled, load_distilled_draft
-from spec_adapt.synthetic import truncated_copy
+from spec_adapt.tools.models import load_model
+from spec_adapt.tools.models import is_distilled, load_distilled_draft
+from spec_adapt.tools.synthetic import truncated_copy
 
 model, tok = load_model()
 # The distilled 4-layer draft if you made one (README: Multi-level chains), else a stand-in: the first 8 layers.

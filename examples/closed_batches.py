@@ -8,8 +8,8 @@ for long runs and three that it never gets right, verification 8% dearer per dra
 """
 
 from spec_adapt import Adaptive, FixedLength
-from spec_adapt.lab import Batches, Request, simulate, synthetic_requests
-from spec_adapt.profiling import LatencyTable
+from spec_adapt.tools.lab import Batches, Request, simulate, synthetic_requests
+from spec_adapt.policies.estimators import LatencyTable
 
 
 def main():

@@ -8,7 +8,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import EarlyExitVerifier, FixedLength, PromptLookupDrafter
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 
 model, tok = load_model("smollm2-135m")
 prompts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"

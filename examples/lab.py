@@ -3,9 +3,11 @@
     python examples/lab.py
 """
 
-from spec_adapt import FixedLength, GoodputModel, Nightjar
-from spec_adapt.lab import Static, compare, expected_goodput, synthetic_requests
-from spec_adapt.profiling import LatencyTable
+from spec_adapt import FixedLength
+
+from spec_adapt.policies import GoodputModel, Nightjar
+from spec_adapt.tools.lab import Static, compare, expected_goodput, synthetic_requests
+from spec_adapt.policies.estimators import LatencyTable
 
 # A verification pass that costs more with more tokens: T(B, s) = 1 + 0.1 s (1 + 0.15 (B - 1)).
 table = LatencyTable(step={b: {s: 1 + 0.1 * s * (1 + 0.15 * (b - 1)) for s in range(17)} for b in (1, 4, 16)})

@@ -10,9 +10,9 @@ import torch
 
 from spec_adapt import Adaptive, ModelDrafter
 from spec_adapt.drafters.offload import DraftOffload
-from spec_adapt.memory import MemoryBudget, kv_bytes_per_token, weight_bytes
-from spec_adapt.models import load_model
-from spec_adapt.serve import Engine
+from spec_adapt.serving.memory import MemoryBudget, kv_bytes_per_token, weight_bytes
+from spec_adapt.tools.models import load_model
+from spec_adapt.serving.engine import Engine
 
 target, tok = load_model("smollm2-135m")
 draft = load_model("smollm2-135m")[0]        # a stand-in draft of the same size, so this runs in seconds
@@ -21,7 +21,7 @@ draft = load_model("smollm2-135m")[0]        # a stand-in draft of the same size
 per_request = 64 * (kv_bytes_per_token(target) + kv_bytes_per_token(draft))
 memory = MemoryBudget(weight_bytes(target) + weight_bytes(draft) + 2 * per_request)
 offload = DraftOffload(ModelDrafter(draft), low=0, persist=2)   # follows the engine's budget (free_memory unset)
-engine = Engine(target, drafter=offload, policy=Adaptive(), max_batch=8, max_new_tokens=32, tokenizer=tok,
+engine = Engine(target, drafter=offload, assistant_policy=Adaptive(), max_batch=8, max_new_tokens=32, tokenizer=tok,
                 memory=memory)
 
 prompts = ["def quicksort(xs):", "Explain recursion to a child.", "def gcd(a, b):", "List three prime numbers:",

@@ -9,7 +9,7 @@ import torch
 import spec_adapt
 from spec_adapt import Adaptive, ModelDrafter
 from spec_adapt.drafters.offload import DraftOffload
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 
 target, tok = load_model("qwen2.5-coder-1.5b")
 draft, _ = load_model("qwen2.5-coder-0.5b")

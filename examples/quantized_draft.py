@@ -8,7 +8,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import Adaptive, ModelDrafter
-from spec_adapt.models import load_draft, load_model
+from spec_adapt.tools.models import load_draft, load_model
 
 # float32: token-identical to stock generate (in bf16 both paths can break a 1-ulp logit tie differently, README).
 target, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.float32)

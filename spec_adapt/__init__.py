@@ -1,30 +1,40 @@
 """spec_adapt: adaptive, batched, lossless speculative decoding for Hugging Face Transformers.
 
-    out = model.generate(**inputs, custom_generate=spec_adapt.generate, drafter=draft, assistant_policy=policy)
+    out = model.generate(**inputs, custom_generate=spec_adapt.generate, drafter=draft)
 
 or, after `spec_adapt.enable(model)`:
 
-    out = model.generate(**inputs, assistant_model=draft, assistant_policy=policy)
+    out = model.generate(**inputs, assistant_model=draft)
+
+Layout: the speculative core is this package's flat modules (api, loop, ledger, accept, acceptor, verifiers,
+processors, metrics, prepare) plus `drafters/` and `policies/`; `serving/` holds the engine; `kernels/` the Triton
+kernels beside their references; `eval/` and `recipes/` the quality harness and workloads; `tools/` the CLI,
+benchmarks and model loading.
 """
 
-from .accept import greedy_accept, rejection_sample
-from .api import SpecGenerateOutput, disable, enable, generate
-from .drafters import CandidateGeneratorDrafter, ChainDrafter, Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter, Proposal, ScriptedDrafter, SuffixDrafter, SuffixIndex
-from .ledger import KVLedger
-from .metrics import SpecStats, StepRecord, last_stats
-from .fast import Acceptor
-from .verifiers import EarlyExitVerifier, FullVerifier, Verifier
-from .policies import (Adaptive, BanditSpecUCB, ChainScheduler, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar, PerRequest,
-                       Plan, Policy, StepInfo)
-from .pool import ModelPool
-from .profiling import LatencyTable
+from .acceptor import Acceptor
+from .api import SpecGenerateOutput, disable, enable, generate, reset_default_policies
+from .drafters import ChainDrafter, Drafter, ModelDrafter, PromptLookupDrafter, ScriptedDrafter, SuffixDrafter
+from .drafters.offload import DraftOffload
+from .metrics import SpecStats, last_stats
+from .policies import Adaptive, ChainScheduler, FixedLength, Policy
+from .serving import Engine, MemoryBudget
+from .verifiers import EarlyExitVerifier, FullVerifier
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "generate", "enable", "disable", "SpecGenerateOutput", "CandidateGeneratorDrafter", "ChainDrafter", "ChainScheduler",
-    "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex",
-    "Policy", "Plan", "StepInfo", "Acceptor", "Verifier", "FullVerifier", "EarlyExitVerifier", "Adaptive", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA",
-    "PerRequest", "LatencyTable",
-    "ModelPool", "SpecStats", "StepRecord", "last_stats", "KVLedger", "greedy_accept", "rejection_sample",
+    # entry points
+    "generate", "enable", "disable", "reset_default_policies", "SpecGenerateOutput",
+    # statistics
+    "SpecStats", "last_stats",
+    # drafters
+    "Drafter", "ModelDrafter", "PromptLookupDrafter", "SuffixDrafter", "ChainDrafter", "ScriptedDrafter",
+    "DraftOffload",
+    # policies
+    "Policy", "Adaptive", "FixedLength", "ChainScheduler",
+    # verify and accept phases
+    "FullVerifier", "EarlyExitVerifier", "Acceptor",
+    # serving
+    "Engine", "MemoryBudget",
 ]

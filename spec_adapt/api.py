@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -11,12 +13,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafters.base import Drafter
 from .drafters.model import ModelDrafter
-from .fast import Acceptor
+from .acceptor import Acceptor
 from .ledger import check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import Policy, check_policy
-from .policies.default import Adaptive
+from .policies.adaptive import Adaptive
 from .verifiers import Verifier, check_verifier
 
 
@@ -51,11 +53,12 @@ def generate(
 
     Extra arguments of `model.generate` (transformers passes named parameters of this function through):
     - `drafter`: a draft model (any causal LM sharing the target's tokenizer) or a `Drafter`; None = no speculation.
-    - `assistant_policy`: a `Policy` choosing the speculative length each step (default: a fresh `Adaptive()`).
+    - `assistant_policy`: a `Policy` choosing the speculative length each step (default: the policy `enable` set for
+      this model, else the process's `Adaptive` for this target, drafter, dtype and device: see `default_policy`).
     - `spec_stats`: a `SpecStats` to fill in (also readable afterwards with `spec_adapt.last_stats()`).
     - `spec_streamer`: a streamer (transformers does not pass `streamer` on to custom_generate functions; a plain
       `streamer=` given to `model.generate` is found and used too).
-    - `acceptor`: the accept phase (`spec_adapt.fast.Acceptor(kernels="auto" | "off" | "force")`); default Acceptor().
+    - `acceptor`: the accept phase (`spec_adapt.acceptor.Acceptor(kernels="auto" | "off" | "force")`); default Acceptor().
     - `verifier`: the verify phase (`FullVerifier()`, the default, or `EarlyExitVerifier(layers=..., top_k=...)`).
     Greedy output is token-for-token the target's own; sampled output has exactly the target's distribution.
     """
@@ -83,7 +86,7 @@ def generate(
     policy = assistant_policy if assistant_policy is not None else _default_policy(model, drafter)
     check_policy(policy)
     if acceptor is not None and not isinstance(acceptor, Acceptor):
-        raise TypeError(f"acceptor must be a spec_adapt.fast.Acceptor, got {type(acceptor).__name__}.")
+        raise TypeError(f"acceptor must be a spec_adapt.acceptor.Acceptor, got {type(acceptor).__name__}.")
     verifier = check_verifier(verifier)
     verifier.check(model)
     stats = spec_stats if spec_stats is not None else SpecStats()
@@ -107,9 +110,49 @@ def generate(
     return sequences
 
 
-def _default_policy(model, drafter) -> Adaptive:
-    """Adaptive, with the latency profile cached for this model (and draft model), dtype and device if there is one."""
-    return Adaptive.for_model(model, getattr(drafter, "model", None) if isinstance(drafter, ModelDrafter) else None)
+# Policies that live in the process: the one `enable(model, assistant_policy=...)` set per model, and one default
+# `Adaptive` per (target, drafter kind, dtype, device). Weak on the model: a deleted model takes its policies along.
+_ENABLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DEFAULTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DEFAULTS_LOCK = threading.Lock()
+
+
+def _default_policy(model, drafter) -> Policy:
+    enabled = _ENABLED.get(model)
+    return enabled if enabled is not None else default_policy(model, drafter)
+
+
+def default_policy(model, drafter=None) -> Adaptive:
+    """The process's default `Adaptive` for this target and drafter, in this dtype on this device.
+
+    Made once, seeded from the latency profile `spec-adapt profile` cached for them (if any), then kept: every later
+    call without an explicit policy learns on from where the last one stopped. `reset_default_policies()` forgets."""
+    draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    param = next(model.parameters())
+    key = (_drafter_key(drafter), str(param.dtype), str(param.device))
+    with _DEFAULTS_LOCK:
+        per_model = _DEFAULTS.setdefault(model, {})
+        if key not in per_model:
+            per_model[key] = Adaptive.for_model(model, draft_model)
+        return per_model[key]
+
+
+def _drafter_key(drafter) -> tuple:
+    if drafter is None:
+        return ("none",)
+    if isinstance(drafter, ModelDrafter):
+        param = next(drafter.model.parameters())
+        return (type(drafter).__name__, id(drafter.model), str(param.dtype))
+    return (type(drafter).__name__,)
+
+
+def reset_default_policies(model=None) -> None:
+    """Forget what the default policies learned: for `model`, or for every model (the next call starts cold)."""
+    with _DEFAULTS_LOCK:
+        if model is None:
+            _DEFAULTS.clear()
+        else:
+            _DEFAULTS.pop(model, None)
 
 
 def as_drafter(drafter) -> Drafter | None:
@@ -180,22 +223,28 @@ def _check_left_padding(mask) -> None:
         raise ValueError("A row of the batch has no real tokens (its attention_mask is all zeros).")
 
 
-def enable(model):
-    """Make `model.generate(**inputs, assistant_model=draft, assistant_policy=policy)` run spec_adapt, any batch size.
+def enable(model, assistant_policy: Policy | None = None):
+    """Make `model.generate(**inputs, assistant_model=draft)` (or `drafter=`) run spec_adapt, at any batch size.
 
-    Calls without `assistant_policy` go to stock transformers unchanged. Undo with `disable(model)`.
-    """
+    `assistant_policy` becomes the policy of this model's later calls that name none (without it: the process's
+    default `Adaptive`, see `default_policy`). A call with neither a draft nor a policy goes to stock transformers
+    unchanged. Calling `enable` again replaces the policy. Undo with `disable(model)`."""
+    if assistant_policy is not None:
+        check_policy(assistant_policy)
+        _ENABLED[model] = assistant_policy
+    else:
+        _ENABLED.pop(model, None)
     if "generate" in model.__dict__:
         return model
     stock = model.generate
 
     @functools.wraps(stock)
     def generate_with_policy(*args, assistant_policy=None, **kwargs):
-        if assistant_policy is None:
-            return stock(*args, **kwargs)
         draft = kwargs.pop("assistant_model", None)
         if draft is not None and kwargs.get("drafter") is not None:
             raise ValueError("Pass the draft as assistant_model or as drafter, not both.")
+        if draft is None and kwargs.get("drafter") is None and assistant_policy is None:
+            return stock(*args, **kwargs)
         kwargs.setdefault("drafter", draft)
         streamer = kwargs.pop("streamer", None)
         return stock(
@@ -207,6 +256,7 @@ def enable(model):
 
 
 def disable(model):
-    """Undo `enable(model)`."""
+    """Undo `enable(model)` (its policy is forgotten too)."""
     model.__dict__.pop("generate", None)
+    _ENABLED.pop(model, None)
     return model

@@ -74,7 +74,7 @@ class KVLedger:
     def __init__(self, model, cache: DynamicCache | None = None, compact_threshold: float = 0.5, compact_min: int = 64,
                  kernels: str = "auto"):
         self.model = model
-        self.kernels = kernels            # kernel mode of the compaction gather (spec_adapt.fast)
+        self.kernels = kernels            # kernel mode of the compaction gather (spec_adapt.acceptor)
         self.compact_path: str | None = None   # "triton" or "torch": what the last compaction ran
         # Compact when compaction would free more than `compact_threshold` of the physical length and at least
         # `compact_min` slots.
@@ -287,7 +287,7 @@ class KVLedger:
 
     def compact(self) -> None:
         """Move each row's valid entries to the front of the cache (stable), then trim. Attention is unchanged."""
-        from .fast import gather_slots
+        from .acceptor import gather_slots
 
         valid = self.slots >= 0
         keep = int(valid.sum(dim=1).max())

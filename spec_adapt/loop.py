@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .accept import committed_tokens
 from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
-from .fast import Acceptor
+from .acceptor import Acceptor
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .fast import token_rank
-from .policies.adaptive import bucket
+from .acceptor import token_rank
+from .policies.estimators import bucket
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import spec_adapt
-from spec_adapt import Adaptive, FixedLength, Heuristic, Nightjar
-from spec_adapt.lab import Batches, Request, Static, best_fixed, compare, simulate, synthetic_requests
-from spec_adapt.profiling import LatencyTable
+from spec_adapt import Adaptive, FixedLength
+from spec_adapt.policies import Heuristic, Nightjar
+from spec_adapt.tools.lab import Batches, Request, Static, best_fixed, compare, simulate, synthetic_requests
+from spec_adapt.policies.estimators import LatencyTable
 
 from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy
 
@@ -107,7 +108,7 @@ def test_a_closed_batch_still_drafts_when_every_row_gains():
 
 def test_closed_batch_value_is_the_slowest_rows_progress():
     """batch_tokens: sum over rows when open; sum_b r_b / max_b (r_b / E_b(s)) when closed (equal at B = 1)."""
-    from spec_adapt.policies.default import batch_tokens
+    from spec_adapt.policies.adaptive import batch_tokens
 
     expected = torch.tensor([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
     assert batch_tokens(expected) == [2.0, 3.0, 4.0]
@@ -120,7 +121,7 @@ def test_closed_batch_value_is_the_slowest_rows_progress():
 def test_the_loop_tells_the_policy_its_batch_is_closed():
     """A generate call's StepInfo says closed; the serving loop's says open."""
     from spec_adapt.loop import SpeculativeLoop
-    from spec_adapt.serve import ServingLoop
+    from spec_adapt.serving.engine import ServingLoop
 
     seen = []
 
@@ -151,7 +152,7 @@ def test_what_was_learned_carries_over(tmp_path):
     json.loads((tmp_path / "adaptive.json").read_text())
     for step in range(20):
         batch = (1, 4, 16)[step % 3]
-        info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+        info = spec_adapt.policies.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
                                    torch.full((batch,), 50), step)
         assert policy.choose(info) == loaded.choose(info)
     schedule = policy.to_vllm_schedule(max_batch=64)
@@ -175,7 +176,7 @@ def test_adaptive_is_the_default_policy():
 def test_profile_cached_per_model_dtype_device_is_loaded(tmp_path, monkeypatch):
     """`spec-adapt profile` writes to the cache path; Adaptive.for_model and generate's default policy read it."""
     from spec_adapt import api
-    from spec_adapt.profiling import LatencyTable, cached_profile, profile_key, profile_path
+    from spec_adapt.tools.profiling import LatencyTable, cached_profile, profile_key, profile_path
 
     from conftest import tiny_model
 
@@ -217,7 +218,7 @@ def test_a_call_kept_plain_never_runs_the_draft():
 def test_catch_up_cost_is_a_line_in_the_lag():
     policy = Adaptive()
     assert policy.catchup_time(0, 100) == 0.0                   # nothing seen: no charge
-    from spec_adapt.policies.default import LineFit
+    from spec_adapt.policies.estimators import LineFit
 
     policy.catchup[0] = fit = LineFit(window=32, min_samples=3)
     fit.add(100, 1.0)
@@ -235,7 +236,7 @@ def test_a_probe_pays_for_its_catch_up():
     """A probe whose draft first caught up on a long lag (a whole prompt) is judged with that time: when the catch-up
     costs more than the probe's drafts saved, the gap to the next probe doubles instead of resetting."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.default import bucket
+    from spec_adapt.policies.adaptive import bucket
 
     def record(seconds, committed):
         return StepRecord(4, [0, 1, 2, 3], [3] * 4, [3] * 4, [c - 1 for c in committed], committed, seconds, 0, 0)
@@ -256,7 +257,7 @@ def test_bench_policy_state_round_trip(tmp_path):
     """`spec-adapt bench --policy-state`: a cell's policy is saved after the run and a later run starts from it."""
     from types import SimpleNamespace
 
-    from spec_adapt.bench import _policy_file
+    from spec_adapt.tools.bench import _policy_file
 
     lat = latency(0.15, 0.9)
     trained = Adaptive(seed=3)
@@ -316,7 +317,7 @@ def test_a_profiled_catch_up_cost_is_used_until_one_is_measured():
 def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
     """No catch-up measured yet: a probe that would catch a draft model up on a 500-token prompt is not due however
     long the plain run (worst case: a plain step per lag token); once a catch-up is measured cheap, it is."""
-    from spec_adapt.policies.default import LineFit, bucket
+    from spec_adapt.policies.estimators import LineFit, bucket
 
     policy = Adaptive(probe_every=4)
     policy.measured[(bucket(32), 0, False)] = [1.0, 10]

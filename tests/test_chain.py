@@ -9,7 +9,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, PromptLookupDrafter, ScriptedDrafter
-from spec_adapt.synthetic import agreement, perturbed_copy
+from spec_adapt.tools.synthetic import agreement, perturbed_copy
 
 from conftest import Oracle, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
 
@@ -117,7 +117,7 @@ def test_scheduler_composes_and_stays_lossless():
 
 def _info(batch, remaining=50, level_lags=None):
     """What the loop tells a policy before a step: `batch` fresh rows with `remaining` tokens each to go."""
-    return spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+    return spec_adapt.policies.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
                                torch.full((batch,), remaining), 0, level_lags=level_lags)
 
 
@@ -157,7 +157,7 @@ def _step(scheduler, chain, batch, draft_seconds, verify_seconds, lags, width=4)
                            level_0=dict(draft_seconds=draft_seconds, draft_tokens=width * batch, draft_calls=1),
                            level_1=dict(drafted=width * batch, accepted=width * batch, tried=width * batch, calls=1,
                                         seconds=verify_seconds))
-    scheduler.observe(spec_adapt.StepRecord(batch, list(range(batch)), [width] * batch, [width] * batch,
+    scheduler.observe(spec_adapt.metrics.StepRecord(batch, list(range(batch)), [width] * batch, [width] * batch,
                                             [width] * batch, [width + 1] * batch, 0.2, draft_seconds, 0.1,
                                             telemetry))
 
@@ -197,7 +197,7 @@ def test_scheduler_prices_the_batch_by_its_longest_proposal():
     info = _info(16)
     s.choose(info)
     telemetry = _telemetry(chain, [0], level_0=dict(draft_seconds=0.0, draft_tokens=16, draft_calls=1))
-    s.observe(spec_adapt.StepRecord(16, list(range(16)), [4] * 16, drafted, [2] + [0] * 15, [3] + [1] * 15, 0.13,
+    s.observe(spec_adapt.metrics.StepRecord(16, list(range(16)), [4] * 16, drafted, [2] + [0] * 15, [3] + [1] * 15, 0.13,
                                     0.0, 0.13, telemetry))
     assert s.span[((0,), 16)] == pytest.approx(1.0)
     assert s.predict((0,), 4, batch=16) > optimistic
@@ -248,7 +248,7 @@ def test_intermediate_level_drafting_alone_is_lossless():
         def choose(self, info):
             members = [[1], [0, 1], [0]][self.calls % 3]
             self.calls += 1
-            return spec_adapt.Plan(super().choose(info), members)
+            return spec_adapt.policies.Plan(super().choose(info), members)
 
     policy = Alternate(4)
     policy.calls = 0
@@ -268,7 +268,8 @@ def test_synthetic_family_controls_agreement():
 
 
 def test_model_pool_loads_lazily_and_builds_chains():
-    from spec_adapt import ModelPool, PromptLookupDrafter
+    from spec_adapt import PromptLookupDrafter
+    from spec_adapt.serving import ModelPool
 
     model = cached_model("llama")
     calls = []
@@ -337,7 +338,7 @@ def _simulated_chain_run(alpha, times, steps=600, seed=0):
         seconds, committed, drafted, accepted = one_step(sched.current[0], width, record=levels)
         verify = times["T"] if width else seconds
         telemetry = {"members": list(sched.current[0]), "levels": levels} if width else None
-        sched.observe(spec_adapt.StepRecord(1, [0], [width], [drafted], [accepted], [committed], seconds,
+        sched.observe(spec_adapt.metrics.StepRecord(1, [0], [width], [drafted], [accepted], [committed], seconds,
                                             seconds - verify, verify, telemetry))
     return sched, truth
 
@@ -361,7 +362,7 @@ def test_scheduler_converges_to_the_measured_best_chain(middle_good):
 
 
 def test_layered_family_costs_follow_depth_and_scales_set_agreement():
-    from spec_adapt.synthetic import layer_subset_copy, layered_family
+    from spec_adapt.tools.synthetic import layer_subset_copy, layered_family
 
     target, (small, middle) = layered_family(vocab=256, hidden=64, layers=6, cuts=(1, 3), scales=(1.0, 0.0))
     assert [len(m.model.layers) for m in (small, middle, target)] == [1, 3, 6]
@@ -376,7 +377,7 @@ def test_layered_family_costs_follow_depth_and_scales_set_agreement():
 
 
 def test_bench_names_the_chains_a_scheduler_chose():
-    from spec_adapt.bench import chain_windows
+    from spec_adapt.tools.bench import chain_windows
 
     choices = [(1, (0,), 4)] * 3 + [(1, (), 0)] + [(1, (0, 1), 2)] * 4
     assert chain_windows(choices, parts=2) == [

@@ -13,9 +13,10 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import spec_adapt
-from spec_adapt import (ChainDrafter, ChainScheduler, Drafter, FixedLength, GoodputModel, PerRequest, Policy,
-                        PromptLookupDrafter, Proposal, ScriptedDrafter)
-from spec_adapt.synthetic import perturbed_copy
+from spec_adapt import ChainDrafter, ChainScheduler, Drafter, FixedLength, Policy, PromptLookupDrafter, ScriptedDrafter
+from spec_adapt.policies import GoodputModel, PerRequest
+from spec_adapt.drafters import Proposal
+from spec_adapt.tools.synthetic import perturbed_copy
 
 from conftest import PAD, VOCAB, Collect, Oracle, cached_model, ragged_batch, stock_greedy
 
@@ -177,7 +178,7 @@ def test_chain_scheduler_state_round_trip_and_wrong_drafter():
     copy = ChainScheduler(chain, explore=0.2, seed=1)
     copy.load_state_dict(json.loads(json.dumps(scheduler.state_dict())))
     for batch in (1, 3, 8):
-        info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+        info = spec_adapt.policies.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
                                    torch.full((batch,), 50), 0, level_lags=[0, 3])
         assert scheduler.choose(info) == copy.choose(info)
     with pytest.raises(TypeError, match="ChainDrafter"):
@@ -194,7 +195,7 @@ def test_policies_choose_the_same_after_a_state_round_trip(make):
     copy.load_state_dict(json.loads(json.dumps(policy.state_dict())))
     for step in range(30):
         batch = 1 + step % 4
-        info = spec_adapt.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+        info = spec_adapt.policies.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
                                    torch.full((batch,), 50), step)
         assert policy.choose(info) == copy.choose(info)
 
@@ -283,4 +284,4 @@ def test_plan_members_for_a_plain_drafter_are_refused():
     model = cached_model("llama")
     ids, mask = ragged_batch(2, seed=21)
     with pytest.raises(ValueError, match="not a ChainDrafter"):
-        spec(model, ids, mask, model, Answers(spec_adapt.Plan(2, (0,))))
+        spec(model, ids, mask, model, Answers(spec_adapt.policies.Plan(2, (0,))))

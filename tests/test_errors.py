@@ -9,7 +9,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import spec_adapt
-from spec_adapt import Drafter, FixedLength, Heuristic, Policy
+from spec_adapt import Drafter, FixedLength, Policy
+from spec_adapt.policies import Heuristic
 
 from conftest import BOS, EOS, PAD, Oracle, ragged_batch, stock_greedy, tiny_model
 

@@ -12,7 +12,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import spec_adapt
-from spec_adapt import FixedLength, Heuristic
+from spec_adapt import FixedLength
+from spec_adapt.policies import Heuristic
 
 from conftest import EOS, PAD, VOCAB, Collect, Oracle, SpareRows, cached_model, ragged_batch, stock_greedy, tiny_model
 
@@ -319,7 +320,7 @@ def test_suffix_drafter_identity_and_memory_across_calls(arch, batch):
     model = cached_model(arch)
     ids, mask = ragged_batch(batch, seed=30 + batch)
     reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
-    drafter = spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex(depth=6), min_share=0.0)
+    drafter = spec_adapt.SuffixDrafter(index=spec_adapt.drafters.SuffixIndex(depth=6), min_share=0.0)
     first, stats1 = run_spec(model, ids, mask, drafter, Heuristic(initial=3), eos_token_id=None, max_new_tokens=40)
     second, stats2 = run_spec(model, ids, mask, drafter, Heuristic(initial=3), eos_token_id=None, max_new_tokens=40)
     assert torch.equal(first, reference) and torch.equal(second, reference)
@@ -334,7 +335,7 @@ def test_suffix_index_defers_a_finished_call_until_it_is_read():
     """A call's text is indexed when the index is next read, not when the call ends: a call that never drafts
     again (or a fresh index per call) does not pay for it (85 ms per 32-row call on SmolLM2 at batch 32)."""
     a, b, c = 10, 11, 12
-    index = spec_adapt.SuffixIndex(depth=2)
+    index = spec_adapt.drafters.SuffixIndex(depth=2)
     drafter = spec_adapt.SuffixDrafter(index=index, min_share=0.0)
     tokens = torch.tensor([[0, a, b, c, a, b, c]])
     drafter.begin(tokens[:, :1], torch.ones(1, 1, dtype=torch.long))
@@ -342,13 +343,13 @@ def test_suffix_index_defers_a_finished_call_until_it_is_read():
     assert not index.next and index.pending                        # nothing indexed yet
     assert index.continuation([a, b], 2, min_share=0.0) == [c, a]  # a read indexes it first
     assert not index.pending
-    eager = spec_adapt.SuffixIndex(depth=2)
+    eager = spec_adapt.drafters.SuffixIndex(depth=2)
     eager.add(tokens[0].tolist())
     assert index.next == eager.next
 
 
 def test_suffix_index_worked_example():
-    index = spec_adapt.SuffixIndex(depth=2)
+    index = spec_adapt.drafters.SuffixIndex(depth=2)
     a, b, c, d = 10, 11, 12, 13
     index.add([a, b, c, a, b, d, a, b, c])
     assert index.continuation([99, a, b], 2, min_share=0.0) == [c, a]
@@ -362,12 +363,12 @@ def test_suffix_index_worked_example():
 def test_transformers_candidate_generators_as_batched_drafters(arch, batch, make):
     """transformers' own CandidateGenerators (prompt lookup; the assistant model's, here with a perturbed copy of
     the target as its draft), one per row, under a policy: still exactly stock greedy."""
-    from spec_adapt.synthetic import perturbed_copy
+    from spec_adapt.tools.synthetic import perturbed_copy
 
     model = cached_model(arch)
     ids, mask = ragged_batch(batch, seed=40 + batch)
     reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
-    factory = getattr(spec_adapt.CandidateGeneratorDrafter, make)
+    factory = getattr(spec_adapt.drafters.CandidateGeneratorDrafter, make)
     drafter = factory() if make == "prompt_lookup" else factory(perturbed_copy(model, 0.05, seed=3))
     out, stats = run_spec(model, ids, mask, drafter, Heuristic(initial=3), eos_token_id=None, max_new_tokens=30)
     assert torch.equal(out, reference)

@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 import spec_adapt  # noqa: E402
-from spec_adapt import FixedLength, fast  # noqa: E402
+from spec_adapt import FixedLength
+from spec_adapt import acceptor  # noqa: E402
 from spec_adapt.accept import greedy_accept, rejection_sample, sample_randoms  # noqa: E402
 from spec_adapt.kernels.compact import gather_slots  # noqa: E402
 from spec_adapt.kernels.verify import greedy_verify, rejection_verify, token_rank, token_rank_reference  # noqa: E402
@@ -81,7 +82,7 @@ def test_compaction_kernel_matches_reference(batch, heads, length, dim, dtype):
     cache = torch.randn(batch, heads, length, dim, generator=gen).to(dtype)
     keep = max(1, length // 2)
     index = torch.stack([torch.randperm(length, generator=gen)[:keep].sort().values for _ in range(batch)])
-    assert torch.equal(gather_slots(cache, index), fast.gather_slots_reference(cache, index))
+    assert torch.equal(gather_slots(cache, index), acceptor.gather_slots_reference(cache, index))
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -96,7 +97,7 @@ def test_loop_identical_with_kernels_on_and_off(do_sample):
         outputs[mode] = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=do_sample, pad_token_id=PAD, eos_token_id=None,
             max_new_tokens=20, custom_generate=spec_adapt.generate, drafter=draft, assistant_policy=FixedLength(3),
-            spec_stats=stats, acceptor=fast.Acceptor(kernels=mode))
+            spec_stats=stats, acceptor=acceptor.Acceptor(kernels=mode))
         path = "rejection" if do_sample else "greedy"
         assert stats.kernel_paths[path] == ("triton" if mode == "force" else "torch")
     assert torch.equal(outputs["force"], outputs["off"])

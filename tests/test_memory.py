@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from spec_adapt import Adaptive, FixedLength, ModelDrafter
 from spec_adapt.drafters.offload import DraftOffload
-from spec_adapt.memory import MemoryBudget, kv_bytes_per_token, reserved_tokens, weight_bytes
+from spec_adapt.serving.memory import MemoryBudget, kv_bytes_per_token, reserved_tokens, weight_bytes
 from spec_adapt.policies.base import Policy
-from spec_adapt.serve import Engine, RequestError
+from spec_adapt.serving.engine import Engine, RequestError
 
 from conftest import PAD, VOCAB, cached_model, tiny_model
 
@@ -79,7 +79,7 @@ def test_batch_grows_after_offload_and_draft_returns_when_load_falls(tmp_path):
     memory = MemoryBudget(budget_for(2, 4 + 12, draft))       # 2 requests with the draft in, many more without
     assert memory.total < weight_bytes(MODEL) + weight_bytes(draft) + 3 * 16 * (
         kv_bytes_per_token(MODEL) + kv_bytes_per_token(draft))
-    engine = Checked(MODEL, drafter=offload, policy=PlainWhenBusy(), max_batch=6, eos_token_id=None,
+    engine = Checked(MODEL, drafter=offload, assistant_policy=PlainWhenBusy(), max_batch=6, eos_token_id=None,
                      pad_token_id=PAD, memory=memory)
     handles = serve(engine, prompts, budgets, arrivals=[0] * 6 + [40])
     assert engine.fallback is None
@@ -99,7 +99,7 @@ def test_a_head_that_fits_only_without_the_draft_does_not_deadlock(tmp_path):
     draft = tiny_model("llama", seed=0)
     offload = DraftOffload(ModelDrafter(draft), low=0, persist=2, folder=tmp_path / "d")
     memory = MemoryBudget(weight_bytes(MODEL) + weight_bytes(draft) + 10 * kv_bytes_per_token(MODEL))
-    engine = Checked(MODEL, drafter=offload, policy=FixedLength(3), max_batch=4, eos_token_id=None,
+    engine = Checked(MODEL, drafter=offload, assistant_policy=FixedLength(3), max_batch=4, eos_token_id=None,
                      pad_token_id=PAD, memory=memory)
     handle = engine.submit([5, 9, 11, 4], max_new_tokens=12)       # 16 tokens: too big beside the draft
     engine.run_until_idle(max_steps=100)
@@ -111,7 +111,7 @@ def test_requests_that_never_fit_are_rejected_on_their_handle():
     draft = tiny_model("llama", seed=7, layers=1)
     memory = MemoryBudget(weight_bytes(MODEL) + weight_bytes(draft) + 20 * (kv_bytes_per_token(MODEL)
                                                                               + kv_bytes_per_token(draft)))
-    engine = Engine(MODEL, drafter=draft, policy=FixedLength(2), max_batch=4, eos_token_id=None, pad_token_id=PAD,
+    engine = Engine(MODEL, drafter=draft, assistant_policy=FixedLength(2), max_batch=4, eos_token_id=None, pad_token_id=PAD,
                     memory=memory)
     too_big = engine.submit([5, 9, 11, 4], max_new_tokens=30)
     fine = engine.submit([5, 9, 11, 4], max_new_tokens=10)
@@ -141,7 +141,7 @@ def test_never_over_budget_and_every_request_matches_stock(tmp_path_factory, see
     offload = DraftOffload(ModelDrafter(draft), low=0, persist=persist, folder=tmp_path_factory.mktemp("d"))
     chooser = {"busy": PlainWhenBusy(), "adaptive": Adaptive(), "fixed": FixedLength(2)}[policy]
     memory = MemoryBudget(budget_for(rows, 24, draft))
-    engine = Checked(MODEL, drafter=offload, policy=chooser, max_batch=6, eos_token_id=None, pad_token_id=PAD,
+    engine = Checked(MODEL, drafter=offload, assistant_policy=chooser, max_batch=6, eos_token_id=None, pad_token_id=PAD,
                      memory=memory)
     handles = serve(engine, prompts, budgets, arrivals)
     assert engine.fallback is None
@@ -153,7 +153,7 @@ def test_never_over_budget_and_every_request_matches_stock(tmp_path_factory, see
 def test_serve_bench_phases_memory_and_residency(tmp_path):
     """The memory-pressure run's machinery: a phased schedule, a budget per engine, the draft reloaded after the
     run (its weights are shared with the next configuration), residency in the timeline and the plot."""
-    from spec_adapt import serve_bench as sb
+    from spec_adapt.tools import serve_bench as sb
 
     phases = sb.parse_phases("40:0.1,400:0.05,40:0.1")
     arrivals = sb.phased_schedule(phases, n_prompts=3, seed=2)
@@ -166,7 +166,7 @@ def test_serve_bench_phases_memory_and_residency(tmp_path):
     draft = tiny_model("llama", seed=0)
     prompts = [torch.tensor([5 + i, 9, 11, 4]) for i in range(3)]
     offload = DraftOffload(ModelDrafter(draft), low=0, persist=2, folder=tmp_path / "d")
-    engine = Engine(MODEL, drafter=offload, policy=PlainWhenBusy(), max_batch=8, max_new_tokens=12,
+    engine = Engine(MODEL, drafter=offload, assistant_policy=PlainWhenBusy(), max_batch=8, max_new_tokens=12,
                     eos_token_id=None, pad_token_id=PAD, memory=MemoryBudget(budget_for(2, 16, draft)))
     out = sb.serve(engine, prompts, [(0.0, i % 3) for i in range(6)])
     assert out["requests"] == 6 and out["tokens"] == 6 * 12 and out["offloads"] >= 1

@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 
-from spec_adapt import Adaptive, FixedLength, ModelDrafter, Nightjar
+from spec_adapt import Adaptive, FixedLength, ModelDrafter
+
+from spec_adapt.policies import Nightjar
 from spec_adapt.drafters.offload import DraftOffload
 from spec_adapt.policies.base import Policy
 
@@ -151,11 +153,11 @@ def test_failed_reload_falls_back_without_losing_tokens(tmp_path):
 
 
 def test_engine_admits_rows_while_the_draft_is_away(tmp_path):
-    from spec_adapt.serve import Engine
+    from spec_adapt.serving.engine import Engine
 
     model = cached_model("llama")
     offload = DraftOffload(ModelDrafter(draft_model()), folder=tmp_path / "e", free_memory=lambda: 1 << 40)
-    engine = Engine(model, drafter=offload, policy=FixedLength(3), max_batch=4, eos_token_id=None, pad_token_id=PAD)
+    engine = Engine(model, drafter=offload, assistant_policy=FixedLength(3), max_batch=4, eos_token_id=None, pad_token_id=PAD)
     prompts = [[5, 9, 11, 4], [7, 7, 3], [20, 21, 22, 23, 24], [8, 3]]
     handles = [engine.submit(prompts[0], max_new_tokens=20)]
     engine.step()

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import spec_adapt
-from spec_adapt import (BanditSpecUCB, ElasticEWMA, FixedLength, GoodputModel, Heuristic, ModelDrafter, Nightjar,
-                        PerRequest)
-from spec_adapt.lab import (Poisson, RateCurve, Request, Static, best_fixed, compare, expected_goodput, simulate,
+from spec_adapt import FixedLength, ModelDrafter
+from spec_adapt.policies import BanditSpecUCB, ElasticEWMA, GoodputModel, Heuristic, Nightjar, PerRequest
+from spec_adapt.tools.lab import (Poisson, RateCurve, Request, Static, best_fixed, compare, expected_goodput, simulate,
                             synthetic_requests)
 from spec_adapt.metrics import StepRecord
 from spec_adapt.policies.base import StepInfo
-from spec_adapt.profiling import LatencyTable, OnlineLatency
+from spec_adapt.policies.estimators import LatencyTable, OnlineLatency
 
 from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from spec_adapt import Adaptive, FixedLength, ModelDrafter
 from spec_adapt.drafters.offload import DraftOffload
-from spec_adapt.models import bnb_config, is_quantized, load_model
+from spec_adapt.tools.models import bnb_config, is_quantized, load_model
 
 from conftest import PAD, VOCAB, ragged_batch, spec_generate, stock_greedy
 from test_sampling import VOCAB_SMALL, assert_follows_target

@@ -108,7 +108,7 @@ def test_seeded_runs_are_deterministic(small):
 def test_three_level_chain_sampling_follows_target_distribution(small):
     """draft model -> intermediate model (a noisy copy of the target) -> target: still the target's distribution."""
     from spec_adapt import ChainDrafter
-    from spec_adapt.synthetic import perturbed_copy
+    from spec_adapt.tools.synthetic import perturbed_copy
 
     target, draft = small
     n = 6000

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import spec_adapt
-from spec_adapt import Adaptive, FixedLength, ModelDrafter, Nightjar, PromptLookupDrafter, ScriptedDrafter
-from spec_adapt.serve import Engine, RequestError
+from spec_adapt import Adaptive, FixedLength, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
+from spec_adapt.policies import Nightjar
+from spec_adapt.serving.engine import Engine, RequestError
 
 from conftest import EOS, PAD, VOCAB, SpareRows, cached_model, tiny_model
 
@@ -70,7 +71,7 @@ DRAFTERS = {
     "model": lambda: ModelDrafter(DRAFT),
     "short-head": lambda: ModelDrafter(DRAFT, head_tokens=24),     # joiners' prompts join the scored set
     "lookup": lambda: PromptLookupDrafter(2, 1),
-    "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
+    "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.drafters.SuffixIndex()),
     "chain": lambda: spec_adapt.ChainDrafter([PromptLookupDrafter(2, 1), DRAFT]),
     "none": lambda: None,
 }
@@ -93,7 +94,7 @@ def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch):
         made = DRAFTERS[drafter]()
     chooser = {"fixed": FixedLength(rng.randrange(1, 6)), "adaptive": Adaptive(), "nightjar": Nightjar(),
                "spares": SpareRows(rng.randrange(1, 6))}[policy]
-    engine = Engine(MODEL, drafter=made, policy=chooser, max_batch=max_batch, eos_token_id=EOS, pad_token_id=PAD)
+    engine = Engine(MODEL, drafter=made, assistant_policy=chooser, max_batch=max_batch, eos_token_id=EOS, pad_token_id=PAD)
     handles = drive(engine, prompts, budgets, arrivals)
     assert engine.fallback is None
     for prompt, budget, handle in zip(prompts, budgets, handles):
@@ -108,7 +109,7 @@ def test_admission_really_merges_rows_into_a_running_batch():
     prompts = random_prompts(rng, 4)
     budgets = [16, 16, 16, 16]
     truth = Truth(prompts, budgets, ["right", 2, "wrong", "right"])
-    engine = Engine(MODEL, drafter=ScriptedDrafter(truth), policy=FixedLength(3), max_batch=4, eos_token_id=None,
+    engine = Engine(MODEL, drafter=ScriptedDrafter(truth), assistant_policy=FixedLength(3), max_batch=4, eos_token_id=None,
                     pad_token_id=PAD)
     handles = drive(engine, prompts, budgets, [0, 1, 1, 2])
     sizes = [r.batch_size for r in engine.stats.trace]
@@ -124,7 +125,7 @@ def test_eos_mid_batch_and_cancellation():
     prompts = random_prompts(rng, 5)
     free = [stock(p, 12, eos=None) for p in prompts]
     eos = free[0][4]                                        # request 0 ends at its 5th token
-    engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), policy=FixedLength(3), max_batch=3, eos_token_id=eos,
+    engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), assistant_policy=FixedLength(3), max_batch=3, eos_token_id=eos,
                     pad_token_id=PAD)
     handles = drive(engine, prompts, [12] * 5, [0, 0, 1, 2, 2], cancel_at={1: 2, 4: 2})
     assert handles[0].result() == stock(prompts[0], 12, eos=eos) and handles[0].result()[-1] == eos
@@ -136,7 +137,7 @@ def test_eos_mid_batch_and_cancellation():
 
 
 def test_bad_requests_fail_on_their_handle_and_do_not_disturb_others():
-    engine = Engine(MODEL, drafter=PromptLookupDrafter(2, 1), policy=FixedLength(2), max_batch=4,
+    engine = Engine(MODEL, drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(2), max_batch=4,
                     eos_token_id=None, pad_token_id=PAD)
     good = engine.submit([5, 6, 7, 5, 6], max_new_tokens=10)
     bad = [engine.submit([], max_new_tokens=4), engine.submit([5, VOCAB + 3]),
@@ -163,7 +164,7 @@ def test_draft_failure_falls_back_for_everyone_without_losing_tokens():
 
     rng = random.Random(3)
     prompts = random_prompts(rng, 4)
-    engine = Engine(MODEL, drafter=ScriptedDrafter(flaky), policy=FixedLength(2), max_batch=2, eos_token_id=None,
+    engine = Engine(MODEL, drafter=ScriptedDrafter(flaky), assistant_policy=FixedLength(2), max_batch=2, eos_token_id=None,
                     pad_token_id=PAD)
     with pytest.warns(RuntimeWarning, match="draft exploded"):
         handles = drive(engine, prompts, [10] * 4, [0, 1, 3, 5])
@@ -175,7 +176,7 @@ def test_draft_failure_falls_back_for_everyone_without_losing_tokens():
 def test_streaming_and_background_thread():
     rng = random.Random(4)
     prompts = random_prompts(rng, 3)
-    engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), policy=Adaptive(), max_batch=2, eos_token_id=None,
+    engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), assistant_policy=Adaptive(), max_batch=2, eos_token_id=None,
                     pad_token_id=PAD).start()
     try:
         handles = [engine.submit(p, max_new_tokens=9) for p in prompts]
@@ -197,7 +198,7 @@ def test_sampling_engine_is_seeded_deterministic_for_a_fixed_schedule():
     prompts = random_prompts(rng, 4)
 
     def once(seed):
-        engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), policy=FixedLength(3), max_batch=3, do_sample=True,
+        engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), assistant_policy=FixedLength(3), max_batch=3, do_sample=True,
                         temperature=0.8, top_k=20, eos_token_id=None, pad_token_id=PAD, seed=seed)
         return [h.result() for h in drive(engine, prompts, [10] * 4, [0, 0, 2, 3])]
 
@@ -210,7 +211,7 @@ def test_engine_arguments_are_checked():
     with pytest.raises(ValueError, match="max_new_tokens"):
         Engine(MODEL, max_new_tokens=-1)
     with pytest.raises(TypeError):
-        Engine(MODEL, policy="nightjar")
+        Engine(MODEL, assistant_policy="nightjar")
     with pytest.raises(ValueError, match="temperature"):
         Engine(MODEL, do_sample=True, temperature=0)
 
@@ -257,7 +258,7 @@ def test_ledger_add_rows_matches_each_row_alone(first, second, steps, seed):
 
 
 def test_serve_bench_schedule_and_measurements():
-    from spec_adapt.serve_bench import schedule, serve, summary_rows
+    from spec_adapt.tools.serve_bench import schedule, serve, summary_rows
 
     arrivals = schedule(rate=50.0, duration=0.2, n_prompts=3, seed=1)
     assert arrivals == schedule(rate=50.0, duration=0.2, n_prompts=3, seed=1) and len(arrivals) > 3
@@ -266,7 +267,7 @@ def test_serve_bench_schedule_and_measurements():
     prompts = [torch.tensor(p) for p in random_prompts(rng, 3)]
     rows = []
     for config, drafter in (("target", None), ("lookup:fixed3", PromptLookupDrafter(2, 1))):
-        engine = Engine(MODEL, drafter=drafter, policy=FixedLength(0 if drafter is None else 3), max_batch=4,
+        engine = Engine(MODEL, drafter=drafter, assistant_policy=FixedLength(0 if drafter is None else 3), max_batch=4,
                         max_new_tokens=8, eos_token_id=None, pad_token_id=PAD)
         out = serve(engine, prompts, arrivals)
         assert out["requests"] == len(arrivals) and out["tokens"] == 8 * len(arrivals)
@@ -286,7 +287,7 @@ def test_a_joining_row_catches_up_apart_from_the_running_rows():
     hook = DRAFT.register_forward_hook(lambda module, args, kwargs, out: widths.append(tuple(kwargs["input_ids"].shape)),
                                        with_kwargs=True)
     try:
-        engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), policy=FixedLength(2), max_batch=3)
+        engine = Engine(MODEL, drafter=ModelDrafter(DRAFT), assistant_policy=FixedLength(2), max_batch=3)
         handles = drive(engine, prompts, [12, 12, 8], [0, 0, 3])
     finally:
         hook.remove()

@@ -91,7 +91,7 @@ def _drafters(model):
         "model": ModelDrafter(draft),
         "model-confident": ModelDrafter(draft, confidence_threshold=0.3),
         "lookup": spec_adapt.PromptLookupDrafter(max_ngram=2, min_ngram=1),
-        "suffix": spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
+        "suffix": spec_adapt.SuffixDrafter(index=spec_adapt.drafters.SuffixIndex()),
         "chain": spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(2, 1), draft]),
     }
 

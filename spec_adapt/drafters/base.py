@@ -16,7 +16,7 @@ import torch
 from ..processors import ScoreProcessor
 
 if TYPE_CHECKING:
-    from ..fast import Acceptor
+    from ..acceptor import Acceptor
 
 
 @dataclass

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ..accept import committed_tokens
-from ..fast import Acceptor
+from ..acceptor import Acceptor
 from .base import Drafter, DraftRequest, Proposal, with_drafts
 from .model import ModelDrafter
 

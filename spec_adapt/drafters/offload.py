@@ -44,7 +44,6 @@ class DraftOffload(Drafter):
 
     def __init__(self, drafter, low: int = 1 << 30, persist: int = 8, free_memory=None, folder=None):
         self.inner = drafter if isinstance(drafter, ModelDrafter) else ModelDrafter(drafter)
-        from ..models import is_quantized
 
         if is_quantized(self.inner.model):
             raise ValueError("DraftOffload does not move bitsandbytes-quantized weights (their quantization state "
@@ -212,3 +211,17 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):          # not glibc (macOS, musl): the allocator decides
         pass
+
+
+def quantization_of(model) -> str | None:
+    """"8bit" / "4bit" for a model loaded with a bitsandbytes config, else None."""
+    if getattr(model, "is_loaded_in_8bit", False):
+        return "8bit"
+    return "4bit" if getattr(model, "is_loaded_in_4bit", False) else None
+
+
+def is_quantized(model) -> bool:
+    """True for a bitsandbytes model, or any model whose config carries a quantization config (its weights cannot
+    be copied out and back as plain tensors)."""
+    return quantization_of(model) is not None or \
+        getattr(getattr(model, "config", None), "quantization_config", None) is not None

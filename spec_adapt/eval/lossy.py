@@ -1,6 +1,6 @@
 """A deliberately lossy acceptance rule, to prove the quality-regression suite catches one. Never use it to generate.
 
-`LossyTopK(k)` is an Acceptor (spec_adapt.fast) that accepts a drafted token whenever it is among the target's
+`LossyTopK(k)` is an Acceptor (spec_adapt.acceptor) that accepts a drafted token whenever it is among the target's
 top-k at that position (instead of equal to the argmax / passing the rejection test). The first token not in the
 top-k is replaced by the target's argmax (greedy) or a sample from p. Pass it as `acceptor=` to one call: nothing
 global changes, so other calls (other threads included) stay lossless.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_adapt.fast import Acceptor
+from spec_adapt.acceptor import Acceptor
 
 
 def _topk_accepted(scores, drafts, lengths, k):

@@ -33,7 +33,9 @@ class Config:
 
 
 def default_configs() -> list[Config]:
-    from spec_adapt import ElasticEWMA, FixedLength, Nightjar, PromptLookupDrafter, SuffixDrafter, SuffixIndex
+    from spec_adapt import FixedLength, PromptLookupDrafter, SuffixDrafter
+    from spec_adapt.policies import ElasticEWMA, Nightjar
+    from spec_adapt.drafters import SuffixIndex
 
     return [
         Config("target-only"),

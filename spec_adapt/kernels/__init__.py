@@ -2,5 +2,5 @@
 
 `spec_adapt.kernels` (never a top-level `kernels` module: a Hugging Face package owns that name). The references
 are spec_adapt.accept (greedy_accept, rejection_sample) and spec_adapt.kernels.verify / compact themselves; the
-per-call `spec_adapt.fast.Acceptor` chooses between a kernel and its reference.
+per-call `spec_adapt.acceptor.Acceptor` chooses between a kernel and its reference.
 """

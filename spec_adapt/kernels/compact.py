@@ -1,6 +1,6 @@
 """Triton kernel for KV compaction: the data movement that rollback defers.
 
-Reference: spec_adapt.fast.gather_slots_reference (a torch gather along the sequence axis), used by
+Reference: spec_adapt.acceptor.gather_slots_reference (a torch gather along the sequence axis), used by
 spec_adapt.ledger.KVLedger.compact. out[b, h, j, :] = cache[b, h, index[b, j], :], for every layer's K and V.
 """
 

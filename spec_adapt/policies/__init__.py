@@ -1,8 +1,14 @@
-from .adaptive import BanditSpecUCB, ElasticEWMA, GoodputModel, Nightjar, PerRequest, bucket, goodput
+"""Policies: what each step drafts. `Adaptive` (the default), `FixedLength` and `Heuristic`, `ChainScheduler` (multi-
+level chains). The research baselines (Nightjar, BanditSpecUCB, GoodputModel, ElasticEWMA, PerRequest) live in
+`spec_adapt.policies.baselines`; the estimators they share in `spec_adapt.policies.estimators`."""
+
+from .adaptive import Adaptive
 from .base import Plan, Policy, StepInfo, check_gammas, check_plan, check_policy
+from .baselines import BanditSpecUCB, ElasticEWMA, GoodputModel, Nightjar, PerRequest, goodput
 from .chain import ChainScheduler
-from .default import Adaptive
+from .estimators import LatencyTable, bucket
 from .fixed import FixedLength, Heuristic
 
-__all__ = ["Adaptive", "ChainScheduler", "Plan", "Policy", "check_plan", "check_policy", "StepInfo", "check_gammas", "FixedLength", "Heuristic", "Nightjar", "BanditSpecUCB",
-           "GoodputModel", "ElasticEWMA", "PerRequest", "bucket", "goodput"]
+__all__ = ["Adaptive", "FixedLength", "Heuristic", "ChainScheduler", "Plan", "Policy", "StepInfo", "LatencyTable",
+           "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA", "PerRequest", "check_plan", "check_policy",
+           "check_gammas", "bucket", "goodput"]

@@ -1,404 +1,427 @@
-"""Adaptive length policies: Nightjar (the paper's contextual bandit) and the baselines it is measured against.
+"""Adaptive: the library's default policy. A cost model picks the draft width, a small bandit corrects what the model
+cannot predict, and speculation switches off, and stays cheap to probe, where it does not pay.
 
-Reward everywhere: goodput of the step = tokens committed by the whole batch / step wall time (rows that finished
-during the step count the tokens they committed). All policies accept γ = 0 (plain decoding).
+Per step, for the active batch of B rows (every choice below is measured in the lab and in `spec-adapt bench`):
+
+1. Tokens: E_b(s) = 1 + sum_{i<=s} prod_{j<=i} p_{b,j}, with p_{b,j} = P(draft j accepted | j - 1 accepted, j asked):
+   per-position counts decayed per row-observation, pooled over everything seen, and per row (this call) shrunk
+   towards the pooled estimate. "Asked", not "drafted": a prompt lookup that proposes nothing counts as a miss,
+   so E already includes the drafter's fill. Acceptance comes in bursts (a suffix or lookup match runs on for
+   many tokens; on recorded HumanEval traces the heuristic's +2/-1 beat every fixed width for that reason), so
+   every count is kept apart by the row's state after its last step: plain (or new), drafted with a rejection,
+   or drafted with everything accepted. ("Plain" is its own state: after plain steps the text has moved on, and
+   lumping it in with "just rejected" kept a row plain long after its last miss.)
+2. Time: T(B, s) = the whole step (drafting included): per B's bucket (powers of two), the EMA of the steps that
+   asked s, once seen three times (step time is not linear in s: on this CPU verifying 3 tokens at B = 1 costs 20%
+   more than 2; and what a batch asked s really verifies depends on the drafter's fill), else a least-squares line
+   a + d w over the bucket's recent drafting steps at their widest proposal w, with w = s x the measured span
+   (plain steps stay out of the line: 128 of them in a row pushed every drafting width out of its window, and the
+   optimistic prior below came back). One fit per bucket: a single fit over all B (a + bB + cBs + ds) learned at B = 1 alone
+   extrapolates wildly to B = 16 (the lab caught it). A profiled `LatencyTable` stands in until a bucket's fit is
+   ready, else a cautious prior, T(B, s) / T(B, 0) = 1 + (0.1 + 0.02 B) s, so first steps draft little at large B.
+3. Width: s* = argmax_s N(s) / T(B, s), N(s) = sum_b E_b(s) for an open batch (serving: throughput). A closed batch
+   (a generate call: no row joins, it ends with its slowest row) counts N(s) = sum_b r_b / max_b (r_b / E_b(s)),
+   r_b the rows' remaining budgets: drafts for rows that end early anyway do not shorten the call (`batch_tokens`;
+   `closed_batches=False` counts throughput there too, the behaviour before session 8). Time is measured per
+   (bucket, asked width, burst or not), as
+   Nightjar keeps its arms per batch-size context; tokens come from the acceptance model, so a width is judged
+   from the first step it runs (an arm's mean goodput needs many, and a multiplicative goodput correction learned
+   that way condemned good widths after one unlucky stretch on the recorded traces: tried and removed).
+4. Switching cost: after plain steps a draft model must first catch up (Nightjar's c_prefill), and a draft model
+   starts every call with the whole prompt to catch up on (it is not prefilled: a call kept plain never runs it).
+   Steps that had a lag beyond the usual teach a per-bucket line, catch-up seconds = a + d x lag, kept out of T
+   (before one is seen, a profiled table's c_prefill(L, B) stands in); re-enabling speculation is charged the
+   predicted time for the current lag spread over the steps it can still pay off: the rows' remaining tokens /
+   E(s), at most `horizon`. (A fixed 8 steps let 32-token calls on the real pair pay a 1.1 s catch-up of the prompt
+   at batch 4 that their ~12 drafting steps could never earn back.)
+5. Exploration, only where it is cheap: with probability `explore` a neighbouring width (s* +- 1) whose predicted
+   goodput is within `explore_margin` of the best. It also gives the fit the second width it needs.
+6. Plain decoding is a first-class answer (s* = 0), and it does not deadlock: after `probe_gap` plain steps in a row
+   the best speculative width runs once. A probe that loses to a plain step (its catch-up included: on the real pair
+   a probe's catch-up of the whole prompt at batch 4 cost more than the call's drafts could save) doubles the gap,
+   up to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
+   A probe that must first pay a catch-up waits until that catch-up is at most `probe_budget` of the plain time
+   since the last probe (a 1.1 s catch-up at 0.145 s plain steps: one probe per ~760 steps, not per 16); a catch-up
+   never measured counts as one plain step per lag token, the most a draft smaller than the target can cost, so a
+   cold policy does not probe a draft model through a whole prompt (it drafts where the prediction says so).
+7. The baseline is measured, not extrapolated: the first `baseline_steps` steps in each batch-size bucket are plain,
+   so T(B, 0) is this bucket's own plain step (the line fit through drafting steps overestimated it at B = 16).
+8. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
+   row's long wrong proposal would otherwise widen the whole batch); every `probe_every` steps all rows draft again.
+   At B = 1 the width decision is the row's decision already.
+9. Batch shape: when rows finish, the target's batch keeps spare rows (their outputs dropped) where a bigger batch
+   ran faster on this machine: the target forward's time is measured per (rows it ran, widest proposal), and the batch
+   keeps the size between the live rows and the rows it holds whose time is lowest for the mix of widths it runs
+   (weighted by how often it ran each), the smallest within `shape_margin` of it; a size not measured yet is not
+   kept, and the live size is measured first (the first call compacts). Stock
+   generate keeps finished rows to the end; on the 2-core CPU SmolLM2 ran a one-token step in 97 ms at batch 4,
+   158 ms at 3 and 113 ms at 2 (`python benchmarks/batch_shape.py`), so retiring rows lost to it at batch 4.
+
+Learning carries over: `save(path)` / `Adaptive.load(path)` (JSON), and `to_vllm_schedule()` exports the widths it
+would choose per batch size as vLLM's per-batch-size schedule. Decisions are list arithmetic over [B, s] (no model
+calls); `spec-adapt lab` reports their time.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from pathlib import Path
 
+import torch
 
 from ..metrics import StepRecord
-from ..profiling import LatencyTable, OnlineLatency
+from .estimators import LatencyTable, LineFit, _listed, _tupled, bucket, cached_profile
 from .base import Policy, StepInfo
 from .fixed import _check_int
 
-
-def goodput(record: StepRecord) -> float:
-    return sum(record.committed) / max(record.step_time, 1e-9)
-
-
-def _arms(max_gamma, arms) -> list[int]:
-    if arms is None:
-        arms = list(range(_check_int("max_gamma", max_gamma, 0) + 1))
-    arms = sorted(set(int(a) for a in arms))
-    if not arms or arms[0] < 0:
-        raise ValueError(f"arms must be non-negative ints, got {arms!r}.")
-    return arms
+USUAL_LAG = 2      # a draft model trails by 1-2 tokens after a normal step; more is catch-up
+PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (see 1. above)
 
 
-def bucket(batch_size: int) -> int:
-    """Batch-size context: the power of two at or below B (1, 2, 4, 8, ...)."""
-    return 1 << (max(batch_size, 1).bit_length() - 1)
-
-
-@dataclass
-class _Schedule:
-    """ADA-BINGREEDY state of one batch-size context (ALGORITHMS.md §1)."""
-
-    block: int = 1          # j_B
-    horizon: int = 1        # H_B = 2^(j_B - 1)
-    bin: int = 1            # b_B
-    tau: int = 1            # round within the bin
-    explore: bool = True    # the mode of the current bin
-    means: list = field(default_factory=list)
-    counts: list = field(default_factory=list)
-
-    def advance(self) -> None:
-        self.tau += 1
-        if self.tau > math.sqrt(self.horizon):
-            self.bin, self.tau = self.bin + 1, 1
-            if self.bin > math.sqrt(self.horizon):
-                self.block += 1
-                self.horizon, self.bin = 2 ** (self.block - 1), 1
-
-
-class Nightjar(Policy):
-    """Per batch-size context, ADA-BINGREEDY over γ ∈ arms, with a switching cost for re-enabling the draft.
-
-    Choices the paper leaves open, made here:
-    - context: B bucketed to powers of two (`bucket`), each with an independent schedule;
-    - untried arms: exploitation ranks only arms tried in this context; with none tried, the step explores;
-    - exploration bins draw γ uniformly for every step of the bin;
-    - switching cost: c_prefill(L_max, B) from a profiled `LatencyTable` (or `switch_cost(lag, B)`), where L_max is
-      the largest number of committed tokens the draft has not cached (`StepInfo.draft_lag`); zero when unknown;
-    - reward: goodput of the whole step (committed tokens / wall time), finished rows' tokens included;
-    - `memory`: the paper's incremental mean (step 1/n) averages over all history, so after a workload shift it
-      keeps trusting arms that were good long ago; with `memory` = M the step is max(1/n, 1/M), an exponential
-      average over roughly the last M observations of the arm. None gives the paper's exact mean. Exploitation
-      refreshes only the arm it picks, so after a shift each stale arm must be tried and decay in turn: the
-      recovery takes on the order of (arms x M) steps, hence a short default (16);
-    - `exploration`: "uniform" (the paper: any arm) or "local" (an arm within `radius` of the current greedy
-      choice). Goodput is unimodal in γ, so local exploration wastes far less on hopeless arms; see the lab.
-    """
-
-    def __init__(self, max_gamma: int = 8, arms=None, latency: LatencyTable | None = None, switch_cost=None,
-                 memory: int | None = 16, exploration: str = "uniform", radius: int = 2, seed: int = 0):
-        self.arms = _arms(max_gamma, arms)
-        if exploration not in ("uniform", "local"):
-            raise ValueError(f"Nightjar(exploration) must be 'uniform' or 'local', got {exploration!r}.")
-        self.exploration, self.radius = exploration, radius
-        if memory is not None:
-            _check_int("Nightjar(memory)", memory, 1)
-        self.latency, self.switch_cost, self.memory, self.seed = latency, switch_cost, memory, seed
+class Adaptive(Policy):
+    def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, explore: float = 0.05,
+                 explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 128,
+                 row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
+                 baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
+                 closed_batches: bool = True):
+        self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
+        if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
+            raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
+                             f"max_probe_gap; got {explore}, {explore_margin}, {probe_every}, {max_probe_gap}.")
+        if not (horizon >= 1 and probe_budget >= 0):
+            raise ValueError(f"Adaptive needs horizon >= 1 (steps a catch-up is spread over) and probe_budget >= 0 "
+                             f"(a fraction of plain time); got {horizon}, {probe_budget}.")
+        self.table, self.explore, self.explore_margin = latency, explore, explore_margin
+        self.probe_every, self.max_probe_gap, self.horizon = probe_every, max_probe_gap, horizon
+        self.row_floor, self.shrink, self.decay, self.ema, self.seed = row_floor, shrink, decay, ema, seed
+        if not shape_margin >= 0:
+            raise ValueError(f"Adaptive needs shape_margin >= 0 (a fraction of a forward's time); got {shape_margin}.")
+        self.baseline_steps, self.probe_budget, self.shape_margin = baseline_steps, probe_budget, shape_margin
+        if not isinstance(closed_batches, bool):
+            raise ValueError(f"Adaptive(closed_batches) must be True or False, got {closed_batches!r}.")
+        self.closed_batches = closed_batches
         self.reset()
 
+    # -- state ------------------------------------------------------------------------------------------------------
     def reset(self):
+        size = self.max_gamma
+        # Acceptance counts per draft position, decayed once per row-observation: pooled [S] and per row [rows, S]
+        # (rows of the current call; `begin` clears them). Tensors, so a decision at B = 64 is a few vector ops.
+        # The state axis: the row's last step was 0 plain (or none), 1 drafted with a rejection, 2 all accepted.
+        self.tried, self.accepted = torch.ones(STATES, size), torch.full((STATES, size), 0.5)
+        self.begin(0)
+        self.fits: dict[int, LineFit] = {}        # bucket -> T(s) = a + d s over its recent steps
+        self.measured: dict[tuple, list] = {}     # (bucket, asked s, burst) -> [EMA seconds, samples]
+        self.catchup: dict[int, LineFit] = {}     # bucket -> seconds a catch-up adds to a step, as a + d x lag
+        self.span: dict[tuple, float] = {}        # (bucket, any row in a burst) -> EMA widest proposal / width asked
+        self.shapes: dict[tuple, list] = {}       # (rows the target ran, widest proposal) -> [EMA verify s, samples]
         self.rng = random.Random(self.seed)
-        self.contexts: dict[int, _Schedule] = {}
-        self.last_gamma: int | None = None
-        self._pending = None
+        self.idle, self.probe_gap, self.steps = 0, self.probe_every, 0
+        self._pending: dict | None = None
 
-    def _context(self, batch_size) -> _Schedule:
-        key = bucket(batch_size)
-        if key not in self.contexts:
-            self.contexts[key] = _Schedule(means=[0.0] * len(self.arms), counts=[0] * len(self.arms))
-        return self.contexts[key]
+    def begin(self, batch_size):
+        self.row_tried = torch.zeros(batch_size, STATES, self.max_gamma)      # [rows, state, S]
+        self.row_accepted = torch.zeros(batch_size, STATES, self.max_gamma)
+        self.row_state = torch.zeros(batch_size, dtype=torch.long)
+        self._refresh()
 
-    def _switch(self, info: StepInfo) -> float:
-        lag = int(info.draft_lag.max()) if info.draft_lag is not None and len(info.draft_lag) else 0
-        if self.switch_cost is not None:
-            return float(self.switch_cost(lag, info.batch_size))
-        return self.latency.switch_cost(lag, info.batch_size) if self.latency is not None else 0.0
+    def _grow(self, rows: torch.Tensor) -> None:
+        need = int(rows.max()) + 1 if len(rows) else 0
+        have = self.row_tried.shape[0]
+        if need > have:
+            more = max(need, 2 * have) - have
+            self.row_tried = torch.cat([self.row_tried, torch.zeros(more, STATES, self.max_gamma)])
+            self.row_accepted = torch.cat([self.row_accepted, torch.zeros(more, STATES, self.max_gamma)])
+            self.row_state = torch.cat([self.row_state, torch.zeros(more, dtype=torch.long)])
+            self._refresh()
 
+    # -- the model ---------------------------------------------------------------------------------------------------
+    def step_time(self, batch: int, width: int, burst: bool = False) -> float:
+        """Predicted seconds of a step at batch size `batch` when `width` drafts are asked (catch-up excluded)."""
+        key = bucket(batch)
+        burst = burst and width > 0          # a plain step is a plain step, whatever the rows' state
+        measured = self.measured.get((key, width, burst))
+        if measured is not None and (measured[1] >= 3 or width == 0):
+            return measured[0]
+        widest = width * self.span.get((key, burst), 1.0)      # what a batch asked `width` really proposes
+        fit = self.fits.get(key)
+        if fit is not None and fit.ready():
+            return fit(widest)
+        if self.table is not None and self.table.step:
+            return self.table.step_time(batch, int(round(widest)))
+        plain = [v[0] for (k, s, _), v in self.measured.items() if s == 0 and k == key] or \
+            [v[0] for (_, s, _), v in self.measured.items() if s == 0] or [1.0]
+        base = plain[0]
+        return base * (1.0 + (0.1 + 0.02 * batch) * widest)
+
+    def catchup_time(self, key: int, lag: int, unknown: float = 0.0) -> float:
+        """Seconds a catch-up of `lag` tokens adds to a step in bucket `key`: a line in the lag once two lags are
+        seen (the first proposal of a call catches up on the whole prompt, a re-enable after plain steps on a few
+        tokens), before that proportional to the lag; until one is seen, the profiled table's c_prefill(L, B), and
+        with no table, `unknown`."""
+        fit = self.catchup.get(key)
+        if fit is None or not fit.samples:
+            return self.table.switch_cost(lag, key) if self.table is not None and self.table.prefill else unknown
+        if fit.ready():
+            return fit(lag)
+        _, sx, sy = fit.sums[:3]
+        return sy / max(sx, 1e-9) * lag
+
+    def expected(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """E[committed | s] for s = 0..max_gamma: [S+1] for a request not yet seen, or [B, S+1] for these rows.
+        Row values are recomputed when counts change (`observe`), so a decision only gathers them."""
+        if rows is None:
+            return _tokens((self.accepted.sum(0) / self.tried.sum(0))[None])[0]
+        self._grow(rows)
+        return self.row_expected[rows]
+
+    def _refresh(self) -> None:
+        """Every row's E[committed | s], shrunk all the way down: everything seen -> the row's state -> the row."""
+        overall = self.accepted.sum(0) / self.tried.sum(0)                               # [S]
+        pooled = (self.accepted + self.shrink * overall) / (self.tried + self.shrink)   # [STATES, S]
+        index = torch.arange(self.row_state.shape[0])
+        t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
+        self.row_expected = _tokens((a + self.shrink * pooled[self.row_state]) / (t + self.shrink))
+
+    def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0, left: int | None = None,
+                remaining: torch.Tensor | None = None) -> list[float]:
+        """Predicted goodput (tokens / s) of every width 0..max_gamma, hopeless rows (gain < row_floor) counted at
+        one token. `left`: the most tokens a row may still generate (bounds the steps a catch-up is spread over).
+        `remaining` [B]: the batch is closed and these are its rows' token budgets (see `batch_tokens`)."""
+        expected = self.expected(rows) if rows is not None else self.expected()[None].expand(batch, -1)
+        tokens = batch_tokens(torch.where(expected >= 1 + self.row_floor, expected, 1.0), remaining)
+        key, burst = bucket(batch), self._burst(rows)
+        catchup = self.catchup_time(key, lag) if lag > USUAL_LAG else 0.0
+        out = []
+        for s, n in enumerate(tokens):
+            steps = self.horizon if left is None else min(self.horizon, max(1.0, left * batch / n))
+            out.append(n / (self.step_time(batch, s, burst) + (catchup / steps if s else 0.0)))
+        return out
+
+    def _probe_due(self, batch: int, lag: int) -> bool:
+        """After `probe_gap` plain steps, and once a catch-up the probe must pay is within `probe_budget` of the
+        plain time since the last probe."""
+        if self.idle < self.probe_gap:
+            return False
+        if lag <= USUAL_LAG:
+            return True
+        # Never measured: assume the worst a draft smaller than the target can cost, one plain step per lag token
+        # (a cold probe at batch 32 on the pair caught 32 ShareGPT prompts up and cost the call 13%).
+        plain = self.step_time(batch, 0)
+        return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= self.probe_budget * self.idle * plain
+
+    def _burst(self, rows) -> bool:
+        return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
+
+    # -- the Policy contract -----------------------------------------------------------------------------------------
     def choose(self, info: StepInfo):
-        ctx = self._context(info.batch_size)
-        if ctx.tau == 1:
-            ctx.explore = self.rng.random() < 1.0 / math.sqrt(ctx.bin)
-        tried = [i for i, n in enumerate(ctx.counts) if n > 0]
-        if ctx.explore or not tried:
-            if self.exploration == "local" and tried:
-                greedy = self._exploit(ctx, tried, info)
-                index = self.rng.randint(max(0, greedy - self.radius), min(len(self.arms) - 1, greedy + self.radius))
-            else:
-                index = self.rng.randrange(len(self.arms))
+        batch, rows = info.batch_size, info.rows.cpu()
+        lag = int(info.draft_lag.max()) if info.draft_lag is not None and len(info.draft_lag) else 0
+        closed = info.closed and self.closed_batches and len(info.remaining)
+        remaining = info.remaining.cpu() if closed else None
+        values = self.predict(batch, rows, lag, int(info.remaining.max()) if len(info.remaining) else None, remaining)
+        width = max(range(len(values)), key=values.__getitem__)
+        probing = False
+        baseline = self.measured.get((bucket(batch), 0, False))
+        if baseline is None or baseline[1] < self.baseline_steps:
+            # Measure this bucket's plain step first: without it T(B, 0) is extrapolated from drafting steps, and
+            # at B = 16 on the real pair that kept the draft on at 0.79x of plain decoding (bf16 bench).
+            width = 0
+        elif width == 0:
+            self.idle += 1
+            if self._probe_due(batch, lag):
+                width, probing, self.idle = max(range(1, len(values)), key=values.__getitem__), True, 0
         else:
-            index = self._exploit(ctx, tried, info)
-        self._pending = (info.batch_size, index)
-        return self.arms[index]
-
-    def _exploit(self, ctx: _Schedule, tried: list[int], info: StepInfo) -> int:
-        """argmin over tried arms of 1/ĝ + 1{γ_prev = 0 and γ > 0} c_prefill / γ."""
-        switching = self.last_gamma == 0
-        c_prefill = self._switch(info) if switching else 0.0
-
-        def cost(i):
-            gamma = self.arms[i]
-            penalty = c_prefill / gamma if switching and gamma > 0 else 0.0
-            return (1.0 / ctx.means[i] if ctx.means[i] > 0 else math.inf) + penalty
-
-        return min(tried, key=cost)
+            self.idle = 0
+            if self.rng.random() < self.explore:
+                near = [s for s in (width - 1, width + 1)
+                        if 0 <= s < len(values) and values[s] >= (1 - self.explore_margin) * values[width]]
+                width = self.rng.choice(near) if near else width
+        self._pending = {"width": width, "lag": lag, "probing": probing, "burst": self._burst(rows)}
+        if width == 0 or probing or batch == 1 or self.steps % self.probe_every == 0:
+            return width
+        hopeless = (self.row_expected[rows, width] < 1 + self.row_floor) & (self.row_tried[rows, :, 0].sum(1) > 0)
+        return torch.where(hopeless, 0, width) if bool(hopeless.any()) else width
 
     def observe(self, record: StepRecord):
-        if self._pending is None:
+        pending, self._pending = self._pending, None
+        self.steps += 1
+        shape = (record.held or record.batch_size, max(record.drafted, default=0))
+        seconds, samples = self.shapes.get(shape, (None, 0))
+        # A mean over the first samples, then an EMA: a slow first forward of a new shape must not stand for it.
+        weight = max(self.ema, 1 / (samples + 1))
+        self.shapes[shape] = [_ema(seconds, record.verify_time, weight), samples + 1]
+        if pending is None:
             return
-        batch_size, index = self._pending
-        ctx = self._context(batch_size)
-        ctx.counts[index] += 1
-        step = 1.0 / ctx.counts[index] if self.memory is None else max(1.0 / ctx.counts[index], 1.0 / self.memory)
-        ctx.means[index] += (goodput(record) - ctx.means[index]) * step
-        ctx.advance()
-        self.last_gamma, self._pending = self.arms[index], None
+        batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
+        widest = max(record.drafted, default=0)
+        self._count(record)
+        seconds = record.step_time
+        if pending["lag"] > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
+            extra = max(0.0, seconds - self.step_time(batch, width, burst))
+            self.catchup.setdefault(key, LineFit(window=32, min_samples=3)).add(pending["lag"], extra)
+            seconds -= extra
+        else:
+            if widest:     # drafting steps only: a long plain run would push every drafting width out of the window
+                self.fits.setdefault(key, LineFit()).add(widest, seconds)
+            slot = (key, width, burst and width > 0)
+            old = self.measured.get(slot)
+            self.measured[slot] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
+        if width:
+            self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)
+        if pending["probing"]:
+            # Judged with its catch-up: a probe whose draft first had to catch up on a long lag (a whole prompt,
+            # for a draft model the call has not run yet) has to pay for that too, or it keeps being retried.
+            lost = record.step_time / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
+            self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap) if lost else self.probe_every
 
-    def state_dict(self):
-        version, internal, gauss = self.rng.getstate()
-        return {"arms": self.arms, "seed": self.seed, "last_gamma": self.last_gamma,
-                "contexts": {k: asdict(v) for k, v in self.contexts.items()},
-                "rng": [version, list(internal), gauss]}
+    def batch_rows(self, live: int, held: int) -> int:
+        """Rows the target's batch keeps when rows finish (9. above): the size in [live, held] whose measured forward
+        is fastest for the mix of proposal widths this batch runs, the smallest within shape_margin of the best."""
+        # Each width weighted by how often the batch at its current size ran it: on the CPU 4 rows beat 3 by 18% at
+        # one token and lost by 16-19% at 4-7 tokens, so a batch that mostly drafts wide compacts.
+        weights = {width: samples for (size, width), (_, samples) in self.shapes.items() if size == held}
+        ratios = {live: 1.0}
+        for rows in range(live + 1, held + 1):
+            ratio = self._shape_ratio(rows, live, weights)
+            if ratio is not None:
+                ratios[rows] = ratio
+        best = min(ratios.values())
+        return min(rows for rows, ratio in ratios.items() if ratio <= best * (1 + self.shape_margin))
 
-    def load_state_dict(self, state):
-        self.arms, self.seed, self.last_gamma = list(state["arms"]), state["seed"], state["last_gamma"]
-        self.contexts = {int(k): _Schedule(**v) for k, v in state["contexts"].items()}
-        version, internal, gauss = state["rng"]
-        self.rng = random.Random()
-        self.rng.setstate((version, tuple(internal), gauss))
-        self._pending = None
+    def _shape_ratio(self, rows: int, live: int, weights: dict) -> float | None:
+        """Weighted T(rows) / T(live) over the widths both sizes ran twice or more; None if there is none."""
+        mine = theirs = 0.0
+        for width, weight in weights.items():
+            a, b = self.shapes.get((rows, width)), self.shapes.get((live, width))
+            if a is not None and b is not None and a[1] >= 2 and b[1] >= 2:
+                mine, theirs = mine + weight * a[0], theirs + weight * b[0]
+        return mine / theirs if theirs > 0 else None
+
+    def _count(self, record: StepRecord) -> None:
+        """Position i + 1 was reached by a row that asked for more than i drafts and had i accepted; a hit if it
+        was accepted. Asked, not drafted: a drafter's empty proposal is a miss, so its fill is in the rates."""
+        gammas, accepted = torch.tensor(record.gammas), torch.tensor(record.accepted)
+        drafted, rows = torch.tensor(record.drafted), torch.tensor(record.rows)
+        self._grow(rows)
+        state = self.row_state[rows]                                                     # [B] as chosen
+        pos = torch.arange(self.max_gamma)[None, :]
+        reached = (pos < torch.minimum(accepted + 1, gammas)[:, None]).float()           # [B, S]
+        hits = (pos < accepted[:, None]).float() * reached
+        n = torch.zeros(STATES, self.max_gamma).index_add_(0, state, reached)           # [STATES, S]
+        factor = self.decay ** n
+        self.tried = factor * self.tried + n
+        self.accepted = factor * self.accepted + torch.zeros_like(n).index_add_(0, state, hits)
+        own = reached > 0
+        t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
+        self.row_tried[rows, state] = torch.where(own, self.decay * t + 1, t)
+        self.row_accepted[rows, state] = torch.where(own, self.decay * a + hits, a)
+        full = (accepted == drafted) & (drafted > 0)
+        self.row_state[rows] = torch.where(gammas > 0, torch.where(full, BURST, MISSED), PLAIN)
+        self._refresh()
+
+    # -- carrying what was learned over ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "config": {"max_gamma": self.max_gamma, "explore": self.explore, "explore_margin": self.explore_margin,
+                       "probe_every": self.probe_every, "max_probe_gap": self.max_probe_gap,
+                       "horizon": self.horizon, "row_floor": self.row_floor, "shrink": self.shrink,
+                       "decay": self.decay, "ema": self.ema, "seed": self.seed,
+                       "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget,
+                       "shape_margin": self.shape_margin, "closed_batches": self.closed_batches},
+            "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
+            "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
+            "measured": [[list(k), v] for k, v in self.measured.items()],
+            "catchup": [[k, list(map(list, f.samples))] for k, f in self.catchup.items()],
+            "span": [[list(k), v] for k, v in self.span.items()],
+            "shapes": [[list(k), v] for k, v in self.shapes.items()],
+            "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
+            "probe_gap": self.probe_gap, "idle": self.idle, "steps": self.steps,
+            "rng": _listed(self.rng.getstate()),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reset()
+        self.tried = torch.tensor(state["pooled"]["tried"])
+        self.accepted = torch.tensor(state["pooled"]["accepted"])
+        self.measured = {tuple(k): v for k, v in state["measured"]}
+        for key, samples in state["fits"]:
+            fit = self.fits[int(key)] = LineFit()
+            for x, y in samples:
+                fit.add(x, y)
+        for key, samples in state["catchup"]:
+            fit = self.catchup[int(key)] = LineFit(window=32, min_samples=3)
+            for x, y in samples:
+                fit.add(x, y)
+        self.span = {tuple(k): v for k, v in state["span"]}
+        self.shapes = {tuple(k): v for k, v in state.get("shapes", [])}   # files saved before shapes were learned
+        tried, accepted, row_state = state["row_states"]
+        self.row_tried = torch.tensor(tried).view(-1, STATES, self.max_gamma)
+        self.row_accepted = torch.tensor(accepted).view(-1, STATES, self.max_gamma)
+        self.row_state = torch.tensor(row_state, dtype=torch.long)
+        self._refresh()
+        self.probe_gap, self.idle, self.steps = state["probe_gap"], state["idle"], state["steps"]
+        self.rng.setstate(_tupled(state["rng"]))
+
+    def save(self, path) -> None:
+        """Write what was learned (and the settings) as JSON, for `Adaptive.load` in another process."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.state_dict()))
+
+    @classmethod
+    def load(cls, path, latency: LatencyTable | None = None) -> "Adaptive":
+        state = json.loads(Path(path).read_text())
+        policy = cls(latency=latency, **state["config"])
+        policy.load_state_dict(state)
+        return policy
+
+    @classmethod
+    def for_model(cls, model, draft=None, **kwargs) -> "Adaptive":
+        """An Adaptive with the latency table `spec-adapt profile` cached for this model, draft, dtype and device
+        (none cached: the step times are learned online from the first steps, as without a table)."""
+        return cls(latency=cached_profile(model, draft), **kwargs)
+
+    def to_vllm_schedule(self, max_batch: int = 256) -> list[tuple[int, int, int]]:
+        """What was learned as vLLM's per-batch-size schedule: [(batch_lo, batch_hi, k), ...] over batch sizes
+        1..max_batch (the width this policy would choose at each power-of-two bucket, runs of equal k merged)."""
+        out: list[list[int]] = []
+        sizes = [1 << i for i in range(int(math.log2(max_batch)) + 1)]
+        for lo in sizes:
+            hi = min(2 * lo - 1, max_batch)
+            values = self.predict(lo)            # pooled acceptance: a new request's expectation
+            k = max(range(len(values)), key=values.__getitem__)
+            if out and out[-1][2] == k:
+                out[-1][1] = hi
+            else:
+                out.append([lo, hi, k])
+        return [tuple(x) for x in out]
 
     def __repr__(self):
-        return f"Nightjar(arms={self.arms})"
+        return f"Adaptive(max_gamma={self.max_gamma})"
 
 
-class BanditSpecUCB(Policy):
-    """UCB1 over γ with no batch-size context (BanditSpec): try every arm once, then
-    argmax mean/scale + c * sqrt(2 ln t / n), rewards scaled by the largest goodput seen."""
+def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) -> list[float]:
+    """What a step at each width is worth to the batch, in tokens, from E_b(s) [B, S+1].
 
-    def __init__(self, max_gamma: int = 8, arms=None, c: float = 1.0):
-        if not c >= 0:
-            raise ValueError(f"BanditSpecUCB(c) must be >= 0, got {c!r}.")
-        self.arms, self.c = _arms(max_gamma, arms), c
-        self.reset()
-
-    def reset(self):
-        self.means, self.counts = [0.0] * len(self.arms), [0] * len(self.arms)
-        self.best, self.t, self._index = 0.0, 0, None
-
-    def scores(self) -> list[float]:
-        scale = self.best or 1.0
-        return [m / scale + self.c * math.sqrt(2 * math.log(max(self.t, 1)) / n) if n else math.inf
-                for m, n in zip(self.means, self.counts)]
-
-    def choose(self, info):
-        scores = self.scores()
-        self._index = max(range(len(self.arms)), key=lambda i: scores[i])
-        return self.arms[self._index]
-
-    def observe(self, record):
-        if self._index is None:
-            return
-        r, i = goodput(record), self._index
-        self.t, self.counts[i] = self.t + 1, self.counts[i] + 1
-        self.means[i] += (r - self.means[i]) / self.counts[i]
-        self.best, self._index = max(self.best, r), None
-
-    def state_dict(self):
-        return {"arms": self.arms, "c": self.c, "means": self.means, "counts": self.counts, "best": self.best,
-                "t": self.t}
-
-    def load_state_dict(self, state):
-        self.arms, self.c = list(state["arms"]), state["c"]
-        self.means, self.counts = list(state["means"]), list(state["counts"])
-        self.best, self.t, self._index = state["best"], state["t"], None
+    Open batch (remaining None): the sum over rows, its throughput. Closed batch (one generate call, `remaining` [B]
+    the rows' token budgets): it ends with its slowest row, so a width is worth the batch's remaining tokens over the
+    steps its slowest row still needs, sum_b r_b / max_b (r_b / E_b(s)). Tokens a step gives a row that finishes
+    early anyway do not shorten the call (measured: SmolLM2 at batch 4 on ShareGPT, lookup steps committed 7 tokens
+    where plain ones committed 4, and the calls still took as many steps as stock generate's, each dearer). At B = 1,
+    and for rows with equal budgets and rates, both are the same."""
+    if remaining is None:
+        return expected.sum(dim=0).tolist()
+    budget = remaining.clamp(min=1).to(expected.dtype)[:, None]
+    return (budget.sum() / (budget / expected).max(dim=0).values).tolist()
 
 
-def _listed(x):
-    """A random.Random state (nested tuples) as JSON-friendly nested lists, and back."""
-    return [_listed(v) for v in x] if isinstance(x, (tuple, list)) else x
+def _tokens(rates: torch.Tensor) -> torch.Tensor:
+    """Acceptance rates [N, S] -> E[committed | s] [N, S+1] = 1 + sum_{i<=s} prod_{j<=i} p_j."""
+    return torch.cat([torch.ones(rates.shape[0], 1), 1 + rates.cumprod(dim=1).cumsum(dim=1)], dim=1)
 
 
-def _tupled(x):
-    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
-
-
-class _PositionAcceptance:
-    """Per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted), counts decayed once per
-    observation (a position reached by n rows in a step decays by decay**n), so memory is counted in rows."""
-
-    def __init__(self, size: int, decay: float = 0.98, prior: float = 0.5, prior_weight: float = 1.0):
-        self.tried = [prior_weight] * size
-        self.accepted = [prior * prior_weight] * size
-        self.decay = decay
-
-    def update(self, drafted: int, accepted: int) -> None:
-        self.update_many([drafted], [accepted])
-
-    def update_many(self, drafted: list[int], accepted: list[int]) -> None:
-        """One step's rows: position i+1 was reached by rows with min(a + 1, d) > i and accepted if a > i."""
-        reached = [0] * len(self.tried)
-        hits = [0] * len(self.tried)
-        for d, a in zip(drafted, accepted):
-            for i in range(min(a + 1, d, len(reached))):
-                reached[i] += 1
-                hits[i] += i < a
-        for i, n in enumerate(reached):
-            if n:
-                factor = self.decay ** n
-                self.tried[i] = factor * self.tried[i] + n
-                self.accepted[i] = factor * self.accepted[i] + hits[i]
-
-    def rates(self) -> list[float]:
-        return [a / t for a, t in zip(self.accepted, self.tried)]
-
-
-class GoodputModel(Policy):
-    """DSD-style: predict goodput(γ) = B * E[committed | γ] / T(B, γ) from per-position acceptance history and a
-    latency model (profiled table, or fitted online), and take the argmax.
-
-    Without exploration it deadlocks as the papers describe: once γ = 0 wins, nothing is drafted, the acceptance
-    history stops changing, and speculation never comes back. `explore` > 0 is the fix: with that probability a
-    step that would run at γ = 0 probes γ = 1 instead.
-    """
-
-    def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, explore: float = 0.0,
-                 decay: float = 0.98, seed: int = 0):
-        if not 0.0 <= explore <= 1.0:
-            raise ValueError(f"GoodputModel(explore) must be within [0, 1], got {explore!r}.")
-        self.max_gamma = _check_int("max_gamma", max_gamma, 0)
-        self.table, self.explore, self.decay, self.seed = latency, explore, decay, seed
-        self.reset()
-
-    def reset(self):
-        self.acceptance = _PositionAcceptance(max(self.max_gamma, 1), self.decay)
-        self.latency = OnlineLatency(self.table)
-        self.rng = random.Random(self.seed)
-
-    def predict(self, batch_size: int) -> list[float]:
-        out, expected, run = [], 1.0, 1.0
-        for g, p in enumerate([1.0] + self.acceptance.rates()[: self.max_gamma]):
-            if g:
-                run *= p
-                expected += run
-            out.append(batch_size * expected / self.latency.step_time(batch_size, g))
-        return out
-
-    def choose(self, info):
-        predicted = self.predict(info.batch_size)
-        gamma = max(range(len(predicted)), key=lambda g: predicted[g])
-        if gamma == 0 and self.max_gamma > 0 and self.rng.random() < self.explore:
-            gamma = 1
-        return gamma
-
-    def observe(self, record):
-        self.acceptance.update_many(record.drafted, record.accepted)
-        self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time)
-
-    def state_dict(self):
-        return {"max_gamma": self.max_gamma, "explore": self.explore, "tried": self.acceptance.tried,
-                "accepted": self.acceptance.accepted, "latency": self.latency.state_dict(),
-                "rng": _listed(self.rng.getstate())}
-
-    def load_state_dict(self, state):
-        self.max_gamma, self.explore = state["max_gamma"], state["explore"]
-        self.reset()
-        self.acceptance.tried, self.acceptance.accepted = list(state["tried"]), list(state["accepted"])
-        self.latency.load_state_dict(state["latency"])
-        if "rng" in state:
-            self.rng.setstate(_tupled(state["rng"]))
-
-
-class ElasticEWMA(Policy):
-    """Elastic Speculation's adaptive K: per row, an EWMA of the acceptance rate mapped to a small set of lengths
-    (longer when recent drafts were mostly accepted, shorter when mostly rejected)."""
-
-    def __init__(self, lengths=(1, 2, 4, 6, 8), alpha: float = 0.3, initial: float = 0.5):
-        lengths = sorted(int(x) for x in lengths)
-        if not lengths or lengths[0] < 0 or not 0 < alpha <= 1 or not 0 <= initial <= 1:
-            raise ValueError("ElasticEWMA needs non-negative lengths, 0 < alpha <= 1 and 0 <= initial <= 1.")
-        self.lengths, self.alpha, self.initial = lengths, alpha, initial
-        self.rates: dict[int, float] = {}
-
-    def begin(self, batch_size):
-        self.rates = {}
-
-    def length_for(self, rate: float) -> int:
-        return self.lengths[min(int(rate * len(self.lengths)), len(self.lengths) - 1)]
-
-    def choose(self, info):
-        return [self.length_for(self.rates.get(int(r), self.initial)) for r in info.rows]
-
-    def observe(self, record):
-        for row, d, a in zip(record.rows, record.drafted, record.accepted):
-            if d:
-                old = self.rates.get(row, self.initial)
-                self.rates[row] = (1 - self.alpha) * old + self.alpha * a / d
-
-    def reset(self):
-        self.rates = {}
-
-    def state_dict(self):
-        return {"lengths": self.lengths, "alpha": self.alpha, "initial": self.initial}
-
-    def load_state_dict(self, state):
-        self.__init__(state["lengths"], state["alpha"], state["initial"])
-
-
-class PerRequest(Policy):
-    """FASER-style per-request lengths: row i drafts s_i = argmin_s T̂(s; B) / (E_i[committed | s]), where
-    E_i comes from the row's own per-position acceptance (Beta counts shrunk towards the batch-wide estimate) and
-    T̂ from the latency model. Optimism under uncertainty: acceptance is read at mean + sqrt(beta * variance), the
-    acceptance-side equivalent of GP-LCB's lower confidence bound on cost (a simpler bandit than a GP: see the
-    closing note of the policies issue for why)."""
-
-    def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, beta: float = 1.0,
-                 shrink: float = 4.0):
-        self.max_gamma = _check_int("max_gamma", max_gamma, 0)
-        self.table, self.beta, self.shrink = latency, beta, shrink
-        self.reset()
-
-    def reset(self):
-        self.pooled = _PositionAcceptance(max(self.max_gamma, 1))
-        self.rows: dict[int, _PositionAcceptance] = {}
-        self.latency = OnlineLatency(self.table)
-
-    def begin(self, batch_size):
-        self.rows = {}
-
-    def _optimistic_rates(self, row: int) -> list[float]:
-        pooled = self.pooled.rates()
-        own = self.rows.get(row)
-        out = []
-        for i, prior in enumerate(pooled):
-            tried = own.tried[i] if own else 0.0
-            acc = own.accepted[i] if own else 0.0
-            a, b = acc + self.shrink * prior, (tried - acc) + self.shrink * (1 - prior)
-            mean, var = a / (a + b), a * b / ((a + b) ** 2 * (a + b + 1))
-            out.append(min(1.0, mean + math.sqrt(self.beta * var)))
-        return out
-
-    def choose(self, info):
-        times = [self.latency.step_time(info.batch_size, s) for s in range(self.max_gamma + 1)]
-        out = []
-        for row in info.rows.tolist():
-            rates = self._optimistic_rates(row)
-            best, best_cost, expected, run = 0, times[0], 1.0, 1.0
-            for s in range(1, self.max_gamma + 1):      # E[committed | s] built up incrementally
-                run *= rates[s - 1]
-                expected += run
-                if times[s] / expected < best_cost:
-                    best, best_cost = s, times[s] / expected
-            out.append(best)
-        return out
-
-    def observe(self, record):
-        self.pooled.update_many(record.drafted, record.accepted)
-        for row, d, a in zip(record.rows, record.drafted, record.accepted):
-            own = self.rows.setdefault(row, _PositionAcceptance(max(self.max_gamma, 1), prior_weight=0.0))
-            own.update(d, a)
-        self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time)
-
-    def state_dict(self):
-        # Per-row counts too: within a call they steer each row's length (begin() clears them for a new call).
-        rows = [[row, own.tried, own.accepted] for row, own in self.rows.items()]
-        return {"max_gamma": self.max_gamma, "beta": self.beta, "tried": self.pooled.tried,
-                "accepted": self.pooled.accepted, "latency": self.latency.state_dict(), "rows": rows}
-
-    def load_state_dict(self, state):
-        self.max_gamma, self.beta = state["max_gamma"], state["beta"]
-        self.reset()
-        self.pooled.tried, self.pooled.accepted = list(state["tried"]), list(state["accepted"])
-        self.latency.load_state_dict(state["latency"])
-        for row, tried, accepted in state.get("rows", []):
-            own = self.rows[int(row)] = _PositionAcceptance(max(self.max_gamma, 1), prior_weight=0.0)
-            own.tried, own.accepted = list(tried), list(accepted)
+def _ema(old, new, weight):
+    return new if old is None else (1 - weight) * old + weight * new

@@ -35,8 +35,7 @@ import random
 
 from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
-from ..profiling import OnlineLatency
-from .adaptive import _listed, _tupled
+from .estimators import OnlineLatency, _listed, _tupled
 from .base import Plan, Policy, StepInfo
 
 

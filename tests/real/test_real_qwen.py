@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import spec_adapt
-from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, GoodputModel, PromptLookupDrafter
+from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, PromptLookupDrafter
+from spec_adapt.policies import GoodputModel
 from spec_adapt.recipes import workloads
 
 pytestmark = pytest.mark.real

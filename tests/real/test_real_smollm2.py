@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import spec_adapt
-from spec_adapt import FixedLength, Heuristic, PromptLookupDrafter
+from spec_adapt import FixedLength, PromptLookupDrafter
+from spec_adapt.policies import Heuristic
 from spec_adapt.recipes import workloads
 
 pytestmark = pytest.mark.real

@@ -1,10 +1,13 @@
-"""Latency models for the policies: a profiled table (T(B, s), draft cost, c_prefill(L, B)) and an online fit.
+"""Estimators shared by the policies and the early-exit gate: what a step costs and what a draft is worth.
 
-- `LatencyTable`: what `spec-adapt profile` measures on this machine, saved as JSON; `step_time(B, s)` interpolates
-  linearly between grid points (and extrapolates from the last two), `switch_cost(L, B)` likewise.
-- `OnlineLatency`: least squares on the step times the loop observes, T ~ a + b*B + c*B*s + d*s (the verify pass
-  grows with the tokens it scores, drafting grows with s), used where no table was measured; falls back to the table
-  (or a flat prior) until it has enough varied samples.
+- `LatencyTable`: a measured profile T(B, s), the draft's per-token time and catch-up cost c_prefill(L, B)
+  (`spec-adapt profile` writes one per model, draft, dtype and device; `cached_profile` finds it).
+- `OnlineLatency`: T(B, s) = a + b*B + c*B*s + d*s by least squares over the step times a loop observes.
+- `LineFit`: y = a + d x over a sliding window (one batch-size bucket's step time against width, or catch-up time
+  against lag).
+- `PositionAcceptance`: decayed per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted).
+- `ProbeBackoff`: when a switched-off option is tried again: after `gap` idle steps; a lost probe doubles the gap.
+- `bucket`: the batch-size context (powers of two) every per-batch-size estimate is kept under.
 """
 
 from __future__ import annotations
@@ -12,11 +15,17 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import time
+import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+
+def bucket(batch_size: int) -> int:
+    """Batch-size context: the power of two at or below B (1, 2, 4, 8, ...)."""
+    return 1 << (max(batch_size, 1).bit_length() - 1)
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -156,57 +165,112 @@ class OnlineLatency:
         self._fitted = None
 
 
-def profile(model, draft=None, batch_sizes=(1, 4, 16), lengths=(0, 1, 2, 4, 8), lags=(32, 128, 512),
-            context: int = 256, repeats: int = 5, progress: bool = True) -> LatencyTable:
-    """Measure T(B, s) for `model`, the draft's per-token time and catch-up cost c_prefill(L, B) on this machine."""
-    from tqdm import tqdm
+class LineFit:
+    """y = a + d x by least squares over the last `window` samples (running sums: O(1) per sample and query).
+    Ready once it has `min_samples` at two or more distinct x; d is kept >= 0 (a wider step never costs less)."""
 
-    from .ledger import KVLedger
+    def __init__(self, window: int = 128, min_samples: int = 6):
+        self.window, self.min_samples = window, min_samples
+        self.samples: deque = deque()
+        self.sums = [0.0] * 5            # n, sum x, sum y, sum x^2, sum x y
+        self.xs: dict[float, int] = {}
 
-    def timed(fn) -> float:
-        fn()                                                  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+    def add(self, x: float, y: float) -> None:
+        self._apply(x, y, 1.0)
+        self.samples.append((x, y))
+        if len(self.samples) > self.window:
+            self._apply(*self.samples.popleft(), -1.0)
 
-    def primed(m, batch, length):
-        ledger = KVLedger(m)
-        ids = torch.randint(3, m.config.vocab_size, (batch, length))
-        ledger.prefill(ids, None)
-        return ledger
+    def _apply(self, x, y, sign) -> None:
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self.sums[i] += sign * v
+        self.xs[x] = self.xs.get(x, 0) + int(sign)
+        if not self.xs[x]:
+            del self.xs[x]
 
-    def forward_then_rollback(ledger, width):
-        tokens = torch.randint(3, ledger.model.config.vocab_size, (ledger.slots.shape[0], width))
-        keep = ledger.n_cached.clone()
-        ledger.forward(tokens, torch.full((tokens.shape[0],), width))
-        ledger.rollback(keep)
+    def ready(self) -> bool:
+        return len(self.samples) >= self.min_samples and len(self.xs) >= 2
 
-    table = LatencyTable(meta={"context": context, "repeats": repeats, "batch_sizes": list(batch_sizes)})
-    jobs = [("step", b, s) for b in batch_sizes for s in lengths]
-    if draft is not None:
-        jobs += [("draft", b, 1) for b in batch_sizes] + [("prefill", b, l) for b in batch_sizes for l in lags]
-    with torch.no_grad():
-        for kind, batch, n in tqdm(jobs, desc="profiling", disable=not progress):
-            if kind == "step":
-                ledger = primed(model, batch, context)
-                table.step.setdefault(batch, {})[n] = timed(lambda: forward_then_rollback(ledger, n + 1))
-            elif kind == "draft":
-                ledger = primed(draft, batch, context)
-                table.draft_token[batch] = timed(lambda: forward_then_rollback(ledger, 1))
-            else:
-                ledger = primed(draft, batch, context)
-                table.prefill.setdefault(n, {})[batch] = timed(lambda: forward_then_rollback(ledger, n))
-    return table
+    def __call__(self, x: float) -> float:
+        n, sx, sy, sxx, sxy = self.sums
+        d = max(0.0, (n * sxy - sx * sy) / max(n * sxx - sx * sx, 1e-12))
+        return (sy - d * sx) / n + d * x
+
+
+class PositionAcceptance:
+    """Per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted), counts decayed once per
+    observation (a position reached by n rows in a step decays by decay**n), so memory is counted in rows."""
+
+    def __init__(self, size: int, decay: float = 0.98, prior: float = 0.5, prior_weight: float = 1.0):
+        self.tried = [prior_weight] * size
+        self.accepted = [prior * prior_weight] * size
+        self.decay = decay
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.update_many([drafted], [accepted])
+
+    def update_many(self, drafted: list[int], accepted: list[int]) -> None:
+        """One step's rows: position i+1 was reached by rows with min(a + 1, d) > i and accepted if a > i."""
+        reached = [0] * len(self.tried)
+        hits = [0] * len(self.tried)
+        for d, a in zip(drafted, accepted):
+            for i in range(min(a + 1, d, len(reached))):
+                reached[i] += 1
+                hits[i] += i < a
+        for i, n in enumerate(reached):
+            if n:
+                factor = self.decay ** n
+                self.tried[i] = factor * self.tried[i] + n
+                self.accepted[i] = factor * self.accepted[i] + hits[i]
+
+    def rates(self) -> list[float]:
+        return [a / t for a, t in zip(self.accepted, self.tried)]
+
+
+class ProbeBackoff:
+    """When to try again an option that lost (speculation switched off, a pruned verification path): after `gap`
+    steps without it. A probe that loses doubles the gap, up to `max_gap`; one that wins resets it to `start`.
+    An always-losing option thus costs a few steps, then one in `max_gap`."""
+
+    def __init__(self, start: int = 16, max_gap: int = 256):
+        if not 1 <= start <= max_gap:
+            raise ValueError(f"ProbeBackoff needs 1 <= start <= max_gap, got {start}, {max_gap}.")
+        self.start, self.max_gap = start, max_gap
+        self.gap, self.idle = start, 0
+
+    def due(self) -> bool:
+        return self.idle >= self.gap
+
+    def wait(self) -> None:
+        """One more step without the option."""
+        self.idle += 1
+
+    def result(self, won: bool) -> None:
+        """A probe ran (the idle count restarts); it won or lost against the alternative."""
+        self.idle = 0
+        self.gap = self.start if won else min(2 * self.gap, self.max_gap)
+
+
+def _listed(x):
+    """A random.Random state (nested tuples) as JSON-friendly nested lists, and back."""
+    return [_listed(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tupled(x):
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
+def cache_dir() -> Path:
+    """Where spec_adapt keeps what it makes once (model copies, profiles): $SPEC_ADAPT_CACHE, else
+    $XDG_CACHE_HOME/spec_adapt, else ~/.cache/spec_adapt."""
+    root = os.environ.get("SPEC_ADAPT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return Path(root) / "spec_adapt"
 
 
 # -- profiles cached per model, dtype and device ------------------------------------------------------------------------
 def profile_key(model, draft=None) -> str:
     """Names what a latency table depends on: the model (its name and size), the draft, the dtype and the device
     (the CPU's model name and core count, or the GPU's name)."""
-    import os
     import platform
     import re
 
@@ -220,9 +284,8 @@ def profile_key(model, draft=None) -> str:
     else:
         where = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads"
     def draft_name(d):     # a draft in another dtype, or quantized, costs differently
-        from .models import quantization_of
-
-        quant = quantization_of(d)
+        quant = "8bit" if getattr(d, "is_loaded_in_8bit", False) else \
+            "4bit" if getattr(d, "is_loaded_in_4bit", False) else None
         return f"draft-{name(d)}-{str(d.dtype).removeprefix('torch.')}" + (f"-{quant}" if quant else "")
 
     parts = [name(model), draft_name(draft) if draft is not None else "nodraft",
@@ -231,8 +294,6 @@ def profile_key(model, draft=None) -> str:
 
 
 def profile_path(model, draft=None) -> Path:
-    from .models import cache_dir
-
     return cache_dir() / "profiles" / f"{profile_key(model, draft)}.json"
 
 

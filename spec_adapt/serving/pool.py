@@ -44,7 +44,7 @@ class ModelPool:
         source = entry.source
         if isinstance(source, str):
             if entry.device_map is None:
-                from .models import load_model
+                from ..tools.models import load_model
 
                 return load_model(source, dtype=entry.dtype)[0]
             from transformers import AutoModelForCausalLM
@@ -73,6 +73,6 @@ class ModelPool:
 
     def chain(self, names: list[str]):
         """A ChainDrafter over these members, cheapest first (the target is the model generate runs on)."""
-        from .drafters.chain import ChainDrafter
+        from ..drafters.chain import ChainDrafter
 
         return ChainDrafter([self.get(n) for n in names])

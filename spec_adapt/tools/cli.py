@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from spec_adapt.synthetic import truncated_copy
+from spec_adapt.tools.synthetic import truncated_copy
 
 
 # The demo's configurations per model: stock generate (the baseline, always first), stock assisted generation where
@@ -25,8 +25,8 @@ DEMOS = {
 def demo(args) -> None:
     """Stock generate vs stock speculation vs spec_adapt on HumanEval and ShareGPT prompts, through the one bench
     harness (interleaved repeats, identity against stock generate, one way of counting tokens)."""
-    from spec_adapt import bench as b
-    from spec_adapt.models import known, load_model
+    from spec_adapt.tools import bench as b
+    from spec_adapt.tools.models import known, load_model
     from spec_adapt.recipes import workloads
 
     name = next(k for k, v in DEMOS.items() if known(k) == known(args.model))
@@ -58,8 +58,8 @@ def demo(args) -> None:
 def bench(args) -> None:
     from pathlib import Path
 
-    from spec_adapt import bench as b
-    from spec_adapt.models import load_model
+    from spec_adapt.tools import bench as b
+    from spec_adapt.tools.models import load_model
     from spec_adapt.recipes import workloads
 
     dtype = getattr(torch, args.dtype)
@@ -67,7 +67,7 @@ def bench(args) -> None:
     draft = _draft(model, args)
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
-    from spec_adapt.profiling import LatencyTable
+    from spec_adapt.tools.profiling import LatencyTable
 
     latency = LatencyTable.load(args.latency) if args.latency else None
     cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
@@ -87,8 +87,8 @@ def bench(args) -> None:
 def serve_bench_cmd(args) -> None:
     from pathlib import Path
 
-    from spec_adapt import serve_bench as sb
-    from spec_adapt.models import load_model
+    from spec_adapt.tools import serve_bench as sb
+    from spec_adapt.tools.models import load_model
     from spec_adapt.recipes import workloads
 
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
@@ -122,7 +122,7 @@ def _draft_meta(draft, args) -> dict:
 def _draft(model, args):
     """--draft: a known name, model folder or hub id, or a folder written by the distillation recipe;
     --draft-layers N: the target's first N layers (a cost stand-in)."""
-    from spec_adapt.models import load_draft
+    from spec_adapt.tools.models import load_draft
 
     if args.draft:
         dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
@@ -133,15 +133,15 @@ def _draft(model, args):
 
 
 def profile_cmd(args) -> None:
-    from spec_adapt.models import load_model
-    from spec_adapt.profiling import profile
+    from spec_adapt.tools.models import load_model
+    from spec_adapt.tools.profiling import profile
 
     model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
     draft = _draft(model, args)
     table = profile(model, draft, args.batch_sizes, args.lengths, args.lags, args.context, args.repeats)
     table.meta.update({"model": args.model, "dtype": args.dtype, "draft": args.draft or
                        (f"first {args.draft_layers} layers" if args.draft_layers else None)})
-    from spec_adapt.profiling import profile_path
+    from spec_adapt.tools.profiling import profile_path
 
     out = args.out or profile_path(model, draft)   # default: the cache Adaptive.for_model / generate read
     table.save(out)
@@ -160,9 +160,9 @@ def lab_cmd(args) -> None:
     import json
     from pathlib import Path
 
-    from spec_adapt import lab
-    from spec_adapt.bench import parse_policy
-    from spec_adapt.profiling import LatencyTable
+    from spec_adapt.tools import lab
+    from spec_adapt.tools.bench import parse_policy
+    from spec_adapt.tools.profiling import LatencyTable
 
     out = Path(args.out or f"results/lab-{args.workload}-{args.drafter}")
     out.mkdir(parents=True, exist_ok=True)
@@ -197,8 +197,10 @@ def lab_cmd(args) -> None:
 
 
 def _record(args):
-    from spec_adapt import PromptLookupDrafter, SuffixDrafter, SuffixIndex, lab
-    from spec_adapt.models import load_model
+    from spec_adapt import PromptLookupDrafter, SuffixDrafter
+    from spec_adapt.drafters import SuffixIndex
+    from spec_adapt.tools import lab
+    from spec_adapt.tools.models import load_model
     from spec_adapt.recipes import workloads
 
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
@@ -249,7 +251,7 @@ def eval_cmd(args) -> None:
 
     from spec_adapt.eval.lossy import LossyTopK
     from spec_adapt.eval.suite import Config, default_configs, run_suite, write_report
-    from spec_adapt.models import load_model
+    from spec_adapt.tools.models import load_model
     from spec_adapt.recipes import workloads
 
     model, tok = load_model(args.model)

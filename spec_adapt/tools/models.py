@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.offload import is_quantized, quantization_of  # noqa: F401 (re-exported)
+from ..policies.estimators import cache_dir
+
 SMOLLM2 = "SmolLM2-135M-Instruct"
 
 
@@ -71,11 +74,6 @@ ALIASES = {SMOLLM2.lower(): "smollm2-135m", "qwen2.5-coder-0.5b-instruct": "qwen
            "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b"}
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("SPEC_ADAPT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return Path(root) / "spec_adapt"
-
-
 def known(name: str) -> GGUFSource | None:
     key = name.lower()
     return SOURCES.get(ALIASES.get(key, key))
@@ -121,19 +119,6 @@ def bnb_config(quantization: str, dtype: torch.dtype):
     if quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-
-
-def quantization_of(model) -> str | None:
-    """"8bit" / "4bit" for a model loaded with a bitsandbytes config (by `load_model` or by the user), else None."""
-    if getattr(model, "is_loaded_in_8bit", False):
-        return "8bit"
-    return "4bit" if getattr(model, "is_loaded_in_4bit", False) else None
-
-
-def is_quantized(model) -> bool:
-    """True for a bitsandbytes model, or any model whose config carries a quantization config."""
-    return quantization_of(model) is not None or \
-        getattr(getattr(model, "config", None), "quantization_config", None) is not None
 
 
 def cached_safetensors(source: GGUFSource) -> Path:

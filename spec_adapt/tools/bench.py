@@ -148,7 +148,7 @@ def drafter_factory(name: str, tok, draft=None):
         "none": lambda: None,
         "lookup": lambda: spec_adapt.PromptLookupDrafter(max_ngram=3, min_ngram=2),
         # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
-        "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.SuffixIndex()),
+        "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.drafters.SuffixIndex()),
         "draft": (lambda: draft) if draft is not None else None,
         # The draft with stock assisted generation's confidence early exit (a row stops below 0.4 top probability).
         "draftc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4)) if draft is not None else None,
@@ -169,7 +169,7 @@ def drafter_factory(name: str, tok, draft=None):
 
 
 def _offload(draft):
-    from .drafters.offload import DraftOffload
+    from ..drafters.offload import DraftOffload
 
     return DraftOffload(draft, low=0, persist=4)
 
@@ -191,8 +191,8 @@ def parse_verifier(name: str):
 
 
 def parse_policy(name: str, latency=None):
-    from spec_adapt import (Adaptive, BanditSpecUCB, ElasticEWMA, FixedLength, GoodputModel, Heuristic, Nightjar,
-                            PerRequest)
+    from spec_adapt import Adaptive, FixedLength
+    from spec_adapt.policies import BanditSpecUCB, ElasticEWMA, GoodputModel, Heuristic, Nightjar, PerRequest
 
     presets = {
         "adaptive": lambda: Adaptive(latency=latency),

@@ -42,8 +42,8 @@ class MemoryBudget:
         self.weights = self.per_token = self.draft_weights = self.draft_per_token = 0
 
     def bind(self, engine) -> None:
-        from .drafters.model import ModelDrafter
-        from .drafters.offload import DraftOffload
+        from ..drafters.model import ModelDrafter
+        from ..drafters.offload import DraftOffload
 
         self.engine, self.draft = engine, engine.loop.given_drafter
         self.weights, self.per_token = weight_bytes(engine.model), kv_bytes_per_token(engine.model)

@@ -60,18 +60,18 @@ def parse_phases(text: str) -> list[tuple[float, float]]:
 
 def build_engine(config: str, model, tok, draft, max_batch: int, new_tokens: int, latency=None, memory=None):
     from .bench import drafter_factory, parse_policy
-    from .policies.fixed import FixedLength
-    from .serve import Engine
+    from ..policies.fixed import FixedLength
+    from ..serving.engine import Engine
 
     if config == "target":
         drafter, policy = None, FixedLength(0)
     else:
         drafter_name, _, policy_name = config.partition(":")
         drafter, policy = drafter_factory(drafter_name, tok, draft)(), parse_policy(policy_name or "adaptive", latency)
-    from .memory import MemoryBudget
+    from ..serving.memory import MemoryBudget
 
     budget = MemoryBudget(memory) if memory is not None else None
-    return Engine(model, drafter=drafter, policy=policy, max_batch=max_batch, max_new_tokens=new_tokens,
+    return Engine(model, drafter=drafter, assistant_policy=policy, max_batch=max_batch, max_new_tokens=new_tokens,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, memory=budget)
 
 

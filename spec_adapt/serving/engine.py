@@ -1,6 +1,6 @@
 """Serving under live load: requests join and leave a running speculative batch.
 
-`Engine(model, drafter=..., policy=..., max_batch=...)`; `submit(prompt) -> Handle`; `handle.result()`,
+`Engine(model, drafter=..., assistant_policy=..., max_batch=...)`; `submit(prompt) -> Handle`; `handle.result()`,
 `handle.stream()`, `handle.cancel()`. Drive it with `engine.step()` / `engine.run_until_idle()` (deterministic), or
 `engine.start()` for a background thread that serves while other threads submit.
 
@@ -34,15 +34,15 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from .api import as_drafter
-from .fast import Acceptor
-from .ledger import KVLedger
-from .loop import SpeculativeLoop, Stopper
-from .metrics import SpecStats
-from .policies.base import check_policy
-from .policies.default import Adaptive
-from .processors import ScoreProcessor
-from .verifiers import check_verifier
+from ..api import as_drafter
+from ..acceptor import Acceptor
+from ..ledger import KVLedger
+from ..loop import SpeculativeLoop, Stopper
+from ..metrics import SpecStats
+from ..policies.base import check_policy
+from ..policies.adaptive import Adaptive
+from ..processors import ScoreProcessor
+from ..verifiers import check_verifier
 
 
 class RequestError(ValueError):
@@ -194,7 +194,7 @@ class ServingLoop(SpeculativeLoop):
 class Engine:
     """A speculative serving engine over one target model (see the module docstring)."""
 
-    def __init__(self, model, drafter=None, policy=None, max_batch: int = 8, max_new_tokens: int = 64,
+    def __init__(self, model, drafter=None, assistant_policy=None, max_batch: int = 8, max_new_tokens: int = 64,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id="model", pad_token_id: int | None = None,
                  verifier=None, acceptor: Acceptor | None = None, tokenizer=None, seed: int | None = None,
@@ -206,7 +206,7 @@ class Engine:
         drafter = as_drafter(drafter)
         if drafter is not None:
             drafter.validate(model)
-        policy = policy if policy is not None else Adaptive()
+        policy = assistant_policy if assistant_policy is not None else Adaptive()
         check_policy(policy)
         verifier = check_verifier(verifier)
         verifier.check(model)
@@ -234,7 +234,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
-        # memory: a MemoryBudget (spec_adapt.memory); admission then also waits for memory, not only max_batch.
+        # memory: a MemoryBudget (spec_adapt.serving.memory); admission then also waits for memory, not only max_batch.
         self.memory = memory
         if memory is not None:
             memory.bind(self)

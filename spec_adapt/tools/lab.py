@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .metrics import StepRecord
-from .policies.base import Policy, StepInfo, check_gammas
-from .profiling import LatencyTable
+from ..metrics import StepRecord
+from ..policies.base import Policy, StepInfo, check_gammas
+from ..policies.estimators import LatencyTable
 
 
 @dataclass
@@ -188,7 +188,7 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
 
 def best_fixed(requests, table, schedule=Static(1), arms=range(0, 9), max_batch=None, seed=0, draft_cost=True):
     """The best fixed γ in hindsight on this workload: (γ, SimResult)."""
-    from .policies.fixed import FixedLength
+    from ..policies.fixed import FixedLength
 
     results = {g: simulate(FixedLength(g), requests, table, schedule, max_batch, seed, draft_cost=draft_cost)
                for g in arms}
@@ -241,8 +241,8 @@ def record_traces(model, tok, prompts: list[str], drafter, new_tokens: int = 128
     drafter at every output position what it would propose from the true prefix and count the agreement."""
     from tqdm import tqdm
 
-    from .drafters.base import DraftRequest
-    from .processors import ScoreProcessor
+    from ..drafters.base import DraftRequest
+    from ..processors import ScoreProcessor
 
     requests = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="recording traces", disable=not progress):
