@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptor import token_rank
-from .policies.estimators import bucket
+from .policies.estimators import ProbeBackoff, bucket
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
 
@@ -103,8 +103,8 @@ class EarlyExitVerifier(Verifier):
     skipped position saves depends on whether this device is compute-bound at this shape (on a CPU at batch 1 a
     forward costs the weights' read, whatever the width), and a wrong prediction costs accepted tokens. All of it is
     measured rather than guessed: per (batch bucket, chunk width) the gate keeps each path's mean step seconds per
-    committed token and takes the lower, trying the other path on steps 8, 16, 32, ... of its streak so a change of
-    regime is still seen. `predicted_gain` is the shape-only prediction reported beside the measurements.
+    committed token and takes the lower, trying the other path after 8 steps, then after twice as many each time the
+    other path loses again (`ProbeBackoff`), so a change of regime is still seen. `predicted_gain` is the shape-only prediction reported beside the measurements.
     """
 
     def __init__(self, layers=None, top_k: int = 10, gate: str = "auto"):
@@ -114,7 +114,7 @@ class EarlyExitVerifier(Verifier):
             raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
         self.layers, self.top_k, self.gate = layers, top_k, gate
         self.stats = PruneStats()
-        self.timing: dict = {}         # (bucket, width) -> {"full": [sum, n], "pruned": [sum, n], "streak": n}
+        self.timing: dict = {}         # (bucket, width) -> {"full": [sum, n], "pruned": [sum, n], "probes": ...}
         self._checkpoints: tuple[int, ...] = ()
         self.kernels = "auto"
         self._full = FullVerifier()        # the path the gate compares against
@@ -234,23 +234,29 @@ class EarlyExitVerifier(Verifier):
     def _choose(self, key) -> str:
         if self.gate != "auto":
             return "pruned" if self.gate == "always" else "full"
-        entry = self.timing.setdefault(key, {"full": [0.0, 0], "pruned": [0.0, 0], "streak": 0})
+        entry = self.timing.setdefault(key, {"full": [0.0, 0], "pruned": [0.0, 0],
+                                             "probes": ProbeBackoff(8, 1 << 16)})
         for path in ("pruned", "full"):             # two samples of each path first
             if entry[path][1] < 2:
                 return path
         best = min(("full", "pruned"), key=lambda p: entry[p][0] / entry[p][1])
-        entry["streak"] += 1
-        if entry["streak"] & (entry["streak"] - 1) == 0 and entry["streak"] >= 8:
-            return "pruned" if best == "full" else "full"          # a probe on streak 8, 16, 32, ...
+        entry["probes"].wait()
+        if entry["probes"].due():
+            entry["probing"] = best
+            return "pruned" if best == "full" else "full"          # a probe of the path that is losing
         return best
 
     def _observe(self, key, path, seconds) -> None:
         if self.gate != "auto":
             return
-        total, n = self.timing[key][path]
+        entry = self.timing[key]
+        total, n = entry[path]
         if n >= 32:                                  # a running mean over the recent past
             total, n = total * 31 / 32, 31
-        self.timing[key][path] = [total + seconds, n + 1]
+        entry[path] = [total + seconds, n + 1]
+        best = entry.pop("probing", None)
+        if best is not None:                         # the probe wins if it beat the mean of the path it challenged
+            entry["probes"].result(won=seconds < entry[best][0] / entry[best][1])
 
     def report(self) -> dict:
         s = self.stats

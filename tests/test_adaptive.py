@@ -321,7 +321,7 @@ def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
 
     policy = Adaptive(probe_every=4)
     policy.measured[(bucket(32), 0, False)] = [1.0, 10]
-    policy.idle = 10_000
+    policy.probes.idle = 10_000
     assert not policy._probe_due(32, 500)
     assert policy._probe_due(32, 1)                              # nothing to catch up on: the usual gap
     policy.catchup[bucket(32)] = fit = LineFit(window=32, min_samples=3)

@@ -408,6 +408,6 @@ def test_scheduler_backs_off_probing_when_speculation_keeps_losing():
     late = sched.history[-300:]
     speculative = sum(1 for _, _, w in late if w > 0) / len(late)
     assert speculative < 0.04, speculative
-    assert sched.probe_gap > sched.probe_every
+    assert sched.probes.gap > sched.probe_every
     with pytest.raises(ValueError, match="explore_margin"):
         ChainScheduler(ChainDrafter([PromptLookupDrafter()]), explore_margin=-1)

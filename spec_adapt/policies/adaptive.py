@@ -73,7 +73,7 @@ from pathlib import Path
 import torch
 
 from ..metrics import StepRecord
-from .estimators import LatencyTable, LineFit, _listed, _tupled, bucket, cached_profile
+from .estimators import LatencyTable, LineFit, ProbeBackoff, _listed, _tupled, bucket, cached_profile
 from .base import Policy, StepInfo
 from .fixed import _check_int
 
@@ -119,7 +119,7 @@ class Adaptive(Policy):
         self.span: dict[tuple, float] = {}        # (bucket, any row in a burst) -> EMA widest proposal / width asked
         self.shapes: dict[tuple, list] = {}       # (rows the target ran, widest proposal) -> [EMA verify s, samples]
         self.rng = random.Random(self.seed)
-        self.idle, self.probe_gap, self.steps = 0, self.probe_every, 0
+        self.probes, self.steps = ProbeBackoff(self.probe_every, self.max_probe_gap), 0
         self._pending: dict | None = None
 
     def begin(self, batch_size):
@@ -204,14 +204,14 @@ class Adaptive(Policy):
     def _probe_due(self, batch: int, lag: int) -> bool:
         """After `probe_gap` plain steps, and once a catch-up the probe must pay is within `probe_budget` of the
         plain time since the last probe."""
-        if self.idle < self.probe_gap:
+        if not self.probes.due():
             return False
         if lag <= USUAL_LAG:
             return True
         # Never measured: assume the worst a draft smaller than the target can cost, one plain step per lag token
         # (a cold probe at batch 32 on the pair caught 32 ShareGPT prompts up and cost the call 13%).
         plain = self.step_time(batch, 0)
-        return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= self.probe_budget * self.idle * plain
+        return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= self.probe_budget * self.probes.idle * plain
 
     def _burst(self, rows) -> bool:
         return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
@@ -231,11 +231,12 @@ class Adaptive(Policy):
             # at B = 16 on the real pair that kept the draft on at 0.79x of plain decoding (bf16 bench).
             width = 0
         elif width == 0:
-            self.idle += 1
+            self.probes.wait()
             if self._probe_due(batch, lag):
-                width, probing, self.idle = max(range(1, len(values)), key=values.__getitem__), True, 0
+                width, probing = max(range(1, len(values)), key=values.__getitem__), True
+                self.probes.idle = 0
         else:
-            self.idle = 0
+            self.probes.idle = 0
             if self.rng.random() < self.explore:
                 near = [s for s in (width - 1, width + 1)
                         if 0 <= s < len(values) and values[s] >= (1 - self.explore_margin) * values[width]]
@@ -276,7 +277,7 @@ class Adaptive(Policy):
             # Judged with its catch-up: a probe whose draft first had to catch up on a long lag (a whole prompt,
             # for a draft model the call has not run yet) has to pay for that too, or it keeps being retried.
             lost = record.step_time / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
-            self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap) if lost else self.probe_every
+            self.probes.result(won=not lost)
 
     def batch_rows(self, live: int, held: int) -> int:
         """Rows the target's batch keeps when rows finish (9. above): the size in [live, held] whose measured forward
@@ -339,7 +340,7 @@ class Adaptive(Policy):
             "span": [[list(k), v] for k, v in self.span.items()],
             "shapes": [[list(k), v] for k, v in self.shapes.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
-            "probe_gap": self.probe_gap, "idle": self.idle, "steps": self.steps,
+            "probe_gap": self.probes.gap, "idle": self.probes.idle, "steps": self.steps,
             "rng": _listed(self.rng.getstate()),
         }
 
@@ -363,7 +364,7 @@ class Adaptive(Policy):
         self.row_accepted = torch.tensor(accepted).view(-1, STATES, self.max_gamma)
         self.row_state = torch.tensor(row_state, dtype=torch.long)
         self._refresh()
-        self.probe_gap, self.idle, self.steps = state["probe_gap"], state["idle"], state["steps"]
+        self.probes.gap, self.probes.idle, self.steps = state["probe_gap"], state["idle"], state["steps"]
         self.rng.setstate(_tupled(state["rng"]))
 
     def save(self, path) -> None:
@@ -398,6 +399,11 @@ class Adaptive(Policy):
             else:
                 out.append([lo, hi, k])
         return [tuple(x) for x in out]
+
+    @property
+    def probe_gap(self) -> int:
+        """Plain steps before the next probe of speculation (6. above)."""
+        return self.probes.gap
 
     def __repr__(self):
         return f"Adaptive(max_gamma={self.max_gamma})"

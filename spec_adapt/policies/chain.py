@@ -35,7 +35,7 @@ import random
 
 from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
-from .estimators import OnlineLatency, _listed, _tupled
+from .estimators import OnlineLatency, ProbeBackoff, _listed, _tupled
 from .base import Plan, Policy, StepInfo
 
 
@@ -77,8 +77,7 @@ class ChainScheduler(Policy):
         self.latency = OnlineLatency(window=256, min_samples=8, refit_every=8)
         self.current = (tuple(range(self.levels)), self.widths[-1])
         self.history: list[tuple] = []
-        self.idle = 0                              # target-only steps in a row
-        self.probe_gap = self.probe_every          # target-only steps before the next probe (backs off)
+        self.probes = ProbeBackoff(self.probe_every, 16 * self.probe_every)   # target-only steps, then a probe
         self.probing = False
 
     # -- prediction ---------------------------------------------------------------------------------------------
@@ -128,11 +127,14 @@ class ChainScheduler(Policy):
         if self.rng.random() < self.explore:
             bound = costs[(levels, width)] * (1 + self.explore_margin)
             levels, width = self.rng.choice([o for o in self.options if costs[o] <= bound])
-        self.idle = self.idle + 1 if width == 0 else 0
-        self.probing = width == 0 and self.idle >= self.probe_gap
+        if width == 0:
+            self.probes.wait()
+        else:
+            self.probes.idle = 0
+        self.probing = width == 0 and self.probes.due()
         if self.probing:
             levels, width = min(self.options[:-1], key=costs.get)
-            self.idle = 0
+            self.probes.idle = 0
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
         self.current = (levels, width)
@@ -181,7 +183,7 @@ class ChainScheduler(Policy):
         catch_up = self._catch_up(members, batch, self.step_lags)
         per_token = max(0.0, record.step_time - catch_up) / (sum(record.committed) / max(len(record.committed), 1))
         lost = per_token > self._target_time(batch, 0)
-        self.probe_gap = min(2 * self.probe_gap, 16 * self.probe_every) if lost else self.probe_every
+        self.probes.result(won=not lost)
 
     def _catch_up(self, members, batch: int, lags) -> float:
         """Seconds the members need to catch up on what was committed while they sat out."""
@@ -217,7 +219,7 @@ class ChainScheduler(Policy):
         tables = {name: [[_listed(k), v] for k, v in getattr(self, name).items()] for name in self._TABLES}
         return {**tables, "fill": [[k, v] for k, v in self.fill.items()], "t_target": self.t_target,
                 "t_plain": self.t_plain, "latency": self.latency.state_dict(), "current": _listed(self.current),
-                "idle": self.idle, "probe_gap": self.probe_gap, "rng": _listed(self.rng.getstate())}
+                "idle": self.probes.idle, "probe_gap": self.probes.gap, "rng": _listed(self.rng.getstate())}
 
     def load_state_dict(self, state):
         self.reset()
@@ -227,7 +229,7 @@ class ChainScheduler(Policy):
         self.t_target, self.t_plain = state["t_target"], state["t_plain"]
         self.latency.load_state_dict(state["latency"])
         self.current = _tupled(state["current"])
-        self.idle, self.probe_gap = state["idle"], state["probe_gap"]
+        self.probes.idle, self.probes.gap = state["idle"], state["probe_gap"]
         self.rng.setstate(_tupled(state["rng"]))
 
 
