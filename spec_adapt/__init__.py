@@ -18,6 +18,7 @@ from .drafters import ChainDrafter, Drafter, ModelDrafter, PromptLookupDrafter, 
 from .drafters.offload import DraftOffload
 from .metrics import SpecStats, last_stats
 from .policies import Adaptive, ChainScheduler, FixedLength, Policy
+from .prepare import prepare, unprepare
 from .serving import Engine, MemoryBudget
 from .verifiers import EarlyExitVerifier, FullVerifier
 
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # entry points
-    "generate", "enable", "disable", "reset_default_policies", "SpecGenerateOutput",
+    "generate", "enable", "disable", "reset_default_policies", "prepare", "unprepare", "SpecGenerateOutput",
     # statistics
     "SpecStats", "last_stats",
     # drafters

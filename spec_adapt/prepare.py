@@ -1,0 +1,126 @@
+"""`prepare(model)`: run a model's linear layers the way their hardware wants, so a multi-token forward costs close to
+what its memory traffic needs. `unprepare(model)` restores it.
+
+Why it matters for speculation: on a CPU, eager PyTorch multiplies a [rows, in] input by a plain [out, in] weight. For
+one row that is a matrix-vector product straight from the weight; for two or more rows oneDNN/MKL first repacks the
+weight into the blocked layout its matrix kernels read, on every call. A verification feeds several tokens per row, so
+it pays that repack for every weight of the model on every step: on a 2-core CPU, verifying 4 drafts with the 1.5B
+target costs about twice a one-token step, where reading the weights once would cost about the same.
+
+What prepare does (CPU): each `torch.nn.Linear` gets its weight reordered once into oneDNN's blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`) and its forward calls oneDNN with it (`torch.ops.mkldnn._linear_pointwise`),
+the same two operations Inductor's CPU weight prepacking emits. The original weight stays where it was (a tied
+embedding, a LoRA or `state_dict` still read it), so a prepared model holds its linear weights twice.
+- float32: always packed.
+- bfloat16: packed where oneDNN has native bf16 kernels on this CPU (avx512_bf16 or AMX); elsewhere bf16 is emulated
+  and slower than float32, and prepare leaves the model as it is, with a warning that says so.
+- Layers it leaves alone: subclasses of Linear (quantized layers such as bitsandbytes'), layers with accelerate hooks
+  (offloaded weights move per forward), weights on another device than the CPU, other dtypes.
+- Safe by construction: a weight changed in place after prepare (`load_state_dict`, an optimizer step) is packed
+  again on the next forward; with autograd on and a weight that requires grad, the layer runs eagerly.
+On CUDA, prepare changes nothing: cuBLAS reads weights in their plain layout at every width (no repack to remove).
+
+Logits change in their last bits (oneDNN sums in another order): judge greedy identity against stock `generate` on
+the same prepared model, never across prepared and unprepared.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+_PACKED = "_spec_adapt_packed"          # (packed weight, weight version, weight data pointer) on a prepared layer
+_PREPARED = "_spec_adapt_prepared"      # what prepare did, on the model
+
+
+def prepare(model: torch.nn.Module, dtype_check: bool = True) -> torch.nn.Module:
+    """Pack `model`'s linear weights for this CPU (see the module docstring); returns the same model, changed in place.
+
+    Calling it again is a no-op; `unprepare(model)` undoes it; `prepared(model)` says what it did."""
+    if getattr(model, _PREPARED, None) is not None:
+        return model
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu":
+        _mark(model, 0, "not a CPU model: nothing to pack")
+        return model
+    reason = why_not_packed(param.dtype) if dtype_check else None
+    if reason is not None:
+        warnings.warn(f"spec_adapt.prepare: {reason}; the model runs unchanged.", RuntimeWarning, stacklevel=2)
+        _mark(model, 0, reason)
+        return model
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if _packable(module, param.dtype):
+                _pack(module)
+                module.forward = types.MethodType(_packed_forward, module)
+                count += 1
+    _mark(model, count, f"{count} linear layers packed for oneDNN ({str(param.dtype).removeprefix('torch.')})")
+    return model
+
+
+def unprepare(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `prepare`: every layer runs its own forward again and the packed copies are freed."""
+    for module in model.modules():
+        if hasattr(module, _PACKED):
+            delattr(module, _PACKED)
+            module.__dict__.pop("forward", None)
+    model.__dict__.pop(_PREPARED, None)
+    return model
+
+
+def prepared(model: torch.nn.Module) -> dict | None:
+    """What `prepare` did to `model` ({"layers": packed layer count, "detail": ...}), or None if it was not asked."""
+    return getattr(model, _PREPARED, None)
+
+
+def why_not_packed(dtype: torch.dtype) -> str | None:
+    """None if prepare packs weights of `dtype` on this machine, else the reason it does not."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return "this PyTorch build has no oneDNN linear ops (torch.ops.mkldnn._linear_pointwise)"
+    if dtype == torch.float32:
+        return None
+    if dtype == torch.bfloat16:
+        return None if native_bf16() else "this CPU has no native bfloat16 (avx512_bf16 or AMX): use float32"
+    return f"no packed path for {dtype}: prepare packs float32, and bfloat16 on CPUs with native bf16"
+
+
+def native_bf16() -> bool:
+    """True where oneDNN runs bfloat16 matrix products natively on this CPU (avx512_bf16 or AMX)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+# -- one layer ------------------------------------------------------------------------------------------------------------
+def _packable(module, dtype) -> bool:
+    if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
+        return False
+    weight = module.weight
+    return weight.device.type == "cpu" and weight.dtype == dtype and weight.dim() == 2
+
+
+def _pack(module) -> None:
+    weight = module.weight
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    setattr(module, _PACKED, (packed, weight._version, weight.data_ptr()))
+
+
+def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    if torch.is_grad_enabled() and weight.requires_grad or x.dtype != weight.dtype or x.device.type != "cpu":
+        return F.linear(x, weight, self.bias)          # training, or an input the packed weight does not fit
+    packed, version, pointer = getattr(self, _PACKED)
+    if weight._version != version or weight.data_ptr() != pointer:     # changed since prepare: pack again
+        _pack(self)
+        packed = getattr(self, _PACKED)[0]
+    bias = None if self.bias is None else self.bias.detach()
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _mark(model, layers: int, detail: str) -> None:
+    model.__dict__[_PREPARED] = {"layers": layers, "detail": detail}

@@ -1,0 +1,129 @@
+"""`prepare(model)`: packed linear weights. Lossless within the prepared configuration (spec_adapt on a prepared model
+against stock generate on the same prepared model), undoable, never stale."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import spec_adapt
+from spec_adapt import FixedLength, PromptLookupDrafter
+from spec_adapt.prepare import prepare, prepared, unprepare, why_not_packed
+
+from conftest import PAD, Oracle, ragged_batch, spec_generate, stock_greedy, tiny_model
+
+needs_packing = pytest.mark.skipif(why_not_packed(torch.float32) is not None, reason="no oneDNN linear ops")
+
+
+def prepared_model(arch: str, seed: int = 0):
+    return prepare(tiny_model(arch, seed))
+
+
+@needs_packing
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])      # qwen2: q, k, v carry biases
+def test_prepare_packs_linears_and_unprepare_restores(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 90, (2, 7))
+    with torch.no_grad():
+        for module in model.modules():              # initialised to zero: make them count
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_()
+        eager = model(ids).logits
+        prepare(model)
+        info = prepared(model)
+        assert info["layers"] == 2 * 7 + 1          # q, k, v, o, gate, up, down per layer, and the LM head
+        packed = model(ids).logits
+        unprepare(model)
+        again = model(ids).logits
+    torch.testing.assert_close(packed, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, eager)
+    assert prepared(model) is None and not any("forward" in m.__dict__ for m in model.modules())
+
+
+@needs_packing
+def test_prepare_is_idempotent_and_keeps_state_dict():
+    model = tiny_model("qwen2")
+    keys = set(model.state_dict())
+    prepare(model)
+    prepare(model)
+    assert set(model.state_dict()) == keys
+
+
+@needs_packing
+def test_weight_changed_after_prepare_is_packed_again():
+    """A stale packed copy would silently compute with old weights."""
+    model = prepare(tiny_model("llama"))
+    other = tiny_model("llama", seed=5)
+    ids = torch.randint(3, 90, (1, 6))
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, other(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@needs_packing
+def test_training_runs_eagerly_with_gradients():
+    model = prepare(tiny_model("llama")).train()
+    loss = model(torch.randint(3, 90, (1, 5))).logits.sum()
+    loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_unsupported_dtype_warns_and_leaves_the_model():
+    model = tiny_model("llama").to(torch.float16)
+    with pytest.warns(RuntimeWarning, match="float16"):
+        prepare(model)
+    assert prepared(model)["layers"] == 0
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_bf16_packs_only_with_native_bf16(monkeypatch):
+    import spec_adapt.prepare as p
+
+    monkeypatch.setattr(p, "native_bf16", lambda: False)
+    model = tiny_model("llama").to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare(model)
+    assert prepared(model)["layers"] == 0 and "native bfloat16" in str(caught[0].message)
+
+
+@needs_packing
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prepared_greedy_identity_scripted(arch, batch):
+    """The greedy-identity suite on a prepared model: right, wrong, right for j tokens, per row different."""
+    model = prepared_model(arch)
+    ids, mask = ragged_batch(batch, seed=11)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None)
+    for modes in (["right"], ["wrong"], [2, "right", "wrong"], [1, 3, 0]):
+        oracle = Oracle(reference, mask, modes)
+        out, stats = spec_generate(model, ids, mask, oracle.drafter(), FixedLength(4))
+        assert torch.equal(out, reference), modes
+        assert stats.fallback is None
+
+
+@needs_packing
+def test_prepared_identity_with_a_prepared_draft_model_and_lookup():
+    target, draft = prepared_model("llama"), prepared_model("llama", seed=3)
+    ids, mask = ragged_batch(3, seed=12)
+    reference = stock_greedy(target, ids, mask, eos_token_id=None)
+    for drafter in (draft, PromptLookupDrafter(2, 1)):
+        out, _ = spec_generate(target, ids, mask, drafter, spec_adapt.Adaptive())
+        assert torch.equal(out, reference)
+
+
+@needs_packing
+def test_prepared_sampling_is_seeded_like_stock_per_configuration():
+    """Sampling on a prepared model: the same seed gives the same sample twice (the statistical test of the target's
+    distribution runs on the accept rule, which prepare does not touch)."""
+    model = prepared_model("llama")
+    ids, mask = ragged_batch(2, seed=13)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=12,
+                                   pad_token_id=PAD, custom_generate=spec_adapt.generate,
+                                   drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(3)))
+    assert torch.equal(outs[0], outs[1])
