@@ -18,7 +18,7 @@ from .drafters import ChainDrafter, Drafter, ModelDrafter, PromptLookupDrafter, 
 from .drafters.offload import DraftOffload
 from .metrics import SpecStats, last_stats
 from .policies import Adaptive, ChainScheduler, FixedLength, Policy
-from .prepare import prepare, unprepare
+from .execution import prepare, unprepare
 from .serving import Engine, MemoryBudget
 from .verifiers import EarlyExitVerifier, FullVerifier
 

@@ -10,7 +10,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import FixedLength, PromptLookupDrafter
-from spec_adapt.prepare import prepare, prepared, unprepare, why_not_packed
+from spec_adapt.execution import eager, prepare, prepared, unprepare, why_not_packed
 
 from conftest import PAD, Oracle, ragged_batch, spec_generate, stock_greedy, tiny_model
 
@@ -23,22 +23,32 @@ def prepared_model(arch: str, seed: int = 0):
 
 @needs_packing
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])      # qwen2: q, k, v carry biases
-def test_prepare_packs_linears_and_unprepare_restores(arch):
+def test_prepare_packs_linears_and_unprepare_restores(arch, monkeypatch):
+    import spec_adapt.execution as p
+
+    calls = []
+    packed_linear = p._packed_linear
+    monkeypatch.setattr(p, "_packed_linear", lambda *a: calls.append(1) or packed_linear(*a))
     model = tiny_model(arch)
     ids = torch.randint(3, 90, (2, 7))
     with torch.no_grad():
         for module in model.modules():              # initialised to zero: make them count
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_()
-        eager = model(ids).logits
+        eager_logits = model(ids).logits
         prepare(model)
         info = prepared(model)
         assert info["layers"] == 2 * 7 + 1          # q, k, v, o, gate, up, down per layer, and the LM head
         packed = model(ids).logits
+        assert len(calls) == info["layers"]                 # every packed layer ran its packed path
+        with eager(model):
+            bypassed = model(ids).logits
+        assert len(calls) == info["layers"]                 # none did inside `eager`
+        assert torch.equal(model(ids).logits, packed)
         unprepare(model)
         again = model(ids).logits
-    torch.testing.assert_close(packed, eager, rtol=1e-4, atol=1e-4)
-    assert torch.equal(again, eager)
+    torch.testing.assert_close(packed, eager_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, eager_logits) and torch.equal(bypassed, eager_logits)
     assert prepared(model) is None and not any("forward" in m.__dict__ for m in model.modules())
 
 
@@ -79,7 +89,7 @@ def test_unsupported_dtype_warns_and_leaves_the_model():
 
 
 def test_bf16_packs_only_with_native_bf16(monkeypatch):
-    import spec_adapt.prepare as p
+    import spec_adapt.execution as p
 
     monkeypatch.setattr(p, "native_bf16", lambda: False)
     model = tiny_model("llama").to(torch.bfloat16)

@@ -1,5 +1,5 @@
-"""`prepare(model)`: run a model's linear layers the way their hardware wants, so a multi-token forward costs close to
-what its memory traffic needs. `unprepare(model)` restores it.
+"""The execution step, `prepare(model)`: run a model's linear layers the way their hardware wants, so a multi-token
+forward costs close to what its memory traffic needs. `unprepare(model)` restores it.
 
 Why it matters for speculation: on a CPU, eager PyTorch multiplies a [rows, in] input by a plain [out, in] weight. For
 one row that is a matrix-vector product straight from the weight; for two or more rows oneDNN/MKL first repacks the
@@ -26,6 +26,7 @@ the same prepared model, never across prepared and unprepared.
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 _PACKED = "_spec_adapt_packed"          # (packed weight, weight version, weight data pointer) on a prepared layer
 _PREPARED = "_spec_adapt_prepared"      # what prepare did, on the model
+_SWITCH = "_spec_adapt_switch"          # {"on": bool}, shared by a model's packed layers (see `eager`)
 
 
 def prepare(model: torch.nn.Module, dtype_check: bool = True) -> torch.nn.Module:
@@ -51,15 +53,32 @@ def prepare(model: torch.nn.Module, dtype_check: bool = True) -> torch.nn.Module
         warnings.warn(f"spec_adapt.prepare: {reason}; the model runs unchanged.", RuntimeWarning, stacklevel=2)
         _mark(model, 0, reason)
         return model
-    count = 0
+    count, switch = 0, {"on": True}
     with torch.no_grad():
         for module in model.modules():
             if _packable(module, param.dtype):
                 _pack(module)
+                module.__dict__[_SWITCH] = switch
                 module.forward = types.MethodType(_packed_forward, module)
                 count += 1
     _mark(model, count, f"{count} linear layers packed for oneDNN ({str(param.dtype).removeprefix('torch.')})")
+    model.__dict__[_PREPARED]["switch"] = switch
     return model
+
+
+@contextlib.contextmanager
+def eager(model: torch.nn.Module):
+    """Run a prepared model eagerly inside the block (the packed copies stay): what the model did before `prepare`,
+    without packing it again after. Benchmarks time both configurations in one process this way."""
+    switch = (prepared(model) or {}).get("switch")
+    if switch is None:
+        yield model
+        return
+    switch["on"] = False
+    try:
+        yield model
+    finally:
+        switch["on"] = True
 
 
 def unprepare(model: torch.nn.Module) -> torch.nn.Module:
@@ -68,6 +87,7 @@ def unprepare(model: torch.nn.Module) -> torch.nn.Module:
         if hasattr(module, _PACKED):
             delattr(module, _PACKED)
             module.__dict__.pop("forward", None)
+            module.__dict__.pop(_SWITCH, None)
     model.__dict__.pop(_PREPARED, None)
     return model
 
@@ -111,15 +131,20 @@ def _pack(module) -> None:
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
-    if torch.is_grad_enabled() and weight.requires_grad or x.dtype != weight.dtype or x.device.type != "cpu":
+    if not self.__dict__[_SWITCH]["on"] or torch.is_grad_enabled() and weight.requires_grad \
+            or x.dtype != weight.dtype or x.device.type != "cpu":
         return F.linear(x, weight, self.bias)          # training, or an input the packed weight does not fit
     packed, version, pointer = getattr(self, _PACKED)
     if weight._version != version or weight.data_ptr() != pointer:     # changed since prepare: pack again
         _pack(self)
         packed = getattr(self, _PACKED)[0]
     bias = None if self.bias is None else self.bias.detach()
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    out = _packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _packed_linear(x, packed, bias, *args):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, *args)
 
 
 def _mark(model, layers: int, detail: str) -> None:
