@@ -13,8 +13,8 @@ from spec_adapt.tools.models import is_distilled, load_distilled_draft
 from spec_adapt.tools.synthetic import truncated_copy
 
 model, tok = load_model()
-# The distilled 4-layer draft if you made one (README: Multi-level chains), else a stand-in: the first 8 layers.
-DRAFT = "results/draft-4l-v2"
+# The draft distill_draft writes (docs/drafters.md), if you made one, else a stand-in: the first 8 layers.
+DRAFT = "results/draft"
 middle = load_distilled_draft(model, DRAFT) if is_distilled(DRAFT) else truncated_copy(model, 8)
 chain = ChainDrafter([PromptLookupDrafter(3, 2), middle])
 scheduler = ChainScheduler(chain)

@@ -8,6 +8,8 @@ accepted) are saved for the policy lab.
 
 Configuration names:
   target                        stock `generate`, target only (always included: the baseline)
+  target-eager                  stock `generate` on the model as it was before `spec_adapt.prepare` (with --prepare:
+                                the speedup over what the user had; identity is not judged across the two)
   none:fixed0                   spec_adapt's loop with no drafter (its overhead over stock generate; use --ignore-eos)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
@@ -44,7 +46,7 @@ class Cell:
     row_steps: int = 0
     step_tokens: int = 0
     per_position: list[list[int]] = field(default_factory=list)   # [drafted, accepted] per position
-    identical: bool = True
+    identical: bool | None = True     # None: a configuration identity is not judged against (target-eager)
     trace: list[dict] = field(default_factory=list)
     choices: list[tuple] = field(default_factory=list)     # a ChainScheduler's (batch size, chain, W) per step
     draft_seconds: float = 0.0     # drafting time of the steps that drafted
@@ -93,6 +95,17 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
         common["eos_token_id"] = None
     if name == "target":
         return lambda enc: (model.generate(**enc, **common), None)
+    if name == "target-eager":
+        from spec_adapt.execution import eager, prepared
+
+        if not prepared(model):
+            return None
+
+        def unprepared(enc):
+            with eager(model):
+                return model.generate(**enc, **common), None
+
+        return unprepared
     if name == "hf-lookup":
         return lambda enc: (model.generate(**enc, **common, prompt_lookup_num_tokens=10), None)
     if name == "hf-assisted":
@@ -239,7 +252,7 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
         eos = None if ignore_eos else tok.eos_token_id
         row = time_interleaved(runnable, batches, repeats, batch,
                                count=lambda enc, out: _count_new(out[:, enc["input_ids"].shape[1]:], eos),
-                               desc=f"B={batch}", progress=progress)
+                               desc=f"B={batch}", progress=progress, unchecked={"target-eager"})
         for name, fn in runnable.items():   # warm-up included: the scheduler's choices from its first step
             row[name].choices = list(getattr(getattr(fn, "policy", None), "history", None) or [])
             row[name].warm = getattr(fn, "warm", None)
@@ -270,27 +283,35 @@ def _policy_file(folder, name: str, batch: int, fn, load: bool) -> bool | None:
 
 
 def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, count, desc: str = "",
-                     progress: bool = True) -> dict[str, Cell]:
+                     progress: bool = True, unchecked=frozenset()) -> dict[str, Cell]:
     """The one timing harness of every benchmark. `fns`: name -> fn(input) -> (output, SpecStats | None); the first
-    is the reference the others' outputs must equal. After a warm-up on inputs[0], each of `repeats` rounds runs
-    every input through every fn in turn (interleaved, so machine noise hits all of them alike) and records per fn
-    the round's seconds and tokens (`count(input, output)`: the one way tokens are counted)."""
+    is the reference the others' outputs must equal (except those named in `unchecked`, another execution
+    configuration). After a warm-up on inputs[0], each of `repeats` rounds runs every input through every fn in turn
+    (interleaved, so machine noise hits all of them alike) and records per fn the round's seconds and tokens
+    (`count(input, output)`: the one way tokens are counted). The progress bar ticks once per call."""
     from tqdm import tqdm
 
-    cells = {name: Cell(name, batch_size) for name in fns}
-    for fn in fns.values():
+    cells = {name: Cell(name, batch_size, identical=None if name in unchecked else True) for name in fns}
+    bar = tqdm(total=len(fns) * (1 + repeats * len(inputs)), desc=desc, disable=not progress)
+    for name, fn in fns.items():
+        bar.set_postfix_str(f"warm-up {name}")
         fn(inputs[0])
-    for _ in tqdm(range(repeats), desc=desc, disable=not progress):
+        bar.update()
+    for _ in range(repeats):
         elapsed = dict.fromkeys(fns, 0.0)
         produced = dict.fromkeys(fns, 0)
         for item in inputs:
             reference = None
             for name, fn in fns.items():
+                bar.set_postfix_str(name)
                 start = time.perf_counter()
                 out, stats = fn(item)
                 elapsed[name] += time.perf_counter() - start
+                bar.update()
                 produced[name] += count(item, out)
-                if reference is None:
+                if name in unchecked:
+                    pass
+                elif reference is None:
                     reference = out
                 elif not torch.equal(out, reference):
                     cells[name].identical = False
@@ -299,6 +320,7 @@ def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, cou
         for name in fns:
             cells[name].times.append(elapsed[name])
             cells[name].tokens.append(produced[name])
+    bar.close()
     return cells
 
 
@@ -315,15 +337,18 @@ def _count_new(new: torch.Tensor, eos_id) -> int:
 
 def summarize(cells: list[Cell]) -> list[dict]:
     base = {c.batch_size: c for c in cells if c.config == "target"}
+    eager = {c.batch_size: c for c in cells if c.config == "target-eager"}
     out = []
     for c in cells:
         rates = [n / t for n, t in zip(c.tokens, c.times)]
         speedups = [b / t for b, t in zip(base[c.batch_size].times, c.times)]
+        versus_eager = [b / t for b, t in zip(eager[c.batch_size].times, c.times)] if c.batch_size in eager else None
         out.append({
             "config": c.config, "batch_size": c.batch_size,
             "tok_s": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
             "ms_per_token": 1000 * statistics.median(t / n for n, t in zip(c.tokens, c.times)),
             "speedup": statistics.median(speedups), "speedup_min": min(speedups), "speedup_max": max(speedups),
+            "speedup_vs_eager": statistics.median(versus_eager) if versus_eager else None,
             "alpha": c.accepted / c.drafted if c.drafted else None,
             "acceptance_length": c.step_tokens / c.row_steps if c.row_steps else None,
             "per_position_acceptance": [a / d if d else 0.0 for d, a in c.per_position],
@@ -389,16 +414,19 @@ def _plot(summary: list[dict], out_dir: Path, meta: dict) -> None:
 
 
 def print_table(summary: list[dict]) -> None:
-    print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} {'alpha':>6} {'acc.len':>7} "
-          f"{'c':>5} {'γ=0':>5} identical")
+    eager = any(s.get("speedup_vs_eager") is not None for s in summary)
+    print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} " + ("vs eager " if eager else "")
+          + f"{'alpha':>6} {'acc.len':>7} {'c':>5} {'γ=0':>5} identical")
     for s in summary:
         alpha = f"{s['alpha']:.2f}" if s["alpha"] is not None else "-"
         length = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] is not None else "-"
         ratio = f"{s['c']:.2f}" if s.get("c") is not None else "-"
         plain = f"{s['plain_step_share']:.0%}" if s.get("plain_step_share") is not None else "-"
         spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
+        versus = (f"{s['speedup_vs_eager']:>7.2f}x " if s.get("speedup_vs_eager") else f"{'-':>8} ") if eager else ""
+        same = "n/a" if s["identical"] is None else s["identical"]
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
-              f"{alpha:>6} {length:>7} {ratio:>5} {plain:>5} {s['identical']}")
+              f"{versus}{alpha:>6} {length:>7} {ratio:>5} {plain:>5} {same}")
     for s in summary:
         if s.get("chains_chosen"):
             print(f"chains chosen by {s['config']} at B={s['batch_size']}: " + "; ".join(

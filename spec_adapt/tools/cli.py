@@ -9,22 +9,20 @@ import torch
 from spec_adapt.tools.synthetic import truncated_copy
 
 
-# The demo's configurations per model: stock generate (the baseline, always first), stock assisted generation where
-# a draft model exists, and spec_adapt's best adaptive configuration as measured by `spec-adapt bench` (README).
+# The demo's configurations per model: stock generate (the baseline, always first), stock assisted generation or
+# prompt lookup, and spec_adapt's configuration (docs/benchmarks.md has the measurements behind the choice).
 DEMOS = {
-    "smollm2-135m": dict(draft=None, configs=["target", "hf-lookup", "suffix:heuristic4"], batch_sizes=[1, 4],
-                         prompts=4, new_tokens=64, repeats=2, dtype="float32", code="humaneval"),
-    # bf16: on this class of CPU (AMX) the 1.5B runs 2.5x faster than in fp32 and verifying 4 tokens costs about one
-    # (fp32 verification is compute-bound here, and the 0.5B draft cannot pay: README, the real pair).
+    "smollm2-135m": dict(draft=None, configs=["target", "hf-lookup", "suffix:adaptive"], batch_sizes=[1, 4],
+                         prompts=4, new_tokens=64, repeats=1, code="humaneval"),
     "qwen2.5-coder-1.5b": dict(draft="qwen2.5-coder-0.5b", configs=["target", "hf-assisted", "draft:adaptive"],
-                               batch_sizes=[1, 4], prompts=4, new_tokens=32, repeats=1, dtype="bfloat16",
-                               code="humaneval-chat"),
+                               batch_sizes=[1, 4], prompts=4, new_tokens=32, repeats=1, code="humaneval-chat"),
 }
 
 
 def demo(args) -> None:
     """Stock generate vs stock speculation vs spec_adapt on HumanEval and ShareGPT prompts, through the one bench
     harness (interleaved repeats, identity against stock generate, one way of counting tokens)."""
+    from spec_adapt import prepare
     from spec_adapt.tools import bench as b
     from spec_adapt.tools.models import known, load_model
     from spec_adapt.recipes import workloads
@@ -32,10 +30,17 @@ def demo(args) -> None:
     name = next(k for k, v in DEMOS.items() if known(k) == known(args.model))
     plan = DEMOS[name]
     torch.manual_seed(0)
-    dtype = getattr(torch, plan["dtype"])
-    print(f"Loading {name} ({plan['dtype']})" + (f" with the draft {plan['draft']}" if plan["draft"] else "") + "...")
-    model, tok = load_model(name, dtype=dtype)
-    draft = load_model(plan["draft"], dtype=dtype)[0] if plan["draft"] else None
+    print(f"CPU: {cpu_name()}")
+    print(f"Loading {name}" + (f" with the draft {plan['draft']}" if plan["draft"] else "") + "...")
+    model, tok = load_model(name, dtype=torch.float32)
+    draft = load_model(plan["draft"], dtype=torch.float32)[0] if plan["draft"] else None
+    dtype, why = choose_dtype(model, args.prepare)
+    print(f"dtype: {str(dtype).removeprefix('torch.')}" + (" (prepared)" if args.prepare else "") + f": {why}")
+    if dtype != torch.float32:
+        model, draft = model.to(dtype), draft.to(dtype) if draft is not None else None
+    if args.prepare:
+        model, draft = prepare(model), prepare(draft) if draft is not None else None
+    plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
     summaries = {}
     for label, workload in (("HumanEval", plan["code"]), ("ShareGPT", "sharegpt")):
         ds = workloads.with_inputs(workloads.load(workload, plan["prompts"]), tok)
@@ -46,13 +51,53 @@ def demo(args) -> None:
     for label, summary in summaries.items():
         print(f"\n--- {label} ---")
         b.print_table(summary)
-    print(f"\nspeedup = stock generate's time / the configuration's, same prompts, measured now on this machine; "
-          f"'identical' = token-for-token equal to stock generate. Configurations: {', '.join(plan['configs'])} "
-          "(see spec_adapt/bench.py for the names).")
-    if plan["dtype"] == "bfloat16":
+    print(f"\nspeedup = stock generate's time / the configuration's, same prompts, measured now on this machine"
+          + ("; 'vs eager' = against stock generate on the model before spec_adapt.prepare" if args.prepare else "")
+          + f"; 'identical' = token-for-token equal to stock generate on the same model. Configurations: "
+          f"{', '.join(plan['configs'])} (spec_adapt/tools/bench.py names them).")
+    if dtype == torch.bfloat16:
         print("bf16: one-token decoding (stock generate) and any multi-token verification (stock assisted "
               "generation included) can break a tie between two logits 1 bf16 ulp apart differently, so a bf16 run "
               "may differ from stock at such a tie; fp32 runs are token-identical (tests/real).")
+
+
+def choose_dtype(model, prepared: bool):
+    """float32, or bfloat16 where this CPU runs it natively and a short timing finds it faster: (dtype, why)."""
+    import copy
+    import time
+
+    from spec_adapt.execution import native_bf16, prepare
+
+    if model.device.type != "cpu":
+        return torch.bfloat16, "a GPU runs bfloat16 natively"
+    if not native_bf16():
+        return torch.float32, "this CPU has no native bfloat16 (no avx512_bf16 or AMX), where bfloat16 is emulated"
+
+    def step_ms(m) -> list[float]:
+        ids = torch.randint(100, 1000, (1, 128))
+        out = []
+        for width in (1, 4):
+            m(ids)                                   # warm-up
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                m(torch.cat([ids, ids[:, :width]], dim=1))
+                times.append(time.perf_counter() - start)
+            out.append(1000 * sorted(times)[1])
+        return out
+
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    if prepared:
+        prepare(model), prepare(half)
+    full_ms, half_ms = step_ms(model), step_ms(half)
+    if prepared:
+        from spec_adapt import unprepare
+
+        unprepare(model)
+    del half
+    chosen = torch.bfloat16 if sum(half_ms) < sum(full_ms) else torch.float32
+    return chosen, (f"native bfloat16 here; timed a 128-token forward plus 1 and 4 tokens: bfloat16 "
+                    f"{half_ms[0]:.0f}/{half_ms[1]:.0f} ms, float32 {full_ms[0]:.0f}/{full_ms[1]:.0f} ms")
 
 
 def bench(args) -> None:
@@ -65,6 +110,12 @@ def bench(args) -> None:
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
     draft = _draft(model, args)
+    if args.prepare:
+        from spec_adapt import prepare
+
+        model, draft = prepare(model), prepare(draft) if draft is not None else None
+        args.configs = [c for c in args.configs if c != "target-eager"]
+        args.configs.insert(1 if "target" in args.configs else 0, "target-eager")
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
     from spec_adapt.tools.profiling import LatencyTable
@@ -76,6 +127,7 @@ def bench(args) -> None:
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
+            "prepared": args.prepare, "cpu": cpu_name(),
             **_draft_meta(draft, args), "policy_state": args.policy_state, "new_tokens": args.new_tokens,
             "prompts": len(prompts), "repeats": args.repeats,
             "command": "spec-adapt " + " ".join(args.argv)}
@@ -108,6 +160,18 @@ def serve_bench_cmd(args) -> None:
     rows = sb.write(results, out, meta)
     sb.print_table(rows)
     print(f"\nwrote {out}/summary.json, timeline.json, serve.png")
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its bf16 / AMX flags (every benchmark names the machine it ran on)."""
+    import platform
+    import re
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"model name\s*:\s*(.*)", info)
+    flags = sorted(set(re.findall(r"\b(amx\w*|avx512_bf16|avx512_vnni)\b", info)))
+    return f"{model.group(1).strip() if model else platform.processor()} [{' '.join(flags) or 'no bf16/AMX flags'}]"
 
 
 def _draft_meta(draft, args) -> dict:
@@ -279,6 +343,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("demo", help="the real pair on HumanEval + ShareGPT: stock generate, stock speculation, spec_adapt")
     p.add_argument("--model", default="qwen2.5-coder-1.5b", help="qwen2.5-coder-1.5b (with its 0.5B draft) or "
                    "smollm2-135m (the fast demo)")
+    p.add_argument("--no-prepare", dest="prepare", action="store_false",
+                   help="run the models eagerly (default: spec_adapt.prepare on target and draft)")
     p.set_defaults(func=demo)
     p = sub.add_parser("bench", help="configurations side by side on a workload (see spec_adapt/bench.py)")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat (HumanEval as a user message, for instruct models) or mixed")
@@ -297,6 +363,8 @@ def main(argv=None) -> None:
     p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
+    p.add_argument("--prepare", action="store_true", help="spec_adapt.prepare target and draft; adds target-eager "
+                   "(stock generate on the unprepared model) beside target (stock generate on the prepared one)")
     p.add_argument("--policy-state", help="a folder: each cell's policy starts from the state a previous run saved "
                    "there (warm; cold if none) and is saved there afterwards")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
