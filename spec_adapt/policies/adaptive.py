@@ -1,65 +1,14 @@
-"""Adaptive: the library's default policy. A cost model picks the draft width, a small bandit corrects what the model
-cannot predict, and speculation switches off, and stays cheap to probe, where it does not pay.
+"""Adaptive: the library's default policy. A cost model picks the draft width from the acceptance it counts and the
+step times it measures, and switches speculation off, with probes that back off, where it does not pay.
 
-Per step, for the active batch of B rows (every choice below is measured in the lab and in `spec-adapt bench`):
-
-1. Tokens: E_b(s) = 1 + sum_{i<=s} prod_{j<=i} p_{b,j}, with p_{b,j} = P(draft j accepted | j - 1 accepted, j asked):
-   per-position counts decayed per row-observation, pooled over everything seen, and per row (this call) shrunk
-   towards the pooled estimate. "Asked", not "drafted": a prompt lookup that proposes nothing counts as a miss,
-   so E already includes the drafter's fill. Acceptance comes in bursts (a suffix or lookup match runs on for
-   many tokens; on recorded HumanEval traces the heuristic's +2/-1 beat every fixed width for that reason), so
-   every count is kept apart by the row's state after its last step: plain (or new), drafted with a rejection,
-   or drafted with everything accepted. ("Plain" is its own state: after plain steps the text has moved on, and
-   lumping it in with "just rejected" kept a row plain long after its last miss.)
-2. Time: T(B, s) = the whole step (drafting included): per B's bucket (powers of two), the EMA of the steps that
-   asked s, once seen three times (step time is not linear in s: on this CPU verifying 3 tokens at B = 1 costs 20%
-   more than 2; and what a batch asked s really verifies depends on the drafter's fill), else a least-squares line
-   a + d w over the bucket's recent drafting steps at their widest proposal w, with w = s x the measured span
-   (plain steps stay out of the line: 128 of them in a row pushed every drafting width out of its window, and the
-   optimistic prior below came back). One fit per bucket: a single fit over all B (a + bB + cBs + ds) learned at B = 1 alone
-   extrapolates wildly to B = 16 (the lab caught it). A profiled `LatencyTable` stands in until a bucket's fit is
-   ready, else a cautious prior, T(B, s) / T(B, 0) = 1 + (0.1 + 0.02 B) s, so first steps draft little at large B.
-3. Width: s* = argmax_s N(s) / T(B, s), N(s) = sum_b E_b(s) for an open batch (serving: throughput). A closed batch
-   (a generate call: no row joins, it ends with its slowest row) counts N(s) = sum_b r_b / max_b (r_b / E_b(s)),
-   r_b the rows' remaining budgets: drafts for rows that end early anyway do not shorten the call (`batch_tokens`;
-   `closed_batches=False` counts throughput there too, the behaviour before session 8). Time is measured per
-   (bucket, asked width, burst or not), as
-   Nightjar keeps its arms per batch-size context; tokens come from the acceptance model, so a width is judged
-   from the first step it runs (an arm's mean goodput needs many, and a multiplicative goodput correction learned
-   that way condemned good widths after one unlucky stretch on the recorded traces: tried and removed).
-4. Switching cost: after plain steps a draft model must first catch up (Nightjar's c_prefill), and a draft model
-   starts every call with the whole prompt to catch up on (it is not prefilled: a call kept plain never runs it).
-   Steps that had a lag beyond the usual teach a per-bucket line, catch-up seconds = a + d x lag, kept out of T
-   (before one is seen, a profiled table's c_prefill(L, B) stands in); re-enabling speculation is charged the
-   predicted time for the current lag spread over the steps it can still pay off: the rows' remaining tokens /
-   E(s), at most `horizon`. (A fixed 8 steps let 32-token calls on the real pair pay a 1.1 s catch-up of the prompt
-   at batch 4 that their ~12 drafting steps could never earn back.)
-5. Exploration, only where it is cheap: with probability `explore` a neighbouring width (s* +- 1) whose predicted
-   goodput is within `explore_margin` of the best. It also gives the fit the second width it needs.
-6. Plain decoding is a first-class answer (s* = 0), and it does not deadlock: after `probe_gap` plain steps in a row
-   the best speculative width runs once. A probe that loses to a plain step (its catch-up included: on the real pair
-   a probe's catch-up of the whole prompt at batch 4 cost more than the call's drafts could save) doubles the gap,
-   up to `max_probe_gap`; one that wins resets it. An always-wrong draft thus costs a few steps, then ~1/256 of them.
-   A probe that must first pay a catch-up waits until that catch-up is at most `probe_budget` of the plain time
-   since the last probe (a 1.1 s catch-up at 0.145 s plain steps: one probe per ~760 steps, not per 16); a catch-up
-   never measured counts as one plain step per lag token, the most a draft smaller than the target can cost, so a
-   cold policy does not probe a draft model through a whole prompt (it drafts where the prediction says so).
-7. The baseline is measured, not extrapolated: the first `baseline_steps` steps in each batch-size bucket are plain,
-   so T(B, 0) is this bucket's own plain step (the line fit through drafting steps overestimated it at B = 16).
-8. Per row (B > 1): a row whose expected gain at the chosen width is below `row_floor` tokens gets 0 (a hopeless
-   row's long wrong proposal would otherwise widen the whole batch); every `probe_every` steps all rows draft again.
-   At B = 1 the width decision is the row's decision already.
-9. Batch shape: when rows finish, the target's batch keeps spare rows (their outputs dropped) where a bigger batch
-   ran faster on this machine: the target forward's time is measured per (rows it ran, widest proposal), and the batch
-   keeps the size between the live rows and the rows it holds whose time is lowest for the mix of widths it runs
-   (weighted by how often it ran each), the smallest within `shape_margin` of it; a size not measured yet is not
-   kept, and the live size is measured first (the first call compacts). Stock
-   generate keeps finished rows to the end; on the 2-core CPU SmolLM2 ran a one-token step in 97 ms at batch 4,
-   158 ms at 3 and 113 ms at 2 (`python benchmarks/batch_shape.py`), so retiring rows lost to it at batch 4.
-
-Learning carries over: `save(path)` / `Adaptive.load(path)` (JSON), and `to_vllm_schedule()` exports the widths it
-would choose per batch size as vLLM's per-batch-size schedule. Decisions are list arithmetic over [B, s] (no model
-calls); `spec-adapt lab` reports their time.
+Per step, for the active batch: E_b(s), the tokens row b commits at width s, from per-position acceptance counts kept
+per row and per burst state (last step plain, rejected, or fully accepted); T(B, s), the step time at batch size B,
+measured per batch-size bucket and asked width (a line fit, a profiled `LatencyTable` or a cautious prior until
+then); the width s* = argmax N(s) / T(B, s), where N(s) sums E_b(s) for an open batch (serving) and, for a closed
+batch (one generate call, which ends with its slowest row), is the batch's remaining tokens over the steps its
+slowest row still needs (`batch_tokens`). A draft model's catch-up after plain steps is charged to the widths that
+would pay it; hopeless rows get width 0; spare rows keep the batch shape the hardware runs fastest.
+docs/policies.md explains each rule and the measurements behind it.
 """
 
 from __future__ import annotations
