@@ -1,27 +1,123 @@
-"""Per-forward cost of the real pair on this machine: the 1.5B target at widths 1/2/4/8 (cached context of 150
-tokens) and the 0.5B draft at width 1, batch 1 and 4, median of 7.
+"""The cost curve: milliseconds per forward against tokens fed, for the target and the draft, eager and prepared
+(`spec_adapt.prepare`), at several batch sizes, over a cached context. Median of `--repeats` forwards, eager and
+prepared interleaved per point (the prepared model runs eagerly inside `spec_adapt.execution.eager`). Each forward
+projects every fed position onto the vocabulary, as a verification does.
 
-    python benchmarks/forward_costs.py float32
-    python benchmarks/forward_costs.py bfloat16
+    python benchmarks/forward_costs.py --dtype float32 --out results/cost-curve-qwen-float32
+
+Writes <out>/costs.json and <out>/costs.png, and prints the table with the CPU it ran on.
 """
-import time, torch, sys
-from spec_adapt.tools.models import load_model
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
 from transformers import DynamicCache
-dt = getattr(torch, sys.argv[1])
-tgt, tok = load_model("qwen2.5-coder-1.5b", dtype=dt)
-dr, _ = load_model("qwen2.5-coder-0.5b", dtype=dt)
-ids = torch.randint(100, 5000, (1, 150))
-def bench(m, w, n=7, b=1):
-    with torch.no_grad():
-        x0 = ids.repeat(b, 1)
-        c = DynamicCache(config=m.config); m(x0, past_key_values=c, use_cache=True)
-        ts=[]
-        for i in range(n):
-            x = torch.randint(100, 1000, (b, w))
-            t=time.perf_counter(); m(x, past_key_values=c, use_cache=True, logits_to_keep=w); ts.append(time.perf_counter()-t)
-            c.crop(-w)
-    return sorted(ts)[n//2]
-for b in (1, 4):
-    r = {w: bench(tgt, w, b=b) for w in (1, 2, 4, 8)}
-    d = bench(dr, 1, b=b)
-    print(sys.argv[1], "B", b, "target", {w: round(v*1000) for w, v in r.items()}, "draft w1", round(d*1000), "c", round(d/r[1], 2))
+
+from spec_adapt import prepare
+from spec_adapt.execution import eager
+from spec_adapt.tools.cli import cpu_name
+from spec_adapt.tools.models import load_model
+
+
+def primed(model, batch: int, context: int) -> DynamicCache:
+    """A cache holding `context` tokens per row (one prefill per model and batch size; forwards crop back to it)."""
+    cache = DynamicCache(config=model.config)
+    model(torch.randint(100, 5000, (batch, context)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def forward_ms(model, cache, width: int, repeats: int, packed: bool) -> float:
+    batch = cache.layers[0].keys.shape[0]
+    times = []
+    for i in range(repeats + 1):
+        tokens = torch.randint(100, 5000, (batch, width))
+        start = time.perf_counter()
+        if packed:
+            model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=width)
+        else:
+            with eager(model):
+                model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=width)
+        if i:                                    # the first is a warm-up
+            times.append(time.perf_counter() - start)
+        cache.crop(-width)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="results/cost-curve")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    dtype = getattr(torch, args.dtype)
+    models = {"target": prepare(load_model(args.target, dtype=dtype)[0])}
+    if args.draft:
+        models["draft"] = prepare(load_model(args.draft, dtype=dtype)[0])
+    points = [(role, b, w) for role in models for b in args.batch_sizes for w in args.widths]
+    rows, caches = [], {}
+    for role, batch, width in tqdm(points, desc="forwards"):
+        if (role, batch) not in caches:
+            caches.clear()                   # one primed cache at a time (B = 16 x 200 tokens of the 1.5B is large)
+            caches[(role, batch)] = primed(models[role], batch, args.context)
+        pair = {}
+        for packed in (False, True):
+            pair["prepared" if packed else "eager"] = forward_ms(models[role], caches[(role, batch)], width,
+                                                                args.repeats, packed)
+        rows.append({"model": role, "batch": batch, "width": width, **pair})
+    meta = {"cpu": cpu_name(), "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
+            "target": args.target, "draft": args.draft, "threads": torch.get_num_threads(),
+            "command": "python benchmarks/forward_costs.py " + " ".join(
+                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in vars(args).items())}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "costs.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"{meta['cpu']}, {args.dtype}, {args.context}-token context, median of {args.repeats}, ms per forward")
+    print(f"{'model':<7} {'B':>3} {'tokens':>6} {'eager':>8} {'prepared':>9} {'ratio':>6}  vs 1 token: eager / prepared")
+    for r in rows:
+        one = next(x for x in rows if x["model"] == r["model"] and x["batch"] == r["batch"] and x["width"] == 1)
+        print(f"{r['model']:<7} {r['batch']:>3} {r['width']:>6} {r['eager']:>8.0f} {r['prepared']:>9.0f} "
+              f"{r['eager'] / r['prepared']:>5.2f}x  {r['eager'] / one['eager']:.2f}x / {r['prepared'] / one['prepared']:.2f}x")
+    plot(rows, meta, out / "costs.png")
+
+
+def plot(rows, meta, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    roles = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(roles), figsize=(6 * len(roles), 4.2), squeeze=False)
+    for ax, role in zip(axes[0], roles):
+        for batch in sorted({r["batch"] for r in rows}):
+            mine = [r for r in rows if r["model"] == role and r["batch"] == batch]
+            widths = [r["width"] for r in mine]
+            line = ax.plot(widths, [r["eager"] for r in mine], linestyle="--", marker="o", label=f"B={batch} eager")
+            ax.plot(widths, [r["prepared"] for r in mine], color=line[0].get_color(), marker="s",
+                    label=f"B={batch} prepared")
+        ax.set(xscale="log", xlabel="tokens fed per row", ylabel="ms per forward", title=f"{role} ({meta['dtype']})")
+        ax.set_xticks(sorted({r["width"] for r in rows}), [str(w) for w in sorted({r["width"] for r in rows})])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(meta["cpu"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

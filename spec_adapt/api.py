@@ -47,6 +47,7 @@ def generate(
     spec_streamer=None,
     acceptor: Acceptor | None = None,
     verifier: Verifier | None = None,
+    strict: bool = False,
     **model_kwargs,
 ):
     """Batched speculative decoding, called by transformers as `model.generate(..., custom_generate=generate)`.
@@ -60,13 +61,15 @@ def generate(
       `streamer=` given to `model.generate` is found and used too).
     - `acceptor`: the accept phase (`spec_adapt.acceptor.Acceptor(kernels="auto" | "off" | "force")`); default Acceptor().
     - `verifier`: the verify phase (`FullVerifier()`, the default, or `EarlyExitVerifier(layers=..., top_k=...)`).
+    - `strict`: True makes a drafter's exception or malformed proposal raise instead of falling back to plain
+      decoding (for developing a drafter: a fallback keeps the output right and hides the bug).
     Greedy output is token-for-token the target's own; sampled output has exactly the target's distribution.
     """
     if stopping_criteria is None:   # called directly rather than through model.generate: let generate prepare
         return model.generate(
             input_ids, generation_config=generation_config, logits_processor=logits_processor,
             custom_generate=generate, drafter=drafter, assistant_policy=assistant_policy, spec_stats=spec_stats,
-            spec_streamer=spec_streamer, acceptor=acceptor, verifier=verifier, **model_kwargs,
+            spec_streamer=spec_streamer, acceptor=acceptor, verifier=verifier, strict=strict, **model_kwargs,
         )
     _check_generation_config(generation_config, synced_gpus)
     attention_mask = model_kwargs.pop("attention_mask", None)
@@ -79,6 +82,12 @@ def generate(
             "text models given input_ids and attention_mask."
         )
     _check_cache(cache)
+    # transformers drops an all-ones mask before calling us and records its width in `_mask_length`.
+    width = attention_mask.shape[-1] if attention_mask is not None else getattr(generation_config, "_mask_length", None)
+    if width is not None and (width != input_ids.shape[1] or (attention_mask is not None
+                                                                and attention_mask.shape[0] != input_ids.shape[0])):
+        raise ValueError(f"attention_mask is {width} tokens wide but input_ids has {input_ids.shape[1]} (and "
+                         f"{input_ids.shape[0]} rows): give one mask entry per token.")
     _check_left_padding(attention_mask)
     drafter = as_drafter(drafter)
     if drafter is not None:
@@ -99,7 +108,7 @@ def generate(
     loop = SpeculativeLoop(
         model, input_ids, attention_mask, drafter=drafter, policy=policy, logits_processor=logits_processor,
         stopping_criteria=stopping_criteria, generation_config=generation_config, streamer=spec_streamer,
-        stats=stats, cache=cache, acceptor=acceptor, verifier=verifier,
+        stats=stats, cache=cache, acceptor=acceptor, verifier=verifier, strict=strict,
     )
     sequences = loop.run()
     set_last_stats(stats)
@@ -166,7 +175,35 @@ def as_drafter(drafter) -> Drafter | None:
     )
 
 
+# Generation options spec_adapt cannot honour exactly, refused by name rather than silently ignored or approximated:
+# (option, is it set?, why and what to do).
+_REFUSED = (
+    ("guidance_scale", lambda v: v is not None and v != 1,
+     "classifier-free guidance keeps its own unconditional cache per generated position, which drafted and rejected "
+     "positions would corrupt: generate without assistant_policy/drafter for guided decoding"),
+    ("dola_layers", lambda v: v is not None, "DoLa decoding contrasts layers at every position: not combined with "
+     "speculation"),
+    ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search is its own decoding method: not "
+     "combined with speculation"),
+    ("num_beam_groups", lambda v: v is not None and v > 1, "group beam search is beam search: set num_beams=1"),
+    ("diversity_penalty", lambda v: v is not None and v > 0, "diversity_penalty belongs to group beam search"),
+    ("constraints", lambda v: bool(v), "constrained beam search is beam search"),
+    ("force_words_ids", lambda v: bool(v), "constrained beam search is beam search"),
+    ("token_healing", lambda v: bool(v), "token healing rewrites the prompt's tail: heal the prompt first, then "
+     "generate"),
+    ("use_mtp", lambda v: bool(v), "multi-token prediction is another speculative method"),
+    ("prompt_lookup_num_tokens", lambda v: v is not None, "that is stock prompt lookup: pass "
+     "drafter=spec_adapt.PromptLookupDrafter() instead"),
+    ("assistant_early_exit", lambda v: v is not None, "that is stock self-speculation: pass a drafter instead"),
+    ("prefill_chunk_size", lambda v: v is not None, "the prompt is prefilled in one forward: leave it unset"),
+)
+
+
 def _check_generation_config(cfg, synced_gpus) -> None:
+    for name, is_set, why in _REFUSED:
+        value = getattr(cfg, name, None)
+        if is_set(value):
+            raise ValueError(f"spec_adapt does not support {name}={value!r}: {why}.")
     if cfg.num_beams is not None and cfg.num_beams > 1:
         raise ValueError("Speculative decoding does not combine with beam search: set num_beams=1.")
     if cfg.num_return_sequences is not None and cfg.num_return_sequences > 1:

@@ -112,7 +112,7 @@ class KVLedger:
         self.slots = torch.where(attention_mask.bool(), index, -1)
         self.n_cached = torch.full((batch,), length, dtype=torch.long, device=self.device)
         self.spare = 0
-        logits = self._run(input_ids.to(self.device), self.slots, keep=1)
+        logits = self._run(input_ids.to(self.device), self.slots, keep=1, past=0)
         check_rollback_cache(self.cache)  # layers exist only after the first forward
         return logits[:, -1]
 
@@ -143,7 +143,11 @@ class KVLedger:
         new, slots = self._append(tokens.shape[1], n_valid)
         mask, position_ids = self._inputs(slots, new)
         past = self.physical_length
-        logits, kept = runner(self.model, tokens.to(self.device), n_valid, mask, position_ids, self.cache, past)
+        try:
+            logits, kept = runner(self.model, tokens.to(self.device), n_valid, mask, position_ids, self.cache, past)
+        except BaseException:
+            self._cut_layers(past)
+            raise
         kept = torch.minimum(kept.to(self.device), n_valid)
         width = logits.shape[1]
         lengths = {layer.keys.shape[-2] for layer in self._layers()}
@@ -169,8 +173,10 @@ class KVLedger:
         mask = None if bool(valid.all()) else valid.long()
         return mask, position_ids
 
-    def _run(self, tokens, slots, keep, new=None):
-        """The model over `tokens`; logits of the last `keep` columns, or (keep a [B, K] tensor) of columns keep[b]."""
+    def _run(self, tokens, slots, keep, new=None, past=None):
+        """The model over `tokens`; logits of the last `keep` columns, or (keep a [B, K] tensor) of columns keep[b].
+        A forward that fails leaves the cache as the ledger accounts for it: the layers it had already run appended
+        their columns, and they are cut back to the `past` columns held before (default: the ledger's length)."""
         mask, position_ids = self._inputs(slots, slots if new is None else new)
         live = tokens.shape[0]
         if self.spare:
@@ -178,10 +184,15 @@ class KVLedger:
             if torch.is_tensor(keep):
                 keep = torch.cat([keep, keep.new_zeros((self.spare, keep.shape[1]))])
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-        out = self.model(
-            input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-            past_key_values=self.cache, use_cache=True, **kwargs,
-        )
+        past = self.physical_length if past is None else past
+        try:
+            out = self.model(
+                input_ids=tokens, attention_mask=mask, position_ids=position_ids,
+                past_key_values=self.cache, use_cache=True, **kwargs,
+            )
+        except BaseException:
+            self._cut_layers(past)
+            raise
         logits = out.logits[:live]
         if self._keeps_logits:           # the model has already kept only the wanted positions
             return logits
@@ -300,6 +311,12 @@ class KVLedger:
             layer.values, _ = gather_slots(layer.values, physical, self.kernels)
         self.compactions += 1
         self._trim()
+
+    def _cut_layers(self, length: int) -> None:
+        """Cut every cache layer back to its first `length` columns (after a forward that failed midway)."""
+        for layer in self._layers():
+            if layer.keys.shape[-2] > length:
+                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
     def _trim(self) -> None:
         used = (self.slots >= 0).any(dim=0).nonzero()

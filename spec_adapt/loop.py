@@ -1,7 +1,8 @@
 """The speculative generation loop: prefill, then steps of propose -> verify -> accept -> commit/rollback -> observe.
 
 State, for the user's batch of B0 rows (tensors on the target's device):
-- `buffer` [B0, max_length]: the generate layout (left padding, prompt, generated tokens, pad after a row ends);
+- `buffer` [B0, W]: the generate layout (left padding, prompt, generated tokens, pad after a row ends); W grows with
+  what the rows generate (`_reserve`), never beyond max_length, so a huge max_new_tokens costs nothing up front;
 - `lengths` [B0]: committed tokens per row (a buffer prefix), so row b's last committed token is buffer[b, len-1];
 - `rows` [B]: the rows still generating (the active batch; it shrinks as rows finish).
 The target's cache always holds each active row's buffer up to, not including, its last committed token: every step
@@ -21,7 +22,7 @@ from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with
 from .acceptor import Acceptor
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
-from .policies.base import Policy, StepInfo, check_plan, check_rows
+from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
 from .processors import ScoreProcessor
 from .verifiers import FullVerifier, Verifier
 
@@ -32,7 +33,7 @@ class SpeculativeLoop:
     def __init__(
         self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
         stopping_criteria, generation_config, streamer=None, stats: SpecStats, cache=None,
-        acceptor: Acceptor | None = None, verifier: Verifier | None = None,
+        acceptor: Acceptor | None = None, verifier: Verifier | None = None, strict: bool = False,
     ):
         cfg = generation_config
         self._hold(model, drafter=drafter, policy=policy, processor=ScoreProcessor(logits_processor),
@@ -40,10 +41,12 @@ class SpeculativeLoop:
         self.input_ids = input_ids.to(self.device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         batch, self.prompt_length = input_ids.shape
+        self.strict = bool(strict)
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device)
         pad = cfg._pad_token_tensor
         self.pad_id = int(pad) if pad is not None else 0
-        buffer = torch.full((batch, self.stopper.max_length), self.pad_id, dtype=torch.long, device=self.device)
+        width = min(self.stopper.max_length, self.prompt_length + 32)
+        buffer = torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device)
         buffer[:, : self.prompt_length] = self.input_ids
         lengths = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
         # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
@@ -61,8 +64,10 @@ class SpeculativeLoop:
         self.verifier = verifier if verifier is not None else FullVerifier()
         self.members = None            # the policy's plan for the drafter this step (chain members), if any
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
+        self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.sync = self.device.type == "cuda" and getattr(policy, "needs_timing", True)
+        self.strict = False            # True: a drafter's failure raises instead of falling back
 
     def _hold_rows(self, buffer, lengths, starts, limits) -> None:
         """The rows' state: token buffer, committed lengths, where each row's output starts and may end."""
@@ -78,6 +83,7 @@ class SpeculativeLoop:
         logits = self.target.prefill(self.input_ids, self.attention_mask).float()[:, None]   # [B, 1, V]
         self.vocab = logits.shape[-1]
         first = Proposal.empty(len(self.rows), self.device)
+        self._reserve(1)
         scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1, self.rows)
         committed = self._commit(first, *self._accept(scores, first), scores, logits, bonus=None)
         self._count_first_token(committed)
@@ -85,7 +91,8 @@ class SpeculativeLoop:
         if self.drafter is not None:   # begins with the whole batch, then follows the rows that leave it
             self._guard("prefill", self.drafter.begin, self.input_ids, self.attention_mask)
         self._retire()
-        self.policy.begin(len(self.rows))
+        with self.policy_lock:
+            self.policy.begin(len(self.rows))
         while len(self.rows):
             self.step()
         if self.drafter is not None:
@@ -103,6 +110,7 @@ class SpeculativeLoop:
     def step(self) -> None:
         t0 = self._now()
         gammas = self._choose()                                            # 0. lengths, per active row
+        self._reserve(int(gammas.max()) + 1 if len(gammas) else 1)
         proposal = self._propose(gammas)                                   # 1. propose
         t1 = self._now()
         proposal, bonus, scores, logits = self._verify(proposal)           # 2. verify: [B, S+1, V]
@@ -128,7 +136,9 @@ class SpeculativeLoop:
             return torch.zeros(batch, dtype=torch.long, device=self.device)
         info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag,
                         level_lags, self.closed)
-        gammas, self.members = check_plan(self.policy, self.policy.choose(info), batch)
+        with self.policy_lock:
+            answer = self.policy.choose(info)
+        gammas, self.members = check_plan(self.policy, answer, batch)
         if self.members is not None:
             self.drafter.check_members(self.members)
         return torch.minimum(gammas.to(self.device), remaining - 1)          # a step commits up to gamma + 1 tokens
@@ -193,7 +203,8 @@ class SpeculativeLoop:
         )
         self.stats.record(record)
         if self.chosen:
-            self.policy.observe(record)
+            with self.policy_lock:
+                self.policy.observe(record)
         self.verifier.observe(record)
         if self.drafter is not None:
             self._guard("observe", self.drafter.observe, record)
@@ -212,12 +223,29 @@ class SpeculativeLoop:
         measured the bigger batch to run faster (drafters always compact: their batch shapes vary anyway)."""
         live, held = len(keep), self.target.held_rows
         ask = getattr(self.policy, "batch_rows", None)     # a duck-typed policy without it compacts
-        rows = check_rows(self.policy, ask(live, held), live, held) if live and ask is not None else live
+        if live and ask is not None:
+            with self.policy_lock:
+                answer = ask(live, held)
+            rows = check_rows(self.policy, answer, live, held)
+        else:
+            rows = live
         self.target.select_rows(keep, spare=rows - live)
         if self.drafter is not None:
             self._guard("select_rows", self.drafter.select_rows, keep)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
+    def _reserve(self, extra: int) -> None:
+        """Room in the token buffer for `extra` more tokens in every active row (up to its limit): the buffer grows
+        with what is generated, doubling, never with the budget."""
+        if not len(self.rows):
+            return
+        need = int(torch.minimum(self.lengths[self.rows] + extra, self.limits[self.rows]).max())
+        width = self.buffer.shape[1]
+        if need > width:
+            grown = max(need, min(2 * width, int(self.limits[self.rows].max())))
+            more = self.buffer.new_full((self.buffer.shape[0], grown - width), self.pad_id)
+            self.buffer = torch.cat([self.buffer, more], dim=1)
+
     def _guard(self, what, fn, *args):
         """Run a drafter method; on any error (out of memory included) continue without speculation.
 
@@ -225,6 +253,8 @@ class SpeculativeLoop:
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - any draft failure must fall back, not abort the user's call
+            if self.strict:
+                raise
             self.stats.fallback = f"draft {what} failed ({type(exc).__name__}: {exc}); continued without speculation"
             warnings.warn(f"spec_adapt: {self.stats.fallback}", RuntimeWarning, stacklevel=3)
             drafter, self.drafter = self.drafter, None

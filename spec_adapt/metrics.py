@@ -1,6 +1,6 @@
 """Speculation statistics: one vocabulary shared by the loop, the policies' rewards, benchmarks and eval.
 
-Terms (see ALGORITHMS.md): per row and step, `drafted` tokens were proposed, `accepted` of them matched the target,
+Terms: per row and step, `drafted` tokens were proposed, `accepted` of them matched the target,
 and `accepted + 1` tokens were committed (the recovered or bonus token), fewer when the row stopped mid-commit.
 """
 

@@ -272,7 +272,7 @@ def _layer_weights(config) -> int:
 
 
 def head_cost_in_layers(config) -> float:
-    """The LM head's compute per position in units of one decoder layer's (the issue's 'about 8 layers' check)."""
+    """The LM head's compute per position in units of one decoder layer's."""
     return config.vocab_size * config.hidden_size / _layer_weights(config)
 
 

@@ -190,6 +190,11 @@ def test_profile_cached_per_model_dtype_device_is_loaded(tmp_path, monkeypatch):
     assert api._default_policy(model.float(), None).table.step == table.step
     draft = tiny_model("llama", seed=3, layers=1)
     assert Adaptive.for_model(model, draft).table is None                          # so is the draft
+    key = profile_key(model)
+    spec_adapt.prepare(model)
+    assert profile_key(model) != key                                               # and whether it is prepared
+    spec_adapt.unprepare(model)
+    assert profile_key(model) == key
 
 
 def test_a_call_kept_plain_never_runs_the_draft():

@@ -294,27 +294,53 @@ class Adaptive(Policy):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved. The whole state is checked first (keys, shapes, finite non-negative counts
+        and times); a state that fails leaves this policy as it was, with an error that names the problem."""
+        try:
+            parsed = self._parse_state(state)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            problem = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ValueError(f"Not a valid Adaptive state ({problem}): load a file written by Adaptive.save / "
+                             "state_dict of an Adaptive with the same max_gamma.") from exc
+        probes = parsed.pop("_probes")
         self.reset()
-        self.tried = torch.tensor(state["pooled"]["tried"])
-        self.accepted = torch.tensor(state["pooled"]["accepted"])
-        self.measured = {tuple(k): v for k, v in state["measured"]}
-        for key, samples in state["fits"]:
-            fit = self.fits[int(key)] = LineFit()
-            for x, y in samples:
-                fit.add(x, y)
-        for key, samples in state["catchup"]:
-            fit = self.catchup[int(key)] = LineFit(window=32, min_samples=3)
-            for x, y in samples:
-                fit.add(x, y)
-        self.span = {tuple(k): v for k, v in state["span"]}
-        self.shapes = {tuple(k): v for k, v in state.get("shapes", [])}   # files saved before shapes were learned
-        tried, accepted, row_state = state["row_states"]
-        self.row_tried = torch.tensor(tried).view(-1, STATES, self.max_gamma)
-        self.row_accepted = torch.tensor(accepted).view(-1, STATES, self.max_gamma)
-        self.row_state = torch.tensor(row_state, dtype=torch.long)
+        for name, value in parsed.items():
+            setattr(self, name, value)
+        self.probes.gap, self.probes.idle, self.steps = probes
         self._refresh()
-        self.probes.gap, self.probes.idle, self.steps = state["probe_gap"], state["idle"], state["steps"]
-        self.rng.setstate(_tupled(state["rng"]))
+
+    def _parse_state(self, state: dict) -> dict:
+        saved = state.get("config", {}).get("max_gamma", self.max_gamma)
+        if saved != self.max_gamma:
+            raise ValueError(f"saved with max_gamma={saved}, this policy has max_gamma={self.max_gamma}; build "
+                             f"Adaptive(max_gamma={saved}) or use Adaptive.load(path)")
+        size = (STATES, self.max_gamma)
+        tried, accepted = (_counts(state["pooled"][k], size, f"pooled {k}") for k in ("tried", "accepted"))
+        if bool((tried <= 0).any()):
+            raise ValueError("pooled tried counts must be positive")
+        row_tried, row_accepted, row_state = state["row_states"]
+        row_tried = _counts(row_tried, None, "row tried").view(-1, *size)
+        row_accepted = _counts(row_accepted, None, "row accepted").view(-1, *size)
+        row_state = torch.tensor(row_state, dtype=torch.long)
+        if not (len(row_tried) == len(row_accepted) == len(row_state)) or bool(((row_state < 0) | (row_state >= STATES)).any()):
+            raise ValueError("row tables of different lengths, or a row state out of range")
+        measured = {tuple(k): _times(v, "measured") for k, v in state["measured"]}
+        fits, catchup = {}, {}
+        for table, key, window, least in ((fits, "fits", 128, 6), (catchup, "catchup", 32, 3)):
+            for bucket_key, samples in state[key]:
+                fit = table[int(bucket_key)] = LineFit(window=window, min_samples=least)
+                for x, y in samples:
+                    fit.add(*_finite(x, y, what=key))
+        gap, idle, steps = (int(state[k]) for k in ("probe_gap", "idle", "steps"))
+        if gap < 1 or idle < 0 or steps < 0:
+            raise ValueError(f"probe_gap {gap}, idle {idle} and steps {steps} must be >= 1, >= 0, >= 0")
+        rng = random.Random()
+        rng.setstate(_tupled(state["rng"]))
+        return {"tried": tried, "accepted": accepted, "measured": measured, "fits": fits, "catchup": catchup,
+                "span": {tuple(k): _finite(v, what="span")[0] for k, v in state["span"]},
+                "shapes": {tuple(k): _times(v, "shapes") for k, v in state.get("shapes", [])},
+                "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,
+                "_probes": (gap, idle, steps)}
 
     def save(self, path) -> None:
         """Write what was learned (and the settings) as JSON, for `Adaptive.load` in another process."""
@@ -376,6 +402,29 @@ def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:
     """Acceptance rates [N, S] -> E[committed | s] [N, S+1] = 1 + sum_{i<=s} prod_{j<=i} p_j."""
     return torch.cat([torch.ones(rates.shape[0], 1), 1 + rates.cumprod(dim=1).cumsum(dim=1)], dim=1)
+
+
+def _counts(values, shape, what: str) -> torch.Tensor:
+    out = torch.tensor(values, dtype=torch.float32)
+    if shape is not None and tuple(out.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(out.shape)}, expected {shape}")
+    if not bool(torch.isfinite(out).all()) or bool((out < 0).any()):
+        raise ValueError(f"{what} must be finite and non-negative")
+    return out
+
+
+def _finite(*values, what: str) -> tuple:
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+        raise ValueError(f"{what} holds a value that is not a finite number: {values}")
+    return values
+
+
+def _times(value, what: str) -> list:
+    seconds, samples = value
+    _finite(seconds, samples, what=what)
+    if seconds < 0 or samples < 0:
+        raise ValueError(f"{what} holds a negative time or count: {value}")
+    return [seconds, samples]
 
 
 def _ema(old, new, weight):

@@ -14,6 +14,8 @@ A policy is an object, never a config string, and keeps its state to itself (nev
 from __future__ import annotations
 
 import numbers
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -123,3 +125,21 @@ def check_policy(policy) -> None:
             f"assistant_policy must be a spec_adapt Policy object (e.g. FixedLength(4), Nightjar()), got "
             f"{type(policy).__name__} {policy!r}."
         )
+
+
+_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def policy_lock(policy) -> threading.RLock:
+    """The lock the loop holds while it calls `policy` (begin, choose, observe, batch_rows). One policy object may be
+    shared by calls in several threads: its decisions are serialized, so one call never sees another's half-updated
+    tables. What the calls observe goes into the same statistics (that is why one shares a policy)."""
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(policy)
+        except TypeError:           # not weak-referenceable: one lock per object id for its lifetime in the loop
+            return threading.RLock()
+        if lock is None:
+            lock = _LOCKS[policy] = threading.RLock()
+        return lock

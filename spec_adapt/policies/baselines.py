@@ -32,7 +32,7 @@ def _arms(max_gamma, arms) -> list[int]:
 
 @dataclass
 class _Schedule:
-    """ADA-BINGREEDY state of one batch-size context (ALGORITHMS.md §1)."""
+    """ADA-BINGREEDY state of one batch-size context (Nightjar, Algorithm 1)."""
 
     block: int = 1          # j_B
     horizon: int = 1        # H_B = 2^(j_B - 1)

@@ -286,11 +286,18 @@ def profile_key(model, draft=None) -> str:
     def draft_name(d):     # a draft in another dtype, or quantized, costs differently
         quant = "8bit" if getattr(d, "is_loaded_in_8bit", False) else \
             "4bit" if getattr(d, "is_loaded_in_4bit", False) else None
-        return f"draft-{name(d)}-{str(d.dtype).removeprefix('torch.')}" + (f"-{quant}" if quant else "")
+        return f"draft-{name(d)}-{str(d.dtype).removeprefix('torch.')}" + (f"-{quant}" if quant else "") \
+            + ("-prepared" if _packed(d) else "")
 
     parts = [name(model), draft_name(draft) if draft is not None else "nodraft",
-             str(next(model.parameters()).dtype).removeprefix("torch."), where]
+             str(next(model.parameters()).dtype).removeprefix("torch.") + ("-prepared" if _packed(model) else ""),
+             where]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "__".join(parts))
+
+
+def _packed(model) -> bool:
+    """True when `spec_adapt.prepare` packed some of the model's layers: its step times are another curve."""
+    return bool((getattr(model, "_spec_adapt_prepared", None) or {}).get("layers"))
 
 
 def profile_path(model, draft=None) -> Path:

@@ -24,6 +24,7 @@ deterministic drive (`step()` with a fixed submission schedule), not for wall-cl
 from __future__ import annotations
 
 import itertools
+import numbers
 import queue
 import threading
 import time
@@ -49,6 +50,11 @@ class RequestError(ValueError):
     """A request the engine refused; it is set on the request's handle and raised by `result()`."""
 
 
+class EngineError(RuntimeError):
+    """The engine could not finish a request: the target (or a policy) failed in a step the request was part of, or
+    the engine was stopped or died. Set on the request's handle and raised by `result()`."""
+
+
 @dataclass
 class Handle:
     """One request. `tokens`: generated so far; `state`: waiting, running, done, cancelled or failed."""
@@ -67,9 +73,16 @@ class Handle:
     _stream: queue.Queue = field(default_factory=queue.Queue)
 
     def result(self, timeout: float | None = None) -> list[int]:
-        """The generated tokens (up to and including EOS), once the request is done or cancelled."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        """The generated tokens (up to and including EOS), once the request is done or cancelled. Raises the
+        request's error if it failed, TimeoutError after `timeout` seconds, and EngineError at once when nobody
+        drives the engine (neither `start()`ed nor stepped lately), where waiting would never end."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while not self._done.wait(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))):
+            if deadline is not None and time.perf_counter() >= deadline:
+                raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+            if not self.engine.driven():
+                raise EngineError(f"request {self.id} is {self.state} and nobody drives the engine: call "
+                                  "engine.start() to serve from a thread, or engine.step() / run_until_idle().")
         if self.error is not None:
             raise self.error
         return list(self.tokens)
@@ -132,13 +145,13 @@ class ServingLoop(SpeculativeLoop):
         mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):], mask[i, width - len(p):] = p.to(self.device), 1
+        # The prefill first: if the target fails there, nothing of the running batch has changed yet.
+        joining = KVLedger(self.model, kernels=self.acceptor.mode)
+        logits = joining.prefill(ids, mask).float()[:, None]                        # [n, 1, V]
         new_rows = torch.arange(self.buffer.shape[0], self.buffer.shape[0] + n, device=self.device)
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
         self._grow_buffer(ids, limits)
         self.stats.add_rows(n)
-
-        joining = KVLedger(self.model, kernels=self.acceptor.mode)
-        logits = joining.prefill(ids, mask).float()[:, None]                        # [n, 1, V]
         old = self.lengths[new_rows].clone()
         scores = self.process.positions(logits, self.buffer[new_rows], old, torch.ones_like(old), new_rows)
         empty = torch.zeros(n, 0, dtype=torch.long, device=self.device)
@@ -164,7 +177,8 @@ class ServingLoop(SpeculativeLoop):
         return new_rows
 
     def _grow_buffer(self, ids, limits) -> None:
-        width = max(self.buffer.shape[1], int(limits.max()))
+        # Wide enough for the prompts and their first token; later tokens get room as they come (`_reserve`).
+        width = max(self.buffer.shape[1], ids.shape[1] + 1)
         if width > self.buffer.shape[1]:
             more = torch.full((self.buffer.shape[0], width - self.buffer.shape[1]), self.pad_id,
                               dtype=torch.long, device=self.device)
@@ -176,6 +190,13 @@ class ServingLoop(SpeculativeLoop):
         self.lengths = torch.cat([self.lengths, start])
         self.starts = torch.cat([self.starts, start])
         self.limits = torch.cat([self.limits, limits])
+
+    def reset_rows(self) -> None:
+        """Forget every running row (after a failure that left the batch's state unknown): the next admission starts
+        a new batch, and the drafter starts afresh with it."""
+        self.rows = self.rows[:0]
+        self.finished = self.finished[:0]
+        self.target = None
 
     def drop(self, rows: list[int]) -> None:
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
@@ -234,6 +255,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._closed: str | None = None             # why the engine takes no more requests (stopped, died)
+        self.error: BaseException | None = None     # what killed the engine's thread, if anything did
+        self._last_step = -float("inf")             # perf_counter of the last step begun or ended (see `driven`)
         # memory: a MemoryBudget (spec_adapt.serving.memory); admission then also waits for memory, not only max_batch.
         self.memory = memory
         if memory is not None:
@@ -250,6 +274,9 @@ class Engine:
             handle._finish("failed", exc)
             return handle
         with self.lock:
+            if self._closed is not None:
+                handle._finish("failed", EngineError(f"the engine takes no requests: {self._closed}"))
+                return handle
             self.waiting.append(handle)
         self._wake.set()
         return handle
@@ -269,7 +296,7 @@ class Engine:
             prompt = self.tokenizer(prompt, return_tensors="pt").input_ids[0]
         try:
             ids = torch.as_tensor(prompt)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a user hands in fails its own handle, never submit()
             raise RequestError(f"A prompt is a 1-D list/tensor of token ids or a string, got {type(prompt).__name__}"
                                ) from exc
         if ids.dim() == 2 and ids.shape[0] == 1:
@@ -294,8 +321,19 @@ class Engine:
         return ids.long(), budget
 
     # -- the engine's side -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()          # no autograd graph on the cache, in whichever thread drives the engine
     def step(self) -> bool:
-        """One iteration: cancellations, admission, one speculative step, delivery. Returns whether work remains."""
+        """One iteration: cancellations, admission, one speculative step, delivery. Returns whether work remains.
+
+        A failure of the target or the policy fails the requests of that admission or step, with the error on their
+        handles; the engine's ledgers are back where they were accounted, and it goes on serving."""
+        self._last_step = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._last_step = time.perf_counter()
+
+    def _step(self) -> bool:
         with self.lock:
             cancelled, self.cancelled = self.cancelled, set()
             room = self.max_batch - len(self.running)
@@ -304,14 +342,25 @@ class Engine:
             joining, self.waiting = self.waiting[:room], self.waiting[room:]
         self._cancel_running(cancelled)
         if joining:
-            rows = self.loop.admit([h.prompt for h in joining], [h.max_new_tokens for h in joining])
-            for row, handle in zip(rows.tolist(), joining):
-                handle.state = "running"
-                self.running[row] = handle
-                self.delivered[row] = int(self.loop.starts[row])
-            self._deliver()
+            try:
+                rows = self.loop.admit([h.prompt for h in joining], [h.max_new_tokens for h in joining])
+            except Exception as exc:  # noqa: BLE001 - the requests of this admission fail; the rest go on
+                for handle in joining:
+                    handle._finish("failed", EngineError(f"admission failed ({type(exc).__name__}: {exc})"))
+                rows = None
+            if rows is not None:
+                for row, handle in zip(rows.tolist(), joining):
+                    handle.state = "running"
+                    self.running[row] = handle
+                    self.delivered[row] = int(self.loop.starts[row])
+                self._deliver()
         if len(self.loop.rows):
-            self.loop.step()
+            try:
+                self.loop.step()
+            except Exception as exc:  # noqa: BLE001 - the running requests fail; the engine serves on
+                self._fail_running(EngineError(f"a step failed ({type(exc).__name__}: {exc})"))
+                with self.lock:
+                    return bool(self.running or self.waiting)
             record = self.loop.stats.trace[-1]
             drafter = self.loop.drafter
             self.timeline.append({"time": time.perf_counter(), "batch_size": record.batch_size,
@@ -329,20 +378,57 @@ class Engine:
     def start(self) -> "Engine":
         """Serve from a background thread until `stop()`."""
         def serve():
-            while not self._stop.is_set():
-                if not self.step():
-                    self._wake.wait(0.01)
-                    self._wake.clear()
+            try:
+                while not self._stop.is_set():
+                    if not self.step():
+                        self._wake.wait(0.01)
+                        self._wake.clear()
+            except BaseException as exc:  # noqa: BLE001 - a dead engine must fail its handles, not leave them waiting
+                self.error = exc
+                self._close(f"the engine's thread died ({type(exc).__name__}: {exc})")
+        with self.lock:
+            self._closed = None
         self._stop.clear()
         self._thread = threading.Thread(target=serve, name="spec_adapt-engine", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop serving: the thread ends after its current step, and every request not finished fails with an
+        EngineError (as does any request submitted later, until `start()` again)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
+        self._close("the engine was stopped")
+
+    def driven(self) -> bool:
+        """Whether anything drives the engine: its thread is alive, or a step ran in the last second."""
+        thread = self._thread
+        return (thread is not None and thread.is_alive()) or time.perf_counter() - self._last_step < 1.0
+
+    def _close(self, why: str) -> None:
+        with self.lock:
+            self._closed = why
+            waiting, self.waiting = self.waiting, []
+        for handle in waiting:
+            handle._finish("failed", EngineError(f"request not served: {why}"))
+        if self.running:
+            self._fail_running(EngineError(f"request not finished: {why}"))
+
+    def _fail_running(self, error: EngineError) -> None:
+        """Every running request ends with `error` (the tokens it was given so far stay on its handle), and its
+        row leaves every ledger."""
+        self._deliver()
+        rows = list(self.running)
+        try:
+            self.loop.drop(rows)
+        except Exception:  # noqa: BLE001 - the rows are gone either way: start the batch afresh
+            self.loop.reset_rows()
+        for row in rows:
+            handle = self.running.pop(row)
+            self.delivered.pop(row, None)
+            handle._finish("failed", error)
 
     def _deliver(self, cancelled: frozenset = frozenset()) -> None:
         """New tokens to their handles; rows that left the batch complete theirs (done, or cancelled)."""
@@ -373,9 +459,12 @@ class Engine:
 
 
 def _check_budget(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    """A positive whole number of tokens: a Python, NumPy or 0-d torch integer."""
+    if torch.is_tensor(n) and n.dim() == 0 and not n.dtype.is_floating_point and n.dtype != torch.bool:
+        n = int(n)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {n!r}.")
-    return n
+    return int(n)
 
 
 def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:

@@ -14,6 +14,9 @@ the draft's offload frees, measured by benchmarks/offload.py).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 
 def weight_bytes(model) -> int:
     """Bytes of a model's parameters and buffers (tied tensors once): transformers' own footprint count."""
@@ -35,8 +38,10 @@ class MemoryBudget:
     here), and a `DraftOffload` drafter with no `free_memory` of its own follows this budget."""
 
     def __init__(self, total_bytes: int):
-        if not isinstance(total_bytes, (int, float)) or total_bytes <= 0:
-            raise ValueError(f"A memory budget is a positive number of bytes, got {total_bytes!r}.")
+        if isinstance(total_bytes, bool) or not isinstance(total_bytes, numbers.Real) \
+                or not math.isfinite(total_bytes) or total_bytes <= 0:
+            raise ValueError(f"A memory budget is a positive, finite number of bytes, got {total_bytes!r}: e.g. "
+                             "MemoryBudget(4 << 30) for 4 GiB.")
         self.total = int(total_bytes)
         self.engine, self.draft = None, None
         self.weights = self.per_token = self.draft_weights = self.draft_per_token = 0

@@ -33,11 +33,10 @@ def demo(args) -> None:
     print(f"CPU: {cpu_name()}")
     print(f"Loading {name}" + (f" with the draft {plan['draft']}" if plan["draft"] else "") + "...")
     model, tok = load_model(name, dtype=torch.float32)
-    draft = load_model(plan["draft"], dtype=torch.float32)[0] if plan["draft"] else None
     dtype, why = choose_dtype(model, args.prepare)
     print(f"dtype: {str(dtype).removeprefix('torch.')}" + (" (prepared)" if args.prepare else "") + f": {why}")
-    if dtype != torch.float32:
-        model, draft = model.to(dtype), draft.to(dtype) if draft is not None else None
+    model = model.to(dtype)
+    draft = load_model(plan["draft"], dtype=dtype)[0] if plan["draft"] else None
     if args.prepare:
         model, draft = prepare(model), prepare(draft) if draft is not None else None
     plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
@@ -86,14 +85,13 @@ def choose_dtype(model, prepared: bool):
             out.append(1000 * sorted(times)[1])
         return out
 
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    if prepared:
-        prepare(model), prepare(half)
-    full_ms, half_ms = step_ms(model), step_ms(half)
-    if prepared:
-        from spec_adapt import unprepare
+    from spec_adapt import unprepare
 
-        unprepare(model)
+    # One packed copy at a time: the 1.5B target in float32 is 6 GB, and packing holds its weights twice.
+    full_ms = step_ms(prepare(model) if prepared else model)
+    unprepare(model)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    half_ms = step_ms(prepare(half) if prepared else half)
     del half
     chosen = torch.bfloat16 if sum(half_ms) < sum(full_ms) else torch.float32
     return chosen, (f"native bfloat16 here; timed a 128-token forward plus 1 and 4 tokens: bfloat16 "
@@ -202,8 +200,13 @@ def profile_cmd(args) -> None:
 
     model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
     draft = _draft(model, args)
+    if args.prepare:
+        from spec_adapt import prepare
+
+        model, draft = prepare(model), prepare(draft) if draft is not None else None
     table = profile(model, draft, args.batch_sizes, args.lengths, args.lags, args.context, args.repeats)
-    table.meta.update({"model": args.model, "dtype": args.dtype, "draft": args.draft or
+    table.meta.update({"model": args.model, "dtype": args.dtype, "prepared": args.prepare, "cpu": cpu_name(),
+                       "draft": args.draft or
                        (f"first {args.draft_layers} layers" if args.draft_layers else None)})
     from spec_adapt.tools.profiling import profile_path
 
@@ -381,6 +384,8 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--prepare", action="store_true", help="profile the models after spec_adapt.prepare (a prepared "
+                   "model has its own profile: the default policy of a prepared model reads that one)")
     p.add_argument("--out", help="output JSON (default: the profile cache, ~/.cache/spec_adapt/profiles/<model, draft, "
                    "dtype, device>.json, which Adaptive.for_model and spec_adapt.generate's default policy load)")
     p.set_defaults(func=profile_cmd)
