@@ -66,6 +66,10 @@ def main() -> None:
     models = {"target": prepare(load_model(args.target, dtype=dtype)[0])}
     if args.draft:
         models["draft"] = prepare(load_model(args.draft, dtype=dtype)[0])
+    for model in models.values():            # touch every weight, packed and plain, before anything is timed
+        warm = primed(model, 1, args.context)
+        for packed in (False, True):
+            forward_ms(model, warm, 4, 2, packed)
     points = [(role, b, w) for role in models for b in args.batch_sizes for w in args.widths]
     rows, caches = [], {}
     for role, batch, width in tqdm(points, desc="forwards"):
