@@ -29,9 +29,9 @@ test: setup
 	$(PYTHON) -m pytest -q -x
 
 bench: setup
-	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --workload humaneval --batch-sizes 1 \
-		--num-prompts 3 --rows 3 --new-tokens 48 --repeats 2 \
-		--configs target hf-assisted hf-lookup draft:fixed3 lookup:fixed4 chain:chain
+	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --prepare --workload humaneval-chat \
+		--num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
+		--configs target hf-assisted draft:adaptive draft:fixed3 draft:fixed5
 
 clean:
 	rm -f $(STAMP)

@@ -59,3 +59,22 @@ def test_three_level_chain(qwen_pair, batch, reference):
     out, stats = speculate(target, batch, chain, ChainScheduler(chain, widths=(2, 4)))
     assert torch.equal(out, reference)
     assert stats.fallback is None and not stats.drafter_events
+
+
+def test_prepared_pair_is_identical_to_prepared_stock(qwen_pair, batch):
+    """spec_adapt.prepare on target and draft: greedy output equals stock generate on the same prepared target
+    (identity is judged within one execution configuration)."""
+    from spec_adapt.execution import prepared
+
+    target, draft, _ = qwen_pair
+    spec_adapt.prepare(target)
+    spec_adapt.prepare(draft)
+    try:
+        assert prepared(target)["layers"] > 0 and prepared(draft)["layers"] > 0
+        stock = target.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out, stats = speculate(target, batch, draft, FixedLength(3))
+        assert torch.equal(out, stock)
+        assert stats.fallback is None and stats.drafted > 0
+    finally:
+        spec_adapt.unprepare(target)
+        spec_adapt.unprepare(draft)
