@@ -55,6 +55,8 @@ class SpecStats:
     drafter_events: list = field(default_factory=list)   # e.g. a chain level dropped after a failure
     verifier: dict = field(default_factory=dict)   # the verifier's counters (EarlyExitVerifier: tested, pruned, ...)
     trace: list[StepRecord] = field(default_factory=list)
+    trace_limit: int | None = None   # keep only the last N StepRecords (a serving engine runs for days); None: all
+    step_tokens: int = 0             # tokens committed by verification steps (first tokens excluded)
 
     def start(self, batch_size: int) -> None:
         self.batch_size = batch_size
@@ -85,7 +87,10 @@ class SpecStats:
             for i in range(d):
                 self.per_position_drafted[i] += 1
                 self.per_position_accepted[i] += int(i < a)
+        self.step_tokens += sum(rec.committed)
         self.trace.append(rec)
+        if self.trace_limit is not None and len(self.trace) > 2 * self.trace_limit:
+            del self.trace[: len(self.trace) - self.trace_limit]     # amortized: one cut per trace_limit steps
 
     def _grow(self, n: int) -> None:
         missing = n - len(self.per_position_drafted)
@@ -101,8 +106,7 @@ class SpecStats:
     @property
     def acceptance_length(self) -> float:
         """Mean tokens committed per row per verification step (accepted + 1), vLLM's mean acceptance length."""
-        step_tokens = sum(sum(r.committed) for r in self.trace)
-        return step_tokens / self.row_steps if self.row_steps else 0.0
+        return self.step_tokens / self.row_steps if self.row_steps else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:

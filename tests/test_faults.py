@@ -338,3 +338,15 @@ def test_memory_budget_refuses_what_is_not_a_positive_finite_size(budget):
 
     with pytest.raises(ValueError, match="positive, finite"):
         MemoryBudget(budget)
+
+
+def test_engine_state_does_not_grow_with_steps_served():
+    """The trace and timeline are bounded unless asked for; finished requests leave no delivery record."""
+    engine = Engine(cached_model("llama"), drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(2),
+                    max_batch=4, eos_token_id=None, pad_token_id=PAD)
+    handles = [engine.submit([5 + i % 7, 6, 7], max_new_tokens=6) for i in range(120)]
+    engine.run_until_idle()
+    assert all(len(h.result()) == 6 for h in handles)
+    assert engine.stats.steps > 128 and len(engine.stats.trace) <= 128
+    assert engine.timeline == [] and engine.delivered == {} and engine.running == {}
+    assert engine.stats.acceptance_length > 1.0           # kept by a running count, not from the trace

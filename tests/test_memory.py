@@ -80,7 +80,7 @@ def test_batch_grows_after_offload_and_draft_returns_when_load_falls(tmp_path):
     assert memory.total < weight_bytes(MODEL) + weight_bytes(draft) + 3 * 16 * (
         kv_bytes_per_token(MODEL) + kv_bytes_per_token(draft))
     engine = Checked(MODEL, drafter=offload, assistant_policy=PlainWhenBusy(), max_batch=6, eos_token_id=None,
-                     pad_token_id=PAD, memory=memory)
+                     pad_token_id=PAD, memory=memory, timeline=True)
     handles = serve(engine, prompts, budgets, arrivals=[0] * 6 + [40])
     assert engine.fallback is None
     for prompt, n, handle in zip(prompts, budgets, handles):

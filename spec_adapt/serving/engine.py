@@ -219,7 +219,7 @@ class Engine:
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id="model", pad_token_id: int | None = None,
                  verifier=None, acceptor: Acceptor | None = None, tokenizer=None, seed: int | None = None,
-                 memory=None):
+                 memory=None, timeline: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}.")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
@@ -251,7 +251,11 @@ class Engine:
         self.cancelled: set[int] = set()
         self.lock = threading.Lock()
         self.ids = itertools.count()
-        self.timeline: list[dict] = []              # per step: time, batch size, gammas, waiting
+        # Per step, only when asked (serve-bench): time, batch size, gammas, waiting. Without it the engine keeps the
+        # last few StepRecords only, so its memory does not grow with the steps it has run.
+        self.record_timeline = bool(timeline)
+        self.timeline: list[dict] = []
+        self.loop.stats.trace_limit = None if timeline else 64
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -361,11 +365,11 @@ class Engine:
                 self._fail_running(EngineError(f"a step failed ({type(exc).__name__}: {exc})"))
                 with self.lock:
                     return bool(self.running or self.waiting)
-            record = self.loop.stats.trace[-1]
-            drafter = self.loop.drafter
-            self.timeline.append({"time": time.perf_counter(), "batch_size": record.batch_size,
-                                  "gammas": record.gammas, "waiting": len(self.waiting),
-                                  "draft_resident": drafter is not None and not getattr(drafter, "offloaded", False)})
+            if self.record_timeline:
+                record, drafter = self.loop.stats.trace[-1], self.loop.drafter
+                self.timeline.append({"time": time.perf_counter(), "batch_size": record.batch_size,
+                                      "gammas": record.gammas, "waiting": len(self.waiting), "draft_resident":
+                                      drafter is not None and not getattr(drafter, "offloaded", False)})
             self._deliver()
         with self.lock:
             return bool(self.running or self.waiting)
@@ -441,6 +445,7 @@ class Engine:
                 self.delivered[row] = length
             if row not in active:
                 del self.running[row]
+                del self.delivered[row]
                 handle._finish("cancelled" if row in cancelled else "done")
 
     def _cancel_running(self, ids: set[int]) -> None:

@@ -341,6 +341,11 @@ def eval_cmd(args) -> None:
     print(f"wrote {out}/quality.json, quality.md, quality.png")
 
 
+def _draft_options(p) -> None:
+    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="spec-adapt", description="Adaptive, batched, lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -362,8 +367,7 @@ def main(argv=None) -> None:
     p.add_argument("--configs", nargs="+", default=["target", "hf-lookup", "lookup:fixed3", "suffix:heuristic4"])
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="a draft model path (enables draft:<policy>, chain:<policy> and hf-assisted)")
-    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
+    _draft_options(p)
     p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
@@ -376,8 +380,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="draft model path")
-    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
+    _draft_options(p)
     p.add_argument("--draft-layers", type=int, help="use the target's first N layers as a draft (cost stand-in)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--lengths", type=int, nargs="+", default=[0, 1, 2, 4, 8])
@@ -411,8 +414,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("serve-bench", help="the serving engine under Poisson arrivals: throughput, TTFT, TPOT")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", help="draft model (enables draft:<policy>, draftc:<policy>, chain:<policy>)")
-    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
+    _draft_options(p)
     p.add_argument("--draft-layers", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat or mixed")

@@ -72,7 +72,7 @@ def build_engine(config: str, model, tok, draft, max_batch: int, new_tokens: int
 
     budget = MemoryBudget(memory) if memory is not None else None
     return Engine(model, drafter=drafter, assistant_policy=policy, max_batch=max_batch, max_new_tokens=new_tokens,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, memory=budget)
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, memory=budget, timeline=True)
 
 
 def serve(engine, prompts: list[torch.Tensor], arrivals: list[tuple[float, int]]) -> dict:
