@@ -137,3 +137,18 @@ def test_prepared_sampling_is_seeded_like_stock_per_configuration():
                                    pad_token_id=PAD, custom_generate=spec_adapt.generate,
                                    drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(3)))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_the_demo_picks_float32_without_native_bf16_and_times_otherwise(monkeypatch):
+    import spec_adapt.execution as p
+    from spec_adapt.tools.cli import choose_dtype
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(p, "native_bf16", lambda: False)
+    dtype, why = choose_dtype(model, prepared=True)
+    assert dtype == torch.float32 and "no native bfloat16" in why
+    monkeypatch.setattr(p, "native_bf16", lambda: True)
+    with torch.no_grad():
+        dtype, why = choose_dtype(model, prepared=True)
+    assert dtype in (torch.float32, torch.bfloat16) and "decode step" in why
+    assert prepared(model) is None and model.dtype == torch.float32          # the model is left as it was
