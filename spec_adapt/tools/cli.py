@@ -360,7 +360,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-prepare", dest="prepare", action="store_false",
                    help="run the models eagerly (default: spec_adapt.prepare on target and draft)")
     p.set_defaults(func=demo)
-    p = sub.add_parser("bench", help="configurations side by side on a workload (see spec_adapt/bench.py)")
+    p = sub.add_parser("bench", help="configurations side by side on a workload (see spec_adapt/tools/bench.py)")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat (HumanEval as a user message, for instruct models) or mixed")
     p.add_argument("--prompts", help="a JSONL file of prompts (overrides --workload)")
     p.add_argument("--num-prompts", type=int, default=16)
