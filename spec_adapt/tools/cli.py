@@ -346,6 +346,21 @@ def eval_cmd(args) -> None:
     print(f"wrote {out}/quality.json, quality.md, quality.png")
 
 
+def export_vllm_cmd(args) -> None:
+    import json
+    from pathlib import Path
+
+    from spec_adapt.policies import Adaptive
+    from spec_adapt.tools.vllm import speculative_config
+
+    config = speculative_config(Adaptive.load(args.policy), args.method, args.model, args.max_batch)
+    text = json.dumps(config, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote {args.out}")
+    print(text)
+
+
 def _draft_options(p) -> None:
     p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
     p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
@@ -438,6 +453,13 @@ def main(argv=None) -> None:
                                                     "lookup:nightjar"])
     p.add_argument("--out")
     p.set_defaults(func=serve_bench_cmd)
+    p = sub.add_parser("export-vllm", help="a learned Adaptive (saved with .save) as vLLM's speculative_config")
+    p.add_argument("--policy", required=True, help="a JSON file written by Adaptive.save")
+    p.add_argument("--method", default="draft_model", help="vLLM's method: draft_model, ngram, suffix, eagle, ...")
+    p.add_argument("--model", help="the draft model's path, for model-based methods")
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--out", help="write the config here as JSON (it is printed either way)")
+    p.set_defaults(func=export_vllm_cmd)
     p = sub.add_parser("eval", help="quality suite: BERTScore, cosine, reward deltas vs target-only and fixed-length")
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "humaneval"])
     p.add_argument("--num-prompts", type=int, default=32, help="per workload")
