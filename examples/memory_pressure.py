@@ -22,7 +22,7 @@ per_request = 64 * (kv_bytes_per_token(target) + kv_bytes_per_token(draft))
 memory = MemoryBudget(weight_bytes(target) + weight_bytes(draft) + 2 * per_request)
 offload = DraftOffload(ModelDrafter(draft), low=0, persist=2)   # follows the engine's budget (free_memory unset)
 engine = Engine(target, drafter=offload, assistant_policy=Adaptive(), max_batch=8, max_new_tokens=32, tokenizer=tok,
-                memory=memory)
+                memory=memory, timeline=True)
 
 prompts = ["def quicksort(xs):", "Explain recursion to a child.", "def gcd(a, b):", "List three prime numbers:",
            "def flatten(nested):", "What is a hash map?"]

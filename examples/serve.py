@@ -11,7 +11,7 @@ from spec_adapt.serving.engine import Engine
 
 model, tok = load_model("smollm2-135m")
 engine = Engine(model, drafter=PromptLookupDrafter(3, 1), assistant_policy=Adaptive(), max_batch=4, max_new_tokens=32,
-                tokenizer=tok).start()                        # a background thread runs the steps
+                tokenizer=tok, timeline=True).start()         # a background thread runs the steps
 try:
     first = engine.submit("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
     time.sleep(0.5)                                           # the others arrive while the first is generating
