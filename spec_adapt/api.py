@@ -59,7 +59,7 @@ def generate(
     - `spec_stats`: a `SpecStats` to fill in (also readable afterwards with `spec_adapt.last_stats()`).
     - `spec_streamer`: a streamer (transformers does not pass `streamer` on to custom_generate functions; a plain
       `streamer=` given to `model.generate` is found and used too).
-    - `acceptor`: the accept phase (`spec_adapt.acceptor.Acceptor(kernels="auto" | "off" | "force")`); default Acceptor().
+    - `acceptor`: the accept phase (`spec_adapt.Acceptor(kernels="auto" | "off" | "force")`); default Acceptor().
     - `verifier`: the verify phase (`FullVerifier()`, the default, or `EarlyExitVerifier(layers=..., top_k=...)`).
     - `strict`: True makes a drafter's exception or malformed proposal raise instead of falling back to plain
       decoding (for developing a drafter: a fallback keeps the output right and hides the bug).

@@ -115,7 +115,7 @@ def native_bf16() -> bool:
     return bool(check()) if check is not None else False
 
 
-# -- one layer ------------------------------------------------------------------------------------------------------------
+# -- one layer --------------------------------------------------------------------------------------------------
 def _packable(module, dtype) -> bool:
     if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
         return False

@@ -27,6 +27,7 @@ Worked example, B = 2, row 0 left-padded by 1:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -143,11 +144,8 @@ class KVLedger:
         new, slots = self._append(tokens.shape[1], n_valid)
         mask, position_ids = self._inputs(slots, new)
         past = self.physical_length
-        try:
+        with self._cut_back_on_failure(past):
             logits, kept = runner(self.model, tokens.to(self.device), n_valid, mask, position_ids, self.cache, past)
-        except BaseException:
-            self._cut_layers(past)
-            raise
         kept = torch.minimum(kept.to(self.device), n_valid)
         width = logits.shape[1]
         lengths = {layer.keys.shape[-2] for layer in self._layers()}
@@ -184,15 +182,11 @@ class KVLedger:
             if torch.is_tensor(keep):
                 keep = torch.cat([keep, keep.new_zeros((self.spare, keep.shape[1]))])
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-        past = self.physical_length if past is None else past
-        try:
+        with self._cut_back_on_failure(self.physical_length if past is None else past):
             out = self.model(
                 input_ids=tokens, attention_mask=mask, position_ids=position_ids,
                 past_key_values=self.cache, use_cache=True, **kwargs,
             )
-        except BaseException:
-            self._cut_layers(past)
-            raise
         logits = out.logits[:live]
         if self._keeps_logits:           # the model has already kept only the wanted positions
             return logits
@@ -312,11 +306,17 @@ class KVLedger:
         self.compactions += 1
         self._trim()
 
-    def _cut_layers(self, length: int) -> None:
-        """Cut every cache layer back to its first `length` columns (after a forward that failed midway)."""
-        for layer in self._layers():
-            if layer.keys.shape[-2] > length:
-                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+    @contextlib.contextmanager
+    def _cut_back_on_failure(self, length: int):
+        """A forward that fails midway has appended columns to the layers it ran: cut every layer back to its first
+        `length` columns, what the ledger accounts for, and let the error go on."""
+        try:
+            yield
+        except BaseException:
+            for layer in self._layers():
+                if layer.keys.shape[-2] > length:
+                    layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+            raise
 
     def _trim(self) -> None:
         used = (self.slots >= 0).any(dim=0).nonzero()

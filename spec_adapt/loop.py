@@ -37,11 +37,11 @@ class SpeculativeLoop:
     ):
         cfg = generation_config
         self._hold(model, drafter=drafter, policy=policy, processor=ScoreProcessor(logits_processor),
-                   sampling=bool(cfg.do_sample), acceptor=acceptor, verifier=verifier, stats=stats, streamer=streamer)
+                   sampling=bool(cfg.do_sample), acceptor=acceptor, verifier=verifier, stats=stats, streamer=streamer,
+                   strict=strict)
         self.input_ids = input_ids.to(self.device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         batch, self.prompt_length = input_ids.shape
-        self.strict = bool(strict)
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device)
         pad = cfg._pad_token_tensor
         self.pad_id = int(pad) if pad is not None else 0
@@ -56,7 +56,8 @@ class SpeculativeLoop:
         self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
 
-    def _hold(self, model, *, drafter, policy, processor, sampling, acceptor, verifier, stats, streamer=None):
+    def _hold(self, model, *, drafter, policy, processor, sampling, acceptor, verifier, stats, streamer=None,
+              strict=False):
         """What a loop holds besides its rows: the models' roles, the rules and the counters (shared with serving)."""
         self.model, self.device = model, model.device
         self.sampling, self.process = sampling, processor
@@ -67,7 +68,7 @@ class SpeculativeLoop:
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.sync = self.device.type == "cuda" and getattr(policy, "needs_timing", True)
-        self.strict = False            # True: a drafter's failure raises instead of falling back
+        self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
 
     def _hold_rows(self, buffer, lengths, starts, limits) -> None:
         """The rows' state: token buffer, committed lengths, where each row's output starts and may end."""

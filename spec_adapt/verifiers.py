@@ -104,7 +104,8 @@ class EarlyExitVerifier(Verifier):
     forward costs the weights' read, whatever the width), and a wrong prediction costs accepted tokens. All of it is
     measured rather than guessed: per (batch bucket, chunk width) the gate keeps each path's mean step seconds per
     committed token and takes the lower, trying the other path after 8 steps, then after twice as many each time the
-    other path loses again (`ProbeBackoff`), so a change of regime is still seen. `predicted_gain` is the shape-only prediction reported beside the measurements.
+    other path loses again (`ProbeBackoff`), so a change of regime is still seen. `predicted_gain` is the shape-only
+    prediction reported beside the measurements.
     """
 
     def __init__(self, layers=None, top_k: int = 10, gate: str = "auto"):

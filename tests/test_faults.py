@@ -350,3 +350,23 @@ def test_engine_state_does_not_grow_with_steps_served():
     assert engine.stats.steps > 128 and len(engine.stats.trace) <= 128
     assert engine.timeline == [] and engine.delivered == {} and engine.running == {}
     assert engine.stats.acceptance_length > 1.0           # kept by a running count, not from the trace
+
+
+def test_a_batch_that_cannot_be_dropped_is_reset_and_serving_goes_on(monkeypatch):
+    """If even dropping the failed rows fails, the engine forgets the batch, goes on without speculation (its drafter
+    could not follow the reset) and serves later requests identically to stock."""
+    model = cached_model("llama")
+    engine = Engine(model, drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(2), max_batch=2,
+                    eos_token_id=EOS, pad_token_id=PAD)
+    first = engine.submit(prompts(1, seed=4)[0], max_new_tokens=8)
+    engine.step()                                              # admitted and running
+    monkeypatch.setattr(engine.loop, "drop", lambda rows: (_ for _ in ()).throw(RuntimeError("drop failed")))
+    engine._fail_running(EngineError("injected"))
+    monkeypatch.undo()
+    with pytest.raises(EngineError, match="injected"):
+        first.result(timeout=1)
+    assert engine.loop.drafter is None and "reset" in engine.fallback
+    later = [(p, engine.submit(p, max_new_tokens=8)) for p in prompts(3, seed=5)]
+    engine.run_until_idle()
+    for p, h in later:
+        assert h.result() == stock(model, p, 8)

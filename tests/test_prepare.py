@@ -145,10 +145,13 @@ def test_the_demo_picks_float32_without_native_bf16_and_times_otherwise(monkeypa
 
     model = tiny_model("llama")
     monkeypatch.setattr(p, "native_bf16", lambda: False)
-    dtype, why = choose_dtype(model, prepared=True)
-    assert dtype == torch.float32 and "no native bfloat16" in why
+    chosen, dtype, why = choose_dtype(model, prepared=True)
+    assert chosen is model and dtype == torch.float32 and "no native bfloat16" in why and prepared(model)
+    unprepare(model)
     monkeypatch.setattr(p, "native_bf16", lambda: True)
     with torch.no_grad():
-        dtype, why = choose_dtype(model, prepared=True)
-    assert dtype in (torch.float32, torch.bfloat16) and "decode step" in why
-    assert prepared(model) is None and model.dtype == torch.float32          # the model is left as it was
+        chosen, dtype, why = choose_dtype(model, prepared=True)
+    assert "decode step" in why and chosen.dtype == dtype and prepared(chosen)["layers"] > 0
+    assert (chosen is model) == (dtype == torch.float32)                 # bfloat16: a copy; the float32 model unpacked
+    if dtype == torch.bfloat16:
+        assert prepared(model) is None and model.dtype == torch.float32

@@ -7,7 +7,7 @@ read back on reload). accelerate's hooks (`cpu_offload`, `disk_offload`) move we
 forward, synchronously and from pageable memory; here the weights move twice per pressure episode, so only its
 offload utilities are used, not its hooks.
 
-Triggers (Nightjar's elastic memory): the policy chose γ = 0 for `persist` steps in a row and free memory is below `low`
+Triggers (Nightjar): the policy chose γ = 0 for `persist` steps in a row and free memory is below `low`
 bytes -> offload; free memory above the draft's size + `low` -> reload (hysteresis). Free memory is free device
 memory on CUDA, available RAM on the CPU, or what `free_memory()` (a callable the user passes: a budget) returns.
 The draft's KV is dropped on offload; after a reload the draft rebuilds it by catching up on the committed tokens

@@ -160,7 +160,8 @@ class Adaptive(Policy):
         # Never measured: assume the worst a draft smaller than the target can cost, one plain step per lag token
         # (a cold probe at batch 32 on the pair caught 32 ShareGPT prompts up and cost the call 13%).
         plain = self.step_time(batch, 0)
-        return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= self.probe_budget * self.probes.idle * plain
+        budget = self.probe_budget * self.probes.idle * plain
+        return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= budget
 
     def _burst(self, rows) -> bool:
         return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
@@ -183,9 +184,9 @@ class Adaptive(Policy):
             self.probes.wait()
             if self._probe_due(batch, lag):
                 width, probing = max(range(1, len(values)), key=values.__getitem__), True
-                self.probes.idle = 0
+                self.probes.used()
         else:
-            self.probes.idle = 0
+            self.probes.used()
             if self.rng.random() < self.explore:
                 near = [s for s in (width - 1, width + 1)
                         if 0 <= s < len(values) and values[s] >= (1 - self.explore_margin) * values[width]]
@@ -322,7 +323,8 @@ class Adaptive(Policy):
         row_tried = _counts(row_tried, None, "row tried").view(-1, *size)
         row_accepted = _counts(row_accepted, None, "row accepted").view(-1, *size)
         row_state = torch.tensor(row_state, dtype=torch.long)
-        if not (len(row_tried) == len(row_accepted) == len(row_state)) or bool(((row_state < 0) | (row_state >= STATES)).any()):
+        out_of_range = bool(((row_state < 0) | (row_state >= STATES)).any())
+        if not (len(row_tried) == len(row_accepted) == len(row_state)) or out_of_range:
             raise ValueError("row tables of different lengths, or a row state out of range")
         measured = {tuple(k): _times(v, "measured") for k, v in state["measured"]}
         fits, catchup = {}, {}

@@ -134,11 +134,12 @@ _LOCKS_GUARD = threading.Lock()
 def policy_lock(policy) -> threading.RLock:
     """The lock the loop holds while it calls `policy` (begin, choose, observe, batch_rows). One policy object may be
     shared by calls in several threads: its decisions are serialized, so one call never sees another's half-updated
-    tables. What the calls observe goes into the same statistics (that is why one shares a policy)."""
+    tables. What the calls observe goes into the same statistics (that is why one shares a policy). A policy that
+    cannot be weakly referenced gets no shared lock: share such a policy across threads only if it is thread-safe."""
     with _LOCKS_GUARD:
         try:
             lock = _LOCKS.get(policy)
-        except TypeError:           # not weak-referenceable: one lock per object id for its lifetime in the loop
+        except TypeError:           # not weak-referenceable (__slots__): a lock of this loop's own, not shared
             return threading.RLock()
         if lock is None:
             lock = _LOCKS[policy] = threading.RLock()

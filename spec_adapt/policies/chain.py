@@ -127,14 +127,11 @@ class ChainScheduler(Policy):
         if self.rng.random() < self.explore:
             bound = costs[(levels, width)] * (1 + self.explore_margin)
             levels, width = self.rng.choice([o for o in self.options if costs[o] <= bound])
-        if width == 0:
-            self.probes.wait()
-        else:
-            self.probes.idle = 0
+        self.probes.wait() if width == 0 else self.probes.used()
         self.probing = width == 0 and self.probes.due()
         if self.probing:
             levels, width = min(self.options[:-1], key=costs.get)
-            self.probes.idle = 0
+            self.probes.used()
         if self.length_policy is not None:
             width = self.length_policy.choose(info)
         self.current = (levels, width)

@@ -245,6 +245,10 @@ class ProbeBackoff:
         """One more step without the option."""
         self.idle += 1
 
+    def used(self) -> None:
+        """The option runs this step (chosen, or probed): the count of steps without it restarts."""
+        self.idle = 0
+
     def result(self, won: bool) -> None:
         """A probe ran (the idle count restarts); it won or lost against the alternative."""
         self.idle = 0

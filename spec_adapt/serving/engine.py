@@ -77,12 +77,14 @@ class Handle:
         request's error if it failed, TimeoutError after `timeout` seconds, and EngineError at once when nobody
         drives the engine (neither `start()`ed nor stepped lately), where waiting would never end."""
         deadline = None if timeout is None else time.perf_counter() + timeout
-        while not self._done.wait(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))):
-            if deadline is not None and time.perf_counter() >= deadline:
+        while not self._done.is_set():
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
                 raise TimeoutError(f"request {self.id} not finished after {timeout} s")
             if not self.engine.driven():
                 raise EngineError(f"request {self.id} is {self.state} and nobody drives the engine: call "
                                   "engine.start() to serve from a thread, or engine.step() / run_until_idle().")
+            self._done.wait(0.05 if left is None else min(0.05, left))
         if self.error is not None:
             raise self.error
         return list(self.tokens)
@@ -192,11 +194,15 @@ class ServingLoop(SpeculativeLoop):
         self.limits = torch.cat([self.limits, limits])
 
     def reset_rows(self) -> None:
-        """Forget every running row (after a failure that left the batch's state unknown): the next admission starts
-        a new batch, and the drafter starts afresh with it."""
+        """Forget every running row after a failure that left the batch's state unknown: the next admission starts a
+        new target batch. The drafter cannot follow (its rows are keyed by user-row number, which keeps counting), so
+        the engine goes on without speculation, as after a drafter failure."""
         self.rows = self.rows[:0]
         self.finished = self.finished[:0]
         self.target = None
+        if self.drafter is not None:
+            self.stats.fallback = "the batch was reset after a failure; continued without speculation"
+            self.drafter = None
 
     def drop(self, rows: list[int]) -> None:
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
@@ -251,11 +257,8 @@ class Engine:
         self.cancelled: set[int] = set()
         self.lock = threading.Lock()
         self.ids = itertools.count()
-        # Per step, only when asked (serve-bench): time, batch size, gammas, waiting. Without it the engine keeps the
-        # last few StepRecords only, so its memory does not grow with the steps it has run.
-        self.record_timeline = bool(timeline)
         self.timeline: list[dict] = []
-        self.loop.stats.trace_limit = None if timeline else 64
+        self.record_timeline(timeline)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -365,7 +368,7 @@ class Engine:
                 self._fail_running(EngineError(f"a step failed ({type(exc).__name__}: {exc})"))
                 with self.lock:
                     return bool(self.running or self.waiting)
-            if self.record_timeline:
+            if self._timeline:
                 record, drafter = self.loop.stats.trace[-1], self.loop.drafter
                 self.timeline.append({"time": time.perf_counter(), "batch_size": record.batch_size,
                                       "gammas": record.gammas, "waiting": len(self.waiting), "draft_resident":
@@ -373,6 +376,13 @@ class Engine:
             self._deliver()
         with self.lock:
             return bool(self.running or self.waiting)
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Keep every StepRecord and a per-step timeline (time, batch size, gammas, waiting, draft residency), as
+        serve-bench does. Off (the default), the engine keeps its last few StepRecords only, so its memory does not
+        grow with the steps it has run."""
+        self._timeline = bool(on)
+        self.loop.stats.trace_limit = None if on else 64
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         for _ in itertools.count() if max_steps is None else range(max_steps):
