@@ -17,7 +17,7 @@ from .api import SpecGenerateOutput, disable, enable, generate, reset_default_po
 from .drafters import ChainDrafter, Drafter, ModelDrafter, PromptLookupDrafter, ScriptedDrafter, SuffixDrafter
 from .drafters.offload import DraftOffload
 from .metrics import SpecStats, last_stats
-from .policies import Adaptive, ChainScheduler, FixedLength, Policy
+from .policies import Adaptive, ChainScheduler, FixedLength, FixedTree, Policy
 from .execution import prepare, unprepare
 from .serving import Engine, MemoryBudget
 from .verifiers import EarlyExitVerifier, FullVerifier
@@ -33,7 +33,7 @@ __all__ = [
     "Drafter", "ModelDrafter", "PromptLookupDrafter", "SuffixDrafter", "ChainDrafter", "ScriptedDrafter",
     "DraftOffload",
     # policies
-    "Policy", "Adaptive", "FixedLength", "ChainScheduler",
+    "Policy", "Adaptive", "FixedLength", "FixedTree", "ChainScheduler",
     # verify and accept phases
     "FullVerifier", "EarlyExitVerifier", "Acceptor",
     # serving

@@ -103,3 +103,90 @@ def committed_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_to
     out[:, :width] = torch.where(pos[:, :width] < accepted[:, None], draft_tokens, fill)
     out.scatter_(1, accepted[:, None], next_token[:, None])
     return out
+
+
+# -- trees (spec_adapt.tree) ---------------------------------------------------------------------------------------
+# Tree columns: column 0 is the root (the last committed token), node i is column i + 1, so target distribution
+# p at column c scores the children of that column's token. A walk keeps `cur`, the column it stands on.
+
+def tree_greedy_accept(
+    target_logits: torch.Tensor,   # [B, S+1, V] processed scores of the columns
+    draft_tokens: torch.Tensor,    # [B, S] long
+    parents: torch.Tensor,         # [B, S] long, -1 = child of the root
+    lengths: torch.Tensor,         # [B] long
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy walk down the tree: from the root, step to the child whose token is the target's argmax, while there
+    is one (siblings carry distinct tokens, so there is at most one). Returns (path [B, S] bool: the accepted
+    nodes, accepted [B]: their count, next_token [B]: the argmax after the last of them)."""
+    batch, width = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    best = target_logits.argmax(dim=-1)                                  # [B, S+1]
+    cur = torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
+    path = torch.zeros(batch, width, dtype=torch.bool, device=draft_tokens.device)
+    for i in range(width):            # children come after their parent: one pass in node order walks every row
+        step = (parents[:, i] + 1 == cur) & (i < lengths) & (draft_tokens[:, i] == best[rows, cur])
+        path[:, i] = step
+        cur = torch.where(step, i + 1, cur)
+    return path, path.long().sum(dim=1), best[rows, cur]
+
+
+def tree_rejection_sample(
+    target_probs: torch.Tensor,        # [B, S+1, V] float
+    draft_tokens: torch.Tensor,        # [B, S] long
+    parents: torch.Tensor,             # [B, S] long
+    draft_probs: torch.Tensor | None,  # [B, S, V]: the distribution node i and its siblings were drawn from, or None
+    lengths: torch.Tensor,             # [B] long
+    uniforms: torch.Tensor,            # [B, S] in [0, 1): one per node
+    exponentials: torch.Tensor,        # [B, V] i.i.d. Exp(1)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless multi-candidate speculative sampling down a tree: recursive rejection sampling (Jeon et al. 2024,
+    "Recursive Speculative Decoding: Accelerating LLM Inference via Sampling Without Replacement").
+
+    At the node the walk stands on, its children x_1..x_k are tried in order against a target that starts as p and
+    shrinks: child x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)); on acceptance the walk moves to x_j
+    with p its column's target distribution; on rejection p_{j+1} = norm(max(0, p_j - q_j)) and
+    q_{j+1} = q_j without x_j, renormalized. When every child is rejected (or there is none) the next token is drawn
+    from what p became. Each step is the classic accept-or-residual rule, whose output follows p_j whatever x_j was;
+    so the output follows the target's p.
+
+    Siblings with probabilities must have been drawn from the same q without replacement, in node order. A point-mass
+    draft (draft_probs None) may choose its siblings any way that does not look at the target: q_j = one_hot(x_j), so
+    x_j is accepted with probability p_j(x_j) and rejected mass leaves only x_j. Returns (path, accepted, next_token)
+    as tree_greedy_accept."""
+    target_probs, uniforms, exponentials = target_probs.float(), uniforms.float(), exponentials.float()
+    batch, width = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    cur = torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
+    p = target_probs[:, 0]                                               # [B, V] the target at the walk's node
+    q = None if draft_probs is None else draft_probs.float()[:, 0].clone()   # sibling proposal, renormalized
+    fresh = torch.ones(batch, dtype=torch.bool, device=draft_tokens.device)  # no child of `cur` tried yet
+    path = torch.zeros(batch, width, dtype=torch.bool, device=draft_tokens.device)
+    for i in range(width):
+        tried = (parents[:, i] + 1 == cur) & (i < lengths)
+        if not bool(tried.any()):
+            continue
+        x = draft_tokens[:, i]
+        if draft_probs is None:
+            q_i = torch.zeros_like(p)
+            q_i[rows, x] = 1.0
+        else:
+            q = torch.where(fresh[:, None], draft_probs[:, i].float(), q)
+            q_i = q
+        q_x = q_i[rows, x]
+        accept = tried & (uniforms[:, i] * q_x < p[rows, x])
+        reject = tried & ~accept
+        residual = (p - q_i).clamp(min=0)
+        empty = residual.sum(-1, keepdim=True) <= 0     # p == q: the rejection had probability 0; keep p defined
+        residual = torch.where(empty, p, residual)
+        residual = residual / residual.sum(-1, keepdim=True)
+        path[:, i] = accept
+        cur = torch.where(accept, i + 1, cur)
+        p = torch.where(accept[:, None], target_probs[:, i + 1], torch.where(reject[:, None], residual, p))
+        if draft_probs is not None:
+            without = q_i.clone()
+            without[rows, x] = 0.0
+            without = without / without.sum(-1, keepdim=True).clamp(min=1e-30)
+            q = torch.where(reject[:, None], without, q)
+        fresh = torch.where(tried, accept, fresh)
+    next_token = (p / exponentials).argmax(dim=-1)
+    return path, path.long().sum(dim=1), next_token

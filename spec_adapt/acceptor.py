@@ -64,6 +64,25 @@ class Acceptor:
         uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
         return self.rejection(scores.softmax(dim=-1), draft_tokens, draft_probs, lengths, uniforms, exponentials)
 
+    def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool):
+        """A token tree (spec_adapt.tree): scores [B, S+1, V] of the root and the nodes; parents [B, S]. Returns
+        (path [B, S] bool, accepted [B], next_token [B]): the accepted nodes, a chain down from the root."""
+        if not sampling:
+            return self.tree_greedy(scores, draft_tokens, parents, lengths)
+        batch, width = draft_tokens.shape
+        uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
+        return self.tree_rejection(scores.softmax(dim=-1), draft_tokens, parents, draft_probs, lengths, uniforms,
+                                   exponentials)
+
+    def tree_greedy(self, logits, draft_tokens, parents, lengths):
+        self.paths["tree_greedy"] = "torch"
+        return accept.tree_greedy_accept(logits, draft_tokens, parents, lengths)
+
+    def tree_rejection(self, target_probs, draft_tokens, parents, draft_probs, lengths, uniforms, exponentials):
+        self.paths["tree_rejection"] = "torch"
+        return accept.tree_rejection_sample(target_probs, draft_tokens, parents, draft_probs, lengths, uniforms,
+                                            exponentials)
+
     def greedy(self, logits, draft_tokens, lengths):
         if self._kernel("greedy", logits):
             from .kernels.verify import greedy_verify

@@ -98,6 +98,8 @@ def generate(
         raise TypeError(f"acceptor must be a spec_adapt.acceptor.Acceptor, got {type(acceptor).__name__}.")
     verifier = check_verifier(verifier)
     verifier.check(model)
+    if getattr(policy, "trees", False) and drafter is not None and drafter.trees:
+        _check_trees(model, verifier)
     stats = spec_stats if spec_stats is not None else SpecStats()
     stats.policy = repr(policy)
     if spec_streamer is None:
@@ -240,6 +242,16 @@ def _stock_streamer():
         if frame.f_code.co_name == "generate" and "transformers" in frame.f_code.co_filename:
             return frame.f_locals.get("streamer")
     return None
+
+
+def _check_trees(model, verifier) -> None:
+    """A policy that plans token trees, with a drafter that branches: the verifier and the target must take trees."""
+    from .ledger import check_tree_attention
+
+    if not getattr(verifier, "trees", False):
+        raise ValueError(f"The policy plans token trees, but {verifier!r} verifies chains only: use FullVerifier(), "
+                         "or a policy without depth (FixedLength, Adaptive).")
+    check_tree_attention(model)
 
 
 def _check_left_padding(mask) -> None:

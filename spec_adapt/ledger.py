@@ -14,6 +14,10 @@ the start. Everything else follows from `slots`:
 - compaction: when holes waste too much memory, gather each row's valid slots to the front (one gather per layer).
   "Too much" is measured by what compaction would give back: the physical length minus the longest row's valid
   count. Holes that padding for shorter rows forces anyway (ragged prompts) are not waste and never trigger it.
+- token trees: a forward may append nodes of a tree (`forward(..., parents=...)`). Until `keep_tree` names the
+  path that stays, those columns form a pending region: each attends to the committed slots and to its ancestors
+  in the region only (a 4-D mask), and holds slot n_cached + its number of ancestors in the region (siblings share a
+  slot value: at most one of them is kept). `keep_tree` turns the other columns into holes.
 - spare rows: rows that left the batch may stay in the cache tensors, after the live rows, so the model keeps running
   a batch shape the hardware runs faster (on a 2-core CPU a batch of 3 took 1.6x the time of a batch of 4). They are
   not ledger rows: `slots`, `pad` and `n_cached` describe the live rows only; each forward feeds spares token 0 at
@@ -69,6 +73,45 @@ def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tens
     return torch.cat([zeros, tensor] if before else [tensor, zeros])
 
 
+def check_tree_attention(model) -> None:
+    """Trees need a model that takes a 4-D attention mask: attn_implementation 'sdpa' or 'eager'."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(
+            f"Token trees need attn_implementation 'sdpa' or 'eager' (each node attends to its ancestors only, through "
+            f"a 4-D mask), but {type(model).__name__} uses {impl!r}. Load it with attn_implementation='sdpa', or "
+            "draft chains (a policy without depth)."
+        )
+
+
+def attention_mask_4d(model, allowed: torch.Tensor) -> torch.Tensor:
+    """allowed [B, Q, K] bool -> the 4-D mask the model's attention takes: bool for sdpa, additive for eager."""
+    if getattr(model.config, "_attn_implementation", None) == "eager":
+        zero = torch.zeros((), dtype=model.dtype, device=allowed.device)
+        return torch.where(allowed, zero, torch.finfo(model.dtype).min)[:, None]
+    return allowed[:, None]
+
+
+def _grow_ancestry(anc: torch.Tensor, parents: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """anc [B, T, T] of a tree region, grown by W new columns with parents [B, W] (region indices, -1 = none).
+    A hole column (index >= n_valid) has no ancestors but itself."""
+    batch, old = anc.shape[:2]
+    width = parents.shape[1]
+    grown = anc.new_zeros((batch, old + width, old + width))
+    grown[:, :old, :old] = anc
+    rows = torch.arange(batch, device=anc.device)
+    for k in range(width):
+        column = old + k
+        parent = parents[:, k]
+        linked = (parent >= 0) & (k < n_valid)
+        if bool(linked.any()) and bool((parent[linked] >= column).any()):
+            raise ValueError("KVLedger: a tree node's parent must be appended before it")
+        inherited = grown[rows, parent.clamp(min=0)]
+        grown[:, column] = torch.where(linked[:, None], inherited, grown[:, column])
+        grown[:, column, column] = True
+    return grown
+
+
 class KVLedger:
     """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
 
@@ -88,6 +131,7 @@ class KVLedger:
         self.pad: torch.Tensor | None = None       # [B] long, left padding of each row
         self.n_cached: torch.Tensor | None = None  # [B] long, buffer tokens whose KV is cached (a prefix)
         self.spare = 0                             # cache rows after the B live ones, kept only for the batch shape
+        self.tree: tuple[int, torch.Tensor] | None = None   # pending tree region: (first column, anc [B, T, T])
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
@@ -117,21 +161,63 @@ class KVLedger:
         check_rollback_cache(self.cache)  # layers exist only after the first forward
         return logits[:, -1]
 
-    def forward(self, tokens: torch.Tensor, n_valid: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, n_valid: torch.Tensor, columns: torch.Tensor | None = None,
+                parents: torch.Tensor | None = None) -> torch.Tensor:
         """Append tokens [B, W]; row b uses its first n_valid[b] (the rest become holes). Returns logits [B, W, V],
         or with `columns` [B, K] (long, < W) only those after row b's tokens columns[b] [B, K, V].
 
         The valid tokens of row b are its buffer tokens n_cached[b] .. n_cached[b] + n_valid[b] - 1.
         `columns` is for drafts and chain levels, which read few positions: the vocabulary projection of the others
         is work thrown away (a 150-token prompt catch-up x 152k logits is over a third of the Qwen draft's prefill).
+
+        `parents` [B, W] makes the tokens tree nodes (see the module docstring): each one's parent as an index into
+        the pending tree region's columns (numbered from 0 in the order appended, these tokens included), or -1
+        for a child of the committed tokens. They stay pending until `keep_tree`.
         """
         n_valid = n_valid.to(self.device)
+        if parents is not None:
+            return self._forward_tree(tokens, n_valid, parents.to(self.device), columns)
+        if self.tree is not None:
+            raise RuntimeError("KVLedger: a tree is pending; call keep_tree before a forward of committed tokens")
         new, slots = self._append(tokens.shape[1], n_valid)
         keep = columns.to(self.device) if columns is not None else tokens.shape[1]
         logits = self._run(tokens.to(self.device), slots, keep=keep, new=new)
         self.slots = slots
         self.n_cached = self.n_cached + n_valid
         return logits
+
+    def _forward_tree(self, tokens, n_valid, parents, columns):
+        batch, width = tokens.shape
+        start, anc = self.tree if self.tree is not None else (self.physical_length, self.slots.new_zeros(
+            (batch, 0, 0), dtype=torch.bool))
+        anc = _grow_ancestry(anc, parents, n_valid)                           # [B, T, T]
+        region = anc.shape[1]
+        levels = anc[:, region - width:].long().sum(dim=-1) - 1               # ancestors in the region, per token
+        offset = torch.arange(width, device=self.device)[None, :]
+        new = torch.where(offset < n_valid[:, None], self.n_cached[:, None] + levels, -1)
+        slots = torch.cat([self.slots, new], dim=1)
+        valid = slots >= 0
+        committed = valid[:, None, :start].expand(batch, width, start)
+        own = anc[:, region - width:] & valid[:, None, start:]                # ancestors (and self) that are valid
+        allowed = torch.cat([committed, own], dim=2)
+        allowed[:, :, -width:] |= torch.eye(width, dtype=torch.bool, device=self.device)   # holes see themselves
+        keep = columns.to(self.device) if columns is not None else width
+        logits = self._run(tokens.to(self.device), slots, keep=keep, new=new, allowed=allowed)
+        self.slots, self.tree = slots, (start, anc)
+        return logits
+
+    def keep_tree(self, kept: torch.Tensor) -> None:
+        """End the pending tree region: its columns where kept [B, T] is True stay (per row, a path down from the
+        region's first level), the others become holes. n_cached grows by the kept count."""
+        if self.tree is None:
+            return
+        start, anc = self.tree
+        kept = kept.to(self.device)[:, : anc.shape[1]]
+        region = self.slots[:, start:]
+        self.slots = torch.cat([self.slots[:, :start], torch.where(kept, region, -1)], dim=1)
+        self.n_cached = self.n_cached + kept.long().sum(dim=1)
+        self.tree = None
+        self._trim()
 
     def forward_pruned(self, tokens: torch.Tensor, n_valid: torch.Tensor, runner):
         """Like `forward`, through `runner`, which may drop the tail of rows mid-forward (Top-K early exit).
@@ -171,16 +257,21 @@ class KVLedger:
         mask = None if bool(valid.all()) else valid.long()
         return mask, position_ids
 
-    def _run(self, tokens, slots, keep, new=None, past=None):
+    def _run(self, tokens, slots, keep, new=None, past=None, allowed=None):
         """The model over `tokens`; logits of the last `keep` columns, or (keep a [B, K] tensor) of columns keep[b].
+        `allowed` [B, W, P + W] bool: which slots each token attends to (a tree), instead of the causal mask.
         A forward that fails leaves the cache as the ledger accounts for it: the layers it had already run appended
         their columns, and they are cut back to the `past` columns held before (default: the ledger's length)."""
         mask, position_ids = self._inputs(slots, slots if new is None else new)
+        if allowed is not None:
+            mask = allowed
         live = tokens.shape[0]
         if self.spare:
             tokens, mask, position_ids = self._with_spares(tokens, mask, position_ids)
             if torch.is_tensor(keep):
                 keep = torch.cat([keep, keep.new_zeros((self.spare, keep.shape[1]))])
+        if allowed is not None:
+            mask = attention_mask_4d(self.model, mask)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         with self._cut_back_on_failure(self.physical_length if past is None else past):
             out = self.model(
@@ -199,7 +290,7 @@ class KVLedger:
         if mask is None:
             mask = tokens.new_ones((live, self.physical_length + width))
         tokens = torch.cat([tokens, tokens.new_zeros((self.spare, width))])
-        mask = torch.cat([mask, mask.new_ones((self.spare, mask.shape[1]))])
+        mask = torch.cat([mask, mask.new_ones((self.spare,) + tuple(mask.shape[1:]))])
         position_ids = torch.cat([position_ids, position_ids.new_zeros((self.spare, width))])
         return tokens, mask, position_ids
 
@@ -207,6 +298,8 @@ class KVLedger:
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Keep only buffer tokens [0, keep_len[b]) of each row: later slots become holes; then trim the tail."""
         keep_len = keep_len.to(self.device)
+        if self.tree is not None:   # a pending tree nobody kept: none of it stays
+            self.keep_tree(torch.zeros_like(self.slots, dtype=torch.bool))
         self.slots = torch.where(self.slots < keep_len[:, None], self.slots, -1)
         self.n_cached = torch.minimum(self.n_cached, keep_len)
         self._trim()
@@ -218,6 +311,8 @@ class KVLedger:
         """Keep only the given rows (rows that finished leave the batch), and up to `spare` of the cache rows that
         leave as spare rows (see the module docstring): the cache then holds len(index) + spare rows."""
         index = index.to(self.device)
+        if self.tree is not None:
+            self.tree = (self.tree[0], self.tree[1][index])
         layers = self._layers()
         gone = torch.ones(self.held_rows, dtype=torch.bool, device=self.device)
         gone[index] = False
@@ -319,6 +414,8 @@ class KVLedger:
             raise
 
     def _trim(self) -> None:
+        if self.tree is not None:       # the pending region's columns are counted by its ancestry
+            return
         used = (self.slots >= 0).any(dim=0).nonzero()
         length = int(used.max()) + 1 if used.numel() else 0
         if length < self.slots.shape[1]:

@@ -23,7 +23,8 @@ from .acceptor import Acceptor
 from .ledger import KVLedger
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
-from .processors import ScoreProcessor
+from .processors import ScoreProcessor, tree_positions
+from .tree import ancestry, chunk_tree, path_nodes
 from .verifiers import FullVerifier, Verifier
 
 
@@ -64,6 +65,8 @@ class SpeculativeLoop:
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
         self.members = None            # the policy's plan for the drafter this step (chain members), if any
+        self.depths = None             # a tree plan's depth per active row this step (None: chains)
+        self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
@@ -86,7 +89,8 @@ class SpeculativeLoop:
         first = Proposal.empty(len(self.rows), self.device)
         self._reserve(1)
         scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1, self.rows)
-        committed = self._commit(first, *self._accept(scores, first), scores, logits, bonus=None)
+        accepted, next_token, _ = self._accept(scores, first)
+        committed = self._commit(first, accepted, next_token, scores, logits, bonus=None, path=None)
         self._count_first_token(committed)
         self.stats.time_prefill = self._now() - start
         if self.drafter is not None:   # begins with the whole batch, then follows the rows that leave it
@@ -111,13 +115,14 @@ class SpeculativeLoop:
     def step(self) -> None:
         t0 = self._now()
         gammas = self._choose()                                            # 0. lengths, per active row
-        self._reserve(int(gammas.max()) + 1 if len(gammas) else 1)
+        deepest = gammas if self.depths is None else self.depths
+        self._reserve(int(deepest.max()) + 1 if len(gammas) else 1)
         proposal = self._propose(gammas)                                   # 1. propose
         t1 = self._now()
         proposal, bonus, scores, logits = self._verify(proposal)           # 2. verify: [B, S+1, V]
         t2 = self._now()
-        accepted, next_token = self._accept(scores, proposal)              # 3. accept
-        committed = self._commit(proposal, accepted, next_token, scores, logits, bonus)   # 4. commit + rollback
+        accepted, next_token, path = self._accept(scores, proposal)        # 3. accept (a tree: along `path`)
+        committed = self._commit(proposal, accepted, next_token, scores, logits, bonus, path)   # 4. commit
         t3 = self._now()
         self._observe(gammas, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)  # 5. observe
         self._retire()
@@ -128,6 +133,7 @@ class SpeculativeLoop:
         lengths = self.lengths[self.rows]
         remaining = self.limits[self.rows] - lengths
         self.chosen = self.drafter is not None and bool(self._guard("available", self.drafter.available))
+        self.depths = None
         if not self.chosen:          # no drafter (or it is away): a plain step, the policy is not asked
             return torch.zeros(batch, dtype=torch.long, device=self.device)
         lag = self._guard("lag", self.drafter.lag, lengths)
@@ -139,10 +145,29 @@ class SpeculativeLoop:
                         level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
-        gammas, self.members = check_plan(self.policy, answer, batch)
+        gammas, self.members, depth = check_plan(self.policy, answer, batch)
         if self.members is not None:
             self.drafter.check_members(self.members)
-        return torch.minimum(gammas.to(self.device), remaining - 1)          # a step commits up to gamma + 1 tokens
+        gammas = gammas.to(self.device)
+        if depth is None:
+            return torch.minimum(gammas, remaining - 1)          # a step commits up to gamma + 1 tokens
+        depths = torch.minimum(torch.full_like(gammas, depth), remaining - 1)
+        if not getattr(self.drafter, "trees", False):            # a drafter that cannot branch drafts the chain
+            return torch.minimum(gammas, depths)
+        self._check_trees()
+        self.depths = depths
+        return torch.where(depths > 0, gammas, 0)
+
+    def _check_trees(self) -> None:
+        if self.trees_checked:
+            return
+        from .ledger import check_tree_attention
+
+        if not getattr(self.verifier, "trees", False):
+            raise ValueError(f"The policy planned token trees, but {self.verifier!r} verifies chains only: use "
+                             "FullVerifier(), or a policy without depth.")
+        check_tree_attention(self.model)
+        self.trees_checked = True
 
     def _propose(self, gammas: torch.Tensor) -> Proposal:
         batch = len(self.rows)
@@ -150,7 +175,7 @@ class SpeculativeLoop:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], gammas, self.rows, self.sampling, self.process,
-            self.acceptor, self.members,
+            self.acceptor, self.members, self.depths,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)
@@ -166,6 +191,8 @@ class SpeculativeLoop:
         lengths = self.lengths[self.rows]
         last = self.buffer[self.rows, lengths - 1]
         chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
+        if proposal.parents is not None:
+            return self._verify_tree(proposal, chunk, lengths)
         result = self.verifier.verify(self.target, chunk, proposal.lengths + 1)
         bonus = result.kept > proposal.lengths
         proposal = proposal.cut(result.kept)
@@ -174,11 +201,34 @@ class SpeculativeLoop:
         scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows)
         return proposal, bonus, scores, logits
 
-    def _accept(self, scores: torch.Tensor, proposal: Proposal):
-        return self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths, self.sampling)
+    def _verify_tree(self, proposal: Proposal, chunk, lengths):
+        """A tree: one forward where each node sees its ancestors; every position is kept (a bonus for every row)."""
+        result = self.verifier.verify(self.target, chunk, proposal.lengths + 1, parents=chunk_tree(proposal.parents))
+        logits = result.logits.float()
+        anc, depth = ancestry(proposal.parents, proposal.lengths)
+        scores = tree_positions(self.process, logits, self.buffer[self.rows], lengths, proposal.tokens, anc, depth,
+                                proposal.lengths, self.rows)
+        return proposal, torch.ones_like(lengths, dtype=torch.bool), scores, logits
 
-    def _commit(self, proposal, accepted, next_token, scores, logits, bonus) -> torch.Tensor:
-        """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one)."""
+    def _accept(self, scores: torch.Tensor, proposal: Proposal):
+        """(accepted [B], next_token [B], path): path [B, S] bool marks a tree's accepted nodes (None: a chain)."""
+        if proposal.parents is not None:
+            path, accepted, next_token = self.acceptor.accept_tree(
+                scores, proposal.tokens, proposal.parents, proposal.probs, proposal.lengths, self.sampling)
+            return accepted, next_token, path
+        accepted, next_token = self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths,
+                                                    self.sampling)
+        return accepted, next_token, None
+
+    def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path) -> torch.Tensor:
+        """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one).
+        A tree commits its accepted path as a chain: the ledgers keep the path's slots and the rest become holes."""
+        drafted = proposal.tokens.shape[1]
+        if path is not None:
+            self.target.keep_tree(torch.cat([torch.ones_like(path[:, :1]), path], dim=1))   # the root stays
+            if self.drafter is not None:
+                self._guard("keep_tree", self.drafter.keep_tree, path)
+            proposal, scores, logits = _along_path(proposal, path, scores, logits)
         rows, old = self.rows, self.lengths[self.rows]
         new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
         n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
@@ -188,7 +238,7 @@ class SpeculativeLoop:
         # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
         keep = old + accepted
         self.target.rollback(keep)
-        if self.drafter is not None and proposal.tokens.shape[1] and len(rows):
+        if self.drafter is not None and drafted and len(rows):
             self._guard("rollback", self.drafter.rollback, keep)
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
@@ -299,6 +349,15 @@ class SpeculativeLoop:
         if self.sync:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def _along_path(proposal: Proposal, path, scores, logits):
+    """A verified tree as the chain of its accepted path: (proposal, scores, logits) of the root and the path."""
+    nodes, counts = path_nodes(path)                                                # [B, A]
+    columns = torch.cat([torch.zeros_like(nodes[:, :1]), nodes + 1], dim=1)        # [B, A+1]
+    index = columns[..., None].expand(-1, -1, scores.shape[-1])
+    chain = Proposal(proposal.tokens.gather(1, nodes), counts, None, proposal.telemetry)
+    return chain, scores.gather(1, index), logits.gather(1, index)
 
 
 def _pad_positions(logits: torch.Tensor, width: int) -> torch.Tensor:

@@ -90,3 +90,23 @@ def _for_rows(processor, rows: torch.Tensor):
         view._prefix_allowed_tokens_fn = lambda batch_id, sent: fn(row_list[batch_id], sent)
         return view
     return processor
+
+
+def tree_positions(process: ScoreProcessor, scores, buffer, base, tokens, anc, depth, n_nodes, rows):
+    """ScoreProcessor.positions for a token tree: column 0 (the root) conditions on the committed tokens, column
+    i + 1 on them and node i's ancestors-or-self (spec_adapt.tree). scores [B, S+1, V]; tokens, depth [B, S];
+    anc [B, S, S]; n_nodes [B]."""
+    from .tree import node_contexts
+
+    if not process:
+        return scores
+    batch, width = tokens.shape
+    contexts = node_contexts(buffer, base, tokens, anc, depth)                     # [B, S, L]
+    contexts = torch.cat([contexts.new_zeros(batch, 1, contexts.shape[2]), contexts], dim=1)
+    contexts[:, 0, : buffer.shape[1]] = buffer
+    lengths = base[:, None] + torch.cat([depth.new_zeros(batch, 1), depth], dim=1)  # [B, S+1]
+    used = torch.arange(width + 1, device=scores.device)[None, :] < n_nodes[:, None] + 1
+    b, c = used.nonzero(as_tuple=True)
+    out = scores.clone()
+    out[b, c] = process(scores[b, c], contexts[b, c], lengths[b, c], rows[b])
+    return out

@@ -42,7 +42,12 @@ class Verification:
 
 class Verifier:
     """The verification phase. `check(model)` validates once per call, `begin()` starts a call's counters,
-    `verify` runs one step, `report()` gives the call's counters to SpecStats.verifier."""
+    `verify` runs one step, `report()` gives the call's counters to SpecStats.verifier.
+
+    A verifier with `trees = True` also verifies token trees: `verify(..., parents=...)` with the chunk's parents
+    [B, W] (spec_adapt.tree.chunk_tree), which it hands to the ledger's forward; it keeps every position."""
+
+    trees = False
 
     def check(self, model) -> None:
         pass
@@ -62,10 +67,12 @@ class Verifier:
 
 
 class FullVerifier(Verifier):
-    """One full forward of the chunk through the target."""
+    """One full forward of the chunk through the target (a tree's nodes each see their ancestors only)."""
 
-    def verify(self, ledger, chunk, n_valid):
-        return Verification(ledger.forward(chunk, n_valid), n_valid.to(ledger.device))
+    trees = True
+
+    def verify(self, ledger, chunk, n_valid, parents=None):
+        return Verification(ledger.forward(chunk, n_valid, parents=parents), n_valid.to(ledger.device))
 
     def __repr__(self):
         return "FullVerifier()"
@@ -153,7 +160,9 @@ class EarlyExitVerifier(Verifier):
         self.stats = PruneStats()          # per call; what the gate learned (`timing`) carries over
 
     # -- one step ----------------------------------------------------------------------------------------------------
-    def verify(self, ledger, chunk, n_valid):
+    def verify(self, ledger, chunk, n_valid, parents=None):
+        if parents is not None:
+            raise ValueError("EarlyExitVerifier verifies chains only; use FullVerifier() with token trees.")
         self.kernels = ledger.kernels
         batch, width = chunk.shape
         if width < 2:                                 # nothing drafted: nothing to test

@@ -48,13 +48,13 @@ def exact_marginals(model, prompt, depth=3):
     return marginals
 
 
-def sample(model, drafter, n, seed, gamma=3):
+def sample(model, drafter, n, seed, gamma=3, policy=None, **kw):
     prompt = torch.tensor([[3, 7, 9, 4]]).repeat(n, 1)
     torch.manual_seed(seed)
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                          temperature=TEMPERATURE, top_k=TOP_K, top_p=None, max_new_tokens=5,
                          eos_token_id=None, pad_token_id=PAD, custom_generate=spec_adapt.generate, drafter=drafter,
-                         assistant_policy=FixedLength(gamma))
+                         assistant_policy=policy or FixedLength(gamma), **kw)
     return out[:, 4:]
 
 
@@ -70,18 +70,71 @@ def test_sampled_tokens_follow_target_distribution(small, kind):
     assert_follows_target(target, drafter, n)
 
 
-def assert_follows_target(target, drafter, n):
+def assert_follows_target(target, drafter, n, **kw):
     """Sample n continuations through the loop with `drafter`; each of the first 3 tokens' empirical distribution
     must match the target's exact marginal (5 standard errors). Token 1 comes from the prefill; tokens 2 and 3 are
     drafted, accepted or recovered."""
+    assert follows_target(target, drafter, n, **kw) is None
+
+
+def follows_target(target, drafter, n, **kw):
+    """None when the sampled marginals match the target's, else (position, empirical, exact) of the first miss."""
     marginals = exact_marginals(target, [3, 7, 9, 4])
-    tokens = sample(target, drafter, n, seed=0)
+    tokens = sample(target, drafter, n, seed=0, **kw)
     stats = spec_adapt.last_stats()
     assert stats.fallback is None and stats.drafted > 0 and 0 < stats.accepted < stats.drafted
     for position, exact in enumerate(marginals):
         empirical = torch.bincount(tokens[:, position], minlength=VOCAB_SMALL).float() / n
         tolerance = 5 * (exact * (1 - exact) / n).sqrt() + 2e-3
-        assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
+        if not bool(((empirical - exact).abs() < tolerance).all()):
+            return position, empirical, exact
+    return None
+
+
+class LossyTreeAcceptor(spec_adapt.Acceptor):
+    """Tests every sibling against the untouched target p: no residual after a rejection (a lossy tree rule)."""
+
+    def tree_rejection(self, target_probs, draft_tokens, parents, draft_probs, lengths, uniforms, exponentials):
+        batch, width = draft_tokens.shape
+        rows = torch.arange(batch, device=draft_tokens.device)
+        cur = torch.zeros_like(lengths)
+        path = torch.zeros(batch, width, dtype=torch.bool, device=draft_tokens.device)
+        for i in range(width):
+            tried = (parents[:, i] + 1 == cur) & (i < lengths)
+            x = draft_tokens[:, i]
+            q = 1.0 if draft_probs is None else draft_probs[rows, i, x]
+            accept = tried & (uniforms[:, i] * q < target_probs[rows, cur, x])
+            path[:, i] = accept
+            cur = torch.where(accept, i + 1, cur)
+        next_token = (target_probs[rows, cur] / exponentials).argmax(-1)
+        return path, path.long().sum(1), next_token
+
+
+@pytest.mark.parametrize("kind", ["model", "point_mass"])
+def test_sampling_through_trees_follows_target_distribution(small, kind):
+    from spec_adapt import FixedTree, ModelDrafter
+
+    target, draft = small
+    if kind == "model":
+        drafter = ModelDrafter(draft, branch=3)
+    else:       # point-mass siblings chosen without looking at the target: the best and two fixed tokens
+        first = int(exact_marginals(target, [3, 7, 9, 4], depth=1)[0].argmax())
+        drafter = ScriptedDrafter(lambda row, context, gamma: [[first, 5], [6, 7], [8]])
+    assert_follows_target(target, drafter, 6000, policy=FixedTree(6, 3))
+    assert sum(max(r.drafted) > max(r.accepted) + 1 for r in spec_adapt.last_stats().trace) > 0   # real trees
+
+
+@pytest.mark.parametrize("kind", ["model", "point_mass"])
+def test_a_lossy_tree_rule_is_caught(small, kind):
+    from spec_adapt import FixedTree, ModelDrafter
+
+    target, draft = small
+    if kind == "model":
+        drafter = ModelDrafter(draft, branch=3)
+    else:
+        first = int(exact_marginals(target, [3, 7, 9, 4], depth=1)[0].argmax())
+        drafter = ScriptedDrafter(lambda row, context, gamma: [[first, 5], [6, 7], [8]])
+    assert follows_target(target, drafter, 6000, policy=FixedTree(6, 3), acceptor=LossyTreeAcceptor()) is not None
 
 
 def test_accepting_every_draft_would_be_caught(small):

@@ -29,6 +29,8 @@ class DraftRequest:
     process: ScoreProcessor      # the call's logits processors, to apply to draft scores position by position
     acceptor: "Acceptor | None" = None   # the call's accept phase, for drafters that verify (chain levels)
     members: tuple | None = None  # the policy's plan: which chain members to use this step (None = the drafter's own)
+    depths: torch.Tensor | None = None   # [B] long: a tree plan's deepest node per row; None = draft chains. With
+                                         # depths, gammas[b] counts the row's nodes (spec_adapt.tree)
 
 
 @dataclass
@@ -38,6 +40,10 @@ class Proposal:
     probs: torch.Tensor | None = None # [B, S, V] float32 processed draft distributions; None = point mass
     telemetry: dict | None = None     # what the drafter measured this step (a chain: members used, per-level
                                       # counts and times); the loop hands it to the policy in the StepRecord
+    parents: torch.Tensor | None = None   # [B, S] long: a tree (spec_adapt.tree), node i's parent node or -1 for a
+                                          # child of the last committed token; None = chains. With a tree, probs[b, i]
+                                          # is the distribution node i and its siblings were drawn from (without
+                                          # replacement, in node order)
 
     @staticmethod
     def empty(batch: int, device) -> "Proposal":
@@ -49,7 +55,8 @@ class Proposal:
         lengths = torch.minimum(self.lengths, lengths)
         width = int(lengths.max()) if lengths.numel() else 0
         probs = self.probs[:, :width] if self.probs is not None else None
-        return Proposal(self.tokens[:, :width], lengths, probs, self.telemetry)
+        parents = self.parents[:, :width] if self.parents is not None else None    # a prefix of a tree is a tree
+        return Proposal(self.tokens[:, :width], lengths, probs, self.telemetry, parents)
 
     @staticmethod
     def pack(drafts: list[torch.Tensor], device) -> "Proposal":
@@ -80,6 +87,8 @@ def with_drafts(tokens: torch.Tensor, lengths: torch.Tensor, drafts: torch.Tenso
 
 class Drafter:
     """Base class. Model-free drafters override `propose` only."""
+
+    trees = False     # True: given DraftRequest.depths, may propose trees (else the loop asks it for chains)
 
     def validate(self, target) -> None:
         """Raise a clear error if this drafter cannot serve `target` (tokenizer, vocabulary). Called once per call."""
@@ -122,6 +131,10 @@ class Drafter:
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Buffer tokens [0, keep_len[b]) of each active row are committed; anything drafted past them is not."""
 
+    def keep_tree(self, path: torch.Tensor) -> None:
+        """After a tree proposal was verified, before `rollback`: path [B, S] bool marks the accepted nodes (a chain
+        from the root per row). A drafter that cached its tree keeps the path's entries here."""
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Only these active rows remain (indices into the current active batch)."""
 
@@ -162,7 +175,42 @@ def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
     _expect(not bool(bad.any()), f"token ids must be within [0, {vocab}), got {tokens[bad][:4].tolist()}")
     if probs is not None:
         probs = _checked_probs(probs, tokens, used, batch, width, vocab).to(device)
-    return Proposal(tokens, lengths, probs, proposal.telemetry)
+    parents = _checked_parents(proposal.parents, tokens, lengths, used, request, probs)
+    return Proposal(tokens, lengths, probs, proposal.telemetry, parents)
+
+
+def _checked_parents(parents, tokens, lengths, used, request, probs):
+    """A tree's parents, validated (spec_adapt.tree); None for chains (a tree that is a chain becomes one)."""
+    from ..tree import ancestry, is_chain, tree_problems
+
+    if parents is None:
+        if request.depths is not None:
+            _check_depth(lengths, request)
+        return None
+    batch, width = tokens.shape
+    _expect(isinstance(parents, torch.Tensor) and parents.dim() == 2 and parents.shape[0] == batch
+            and parents.shape[1] >= width and not parents.dtype.is_floating_point and parents.dtype != torch.bool,
+            f"parents must be an integer tensor [B={batch}, S>={width}] or None, got {_describe(parents)}")
+    parents = parents.to(tokens.device).long()[:, :width]
+    if is_chain(parents, lengths):
+        if request.depths is not None:
+            _check_depth(lengths, request)
+        return None
+    _expect(request.depths is not None, "the drafter returned a tree, but this step's plan asked for chains (a "
+            "policy without depth)")
+    problem = tree_problems(parents, tokens, lengths)
+    _expect(problem is None, str(problem))
+    _, depth = ancestry(parents, lengths)
+    _check_depth(depth.max(dim=1).values if width else lengths, request)
+    if probs is not None:
+        index = torch.arange(width, device=tokens.device)
+        first = (parents[:, :, None] == parents[:, None, :]) & (index[None, None, :] <= index[None, :, None])
+        first = torch.where(first & used[:, None, :], index, width).min(dim=2).values     # each node's first sibling
+        first = torch.where(used, first, index)
+        same = probs.gather(1, first[..., None].expand(-1, -1, probs.shape[-1])) == probs
+        _expect(bool(same.all(dim=-1)[used].all()), "siblings must carry the same probs (the distribution they "
+                "were drawn from)")
+    return parents
 
 
 def _checked_probs(probs, tokens, used, batch, width, vocab) -> torch.Tensor:
@@ -176,6 +224,11 @@ def _checked_probs(probs, tokens, used, batch, width, vocab) -> torch.Tensor:
     q = probs.to(tokens.device).gather(-1, tokens[..., None]).squeeze(-1)[used]
     _expect(bool((q > 0).all()), "a drafted token has draft probability 0 (its probs do not match its tokens)")
     return probs
+
+
+def _check_depth(deepest, request) -> None:
+    limit = request.depths.to(deepest.device)
+    _expect(bool((deepest <= limit).all()), f"tree depths {deepest.tolist()} exceed the plan's {limit.tolist()}")
 
 
 def _expect(ok: bool, problem: str) -> None:

@@ -3,7 +3,10 @@ n tokens (n-gram match in the prompt and everything generated so far).
 
 Worked example, max_ngram = 2: context [5 8 3 9 4 5 8], last 2 tokens [5 8] occurred at 0..1, followed by
 [3 9 4 ...] -> propose [3 9 4] for gamma = 3. With no 2-gram match it tries the last token alone, then gives up
-(proposes nothing for that row: the row takes a plain step)."""
+(proposes nothing for that row: the row takes a plain step).
+
+Under a tree plan every distinct continuation found becomes a branch (most recent match of the longest n-gram
+first, then older matches, then shorter n-grams), merged into a tree within the plan's node budget."""
 
 from __future__ import annotations
 
@@ -26,8 +29,28 @@ def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_n
     return context[:0]
 
 
+def lookup_branches(context: torch.Tensor, depth: int, max_ngram: int, min_ngram: int, most: int) -> list[list[int]]:
+    """Up to `most` distinct continuations of up to `depth` tokens that followed earlier matches of the context's
+    suffixes, best first (longer n-gram, then more recent)."""
+    length = context.shape[0]
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = context[length - n:]
+        windows = context[: length - 1].unfold(0, n, 1)
+        hits = (windows == suffix).all(dim=1).nonzero().squeeze(1)
+        for start in reversed((hits[hits + n < length] + n).tolist()):
+            branch = context[start : start + depth].tolist()
+            if branch not in found:
+                found.append(branch)
+                if len(found) >= most:
+                    return found
+    return found
+
+
 class PromptLookupDrafter(Drafter):
     """Batched, per row: every row searches its own prompt and generated tokens. Proposals are point masses."""
+
+    trees = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
@@ -42,6 +65,8 @@ class PromptLookupDrafter(Drafter):
         self.pad = (self.pad or []) + left_padding(input_ids, attention_mask)
 
     def propose(self, request: DraftRequest) -> Proposal:
+        if request.depths is not None:
+            return self._propose_tree(request)
         tokens = request.tokens.cpu()
         drafts = []
         for b, (row, length, gamma) in enumerate(
@@ -53,3 +78,15 @@ class PromptLookupDrafter(Drafter):
             context = tokens[b, self.pad[row] : length]
             drafts.append(lookup_continuation(context, gamma, self.max_ngram, self.min_ngram))
         return Proposal.pack(drafts, request.tokens.device)
+
+    def _propose_tree(self, request: DraftRequest) -> Proposal:
+        from .scripted import branches_proposal
+
+        tokens = request.tokens.cpu()
+        branches = []
+        for b, (row, length, gamma, depth) in enumerate(zip(request.rows.tolist(), request.lengths.tolist(),
+                                                            request.gammas.tolist(), request.depths.tolist())):
+            context = tokens[b, self.pad[row] : length]
+            found = lookup_branches(context, depth, self.max_ngram, self.min_ngram, gamma) if gamma else []
+            branches.append(found)
+        return branches_proposal(branches, request)

@@ -23,14 +23,24 @@ class ModelDrafter(Drafter):
     device and proposals move back, so a draft on another device (or offloaded) works the same.
     """
 
-    def __init__(self, model, confidence_threshold: float | None = None, head_tokens: int | None = None):
+    trees = True
+
+    def __init__(self, model, confidence_threshold: float | None = None, head_tokens: int | None = None,
+                 branch: int = 4):
         """`confidence_threshold`: Elastic Speculation's early exit. A row stops drafting once the draft's top
         probability (after the logits processors) falls below it; its remaining draft slots are holes that write
         no KV. None = always draft the full length.
 
         `head_tokens`: score drafts over a subset of the vocabulary (spec_adapt.drafters.head): the `head_tokens`
         lowest ids, the special tokens, the call's prompt tokens and every token committed in earlier calls. Lossless
-        (the target verifies with its full head); cheaper per draft token. None = the whole vocabulary."""
+        (the target verifies with its full head); cheaper per draft token. None = the whole vocabulary.
+
+        `branch`: under a tree plan (FixedTree, or a policy whose plan has a depth), each depth expands the `branch`
+        most likely nodes and gives each its `branch` most likely children (spec_adapt.drafters.model_tree)."""
+        if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
+            raise ValueError(f"branch must be an int >= 1, got {branch!r}.")
+        self.branch = branch
+        self.tree_fed = None         # the last tree's nodes: their column in the ledger's pending region, or -1
         if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold must be within [0, 1], got {confidence_threshold!r}.")
         if head_tokens is not None and (isinstance(head_tokens, bool) or not isinstance(head_tokens, int)):
@@ -96,6 +106,10 @@ class ModelDrafter(Drafter):
         last = self._catch_up(tokens, pending)                                           # [B, V']
 
         self.kv_writes += int(pending.sum())
+        if request.depths is not None:
+            from .model_tree import draft_tree
+
+            return draft_tree(self, request, tokens, lengths, gammas, last)
         drafted = torch.zeros_like(gammas)            # per row: tokens drafted so far
         for k in range(most):
             scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))
@@ -145,6 +159,18 @@ class ModelDrafter(Drafter):
         if self.ledger is None:
             return None
         return lengths.to(self.ledger.device) - self.ledger.n_cached
+
+    def keep_tree(self, path):
+        """Keep the cached entries of the accepted nodes this draft fed (the deepest ones were never fed)."""
+        fed, self.tree_fed = self.tree_fed, None
+        if fed is None or self.ledger.tree is None:
+            return
+        path = path.to(fed.device)[:, : fed.shape[1]]
+        columns = self.ledger.tree[1].shape[1]
+        kept = torch.zeros(len(fed), columns + 1, dtype=torch.bool, device=fed.device)
+        on_path = path & (fed >= 0)
+        kept.scatter_(1, torch.where(on_path, fed, columns), on_path)
+        self.ledger.keep_tree(kept[:, :columns])
 
     def rollback(self, keep_len):
         self.ledger.rollback(keep_len)

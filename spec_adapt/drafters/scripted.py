@@ -9,13 +9,18 @@ import torch
 
 from .base import Drafter, DraftRequest, Proposal, left_padding
 
-# script(row, context, gamma) -> up to gamma token ids. `row` is the row's index in the user's batch, `context` the
-# row's committed tokens (prompt without padding, then generated tokens).
+# script(row, context, gamma) -> up to gamma token ids, or a tree as a list of branches (token lists from the
+# last committed token, best first; shared prefixes merge). `row` is the row's index in the user's batch, `context`
+# the row's committed tokens (prompt without padding, then generated tokens).
 Script = Callable[[int, list, int], list]
 
 
 class ScriptedDrafter(Drafter):
-    """Proposes whatever `script` returns, as a point-mass draft (no probabilities)."""
+    """Proposes whatever `script` returns, as a point-mass draft (no probabilities). Under a tree plan (FixedTree),
+    branches become a tree of up to gamma nodes and the plan's depth; under a chain plan only the first branch
+    counts."""
+
+    trees = True
 
     def __init__(self, script: Script):
         self.script = script
@@ -29,13 +34,30 @@ class ScriptedDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         batch = request.tokens.shape[0]
-        drafts = []
+        branches = []
         for b in range(batch):
             gamma = int(request.gammas[b])
             row = int(request.rows[b])
             if gamma == 0:
-                drafts.append([])
+                branches.append([])
                 continue
             context = request.tokens[b, self.pad[row] : int(request.lengths[b])].tolist()
-            drafts.append([int(t) for t in self.script(row, context, gamma)][:gamma])
-        return Proposal.pack([torch.tensor(d, dtype=torch.long) for d in drafts], request.tokens.device)
+            answer = list(self.script(row, context, gamma))
+            tree = bool(answer) and all(isinstance(x, (list, tuple)) for x in answer)
+            branches.append([list(x) for x in answer] if tree else [answer])
+        return branches_proposal(branches, request)
+
+
+def branches_proposal(branches: list[list[list[int]]], request: DraftRequest) -> Proposal:
+    """Per row, continuations best first -> a point-mass Proposal: a trie within the plan's budget (spec_adapt.tree),
+    or, when the plan asks for chains, each row's first continuation cut to gamma."""
+    from ..tree import from_branches
+
+    gammas = request.gammas.tolist()
+    if request.depths is None:
+        drafts = [torch.tensor([int(t) for t in (row[0] if row else [])][:g], dtype=torch.long)
+                  for row, g in zip(branches, gammas)]
+        return Proposal.pack(drafts, request.tokens.device)
+    tokens, parents, lengths = from_branches(branches, gammas, request.depths.tolist())
+    device = request.tokens.device
+    return Proposal(tokens.to(device), lengths.to(device), parents=parents.to(device))

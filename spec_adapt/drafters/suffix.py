@@ -6,17 +6,22 @@ at `depth`, stored as a dict). Proposing walks greedily: find the longest indexe
 its most frequent next token, append it, repeat up to gamma times; it stops early when the best continuation's
 share of its context's count falls below `min_share` (a confidence early exit that costs nothing to compute).
 
+Under a tree plan the walk branches: best first by the product of shares along the path, a node gets every
+continuation whose share of its context is at least `min_share`, until the plan's node budget or depth.
+
 Worked example, depth 2, index built from "a b c a b d a b c": context "x a b" -> longest suffix "a b", seen followed
 by c twice and d once -> propose c (share 2/3); then suffix "b c" -> followed by a -> propose a; and so on.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 
 import torch
 
 from .base import Drafter, DraftRequest, Proposal, left_padding
+from ..tree import pack_trees
 
 
 class SuffixIndex:
@@ -73,6 +78,48 @@ class SuffixIndex:
         return out
 
 
+    def tree(self, context: list[int], budget: int, depth: int, min_share: float, min_depth: int = 1):
+        """(tokens, parents) of a tree of up to `budget` nodes and `depth` levels, grown best first by the product
+        of shares along each path; a node's children are the continuations with share >= min_share."""
+        if self.pending:
+            self._flush()
+        tokens, parents = [], []
+        heap = [(-1.0, 0, -1, list(context[-self.depth:]))]       # (-path share, tie, node, its context)
+        tie = 1
+        while heap and len(tokens) < budget:
+            score, _, node, ctx = heapq.heappop(heap)
+            level = 0 if node < 0 else _level(parents, node) + 1
+            if level >= depth:
+                continue
+            counts = self._counts(ctx, min_depth)
+            if counts is None:
+                continue
+            total = sum(counts.values())
+            for token, count in counts.most_common():
+                share = count / total
+                if share < min_share or len(tokens) >= budget:
+                    break
+                tokens.append(token)
+                parents.append(node)
+                heapq.heappush(heap, (score * share, tie, len(tokens) - 1, (ctx + [token])[-self.depth:]))
+                tie += 1
+        return tokens, parents
+
+    def _counts(self, ctx, min_depth):
+        for n in range(min(self.depth, len(ctx)), min_depth - 1, -1):
+            counts = self.next.get(tuple(ctx[-n:]))
+            if counts:
+                return counts
+        return None
+
+
+def _level(parents: list[int], node: int) -> int:
+    level = 0
+    while parents[node] >= 0:
+        node, level = parents[node], level + 1
+    return level
+
+
 class SuffixDrafter(Drafter):
     """Batched, per row. Every row's prompt and committed tokens are indexed as they appear, so the drafter also
     does prompt lookup; the index outlives the call. Each drafter has its own index unless one is passed: sharing is
@@ -85,6 +132,8 @@ class SuffixDrafter(Drafter):
         self.index = index if index is not None else SuffixIndex()
         self.min_share, self.min_depth = min_share, min_depth
         self.pad, self.indexed = None, None
+
+    trees = True
 
     def begin(self, input_ids, attention_mask):
         self.pad = left_padding(input_ids, attention_mask)
@@ -103,8 +152,15 @@ class SuffixDrafter(Drafter):
             context = tokens[b, self.pad[row] : length].tolist()
             self.index.add(context, start=self.indexed[row])
             self.indexed[row] = len(context)
+            if request.depths is not None:
+                depth = int(request.depths[b])
+                drafts.append(self.index.tree(context, gamma, depth, self.min_share, self.min_depth) if gamma
+                              else ([], []))
+                continue
             found = self.index.continuation(context, gamma, self.min_share, self.min_depth) if gamma else []
             drafts.append(torch.tensor(found, dtype=torch.long))
+        if request.depths is not None:
+            return pack_trees(drafts, request.tokens.device)
         return Proposal.pack(drafts, request.tokens.device)
 
     def end(self, tokens=None, lengths=None):

@@ -45,6 +45,7 @@ class Plan:
 
     gammas: object
     members: tuple | None = None
+    depth: int | None = None      # a tree plan: gammas count each row's nodes, no node deeper than `depth`
 
 
 class Policy:
@@ -84,12 +85,17 @@ def check_rows(policy, value, live: int, held: int) -> int:
     )
 
 
-def check_plan(policy, value, batch_size: int) -> tuple[torch.Tensor, tuple | None]:
-    """A policy's answer -> (gammas [B] long, members or None), or an error naming the policy and the fix."""
+def check_plan(policy, value, batch_size: int) -> tuple[torch.Tensor, tuple | None, int | None]:
+    """A policy's answer -> (gammas [B] long, members or None, tree depth or None), or an error naming the policy
+    and the fix."""
     if isinstance(value, Plan):
         members = None if value.members is None else tuple(int(m) for m in value.members)
-        return check_gammas(policy, value.gammas, batch_size), members
-    return check_gammas(policy, value, batch_size), None
+        depth = value.depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1):
+            raise ValueError(f"{type(policy).__name__}.choose returned a Plan with depth={depth!r}; expected None "
+                             "(chains) or an int >= 1.")
+        return check_gammas(policy, value.gammas, batch_size), members, None if depth is None else int(depth)
+    return check_gammas(policy, value, batch_size), None, None
 
 
 def check_gammas(policy, value, batch_size: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy, StepInfo
+from .base import Plan, Policy, StepInfo
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -32,6 +32,33 @@ class FixedLength(Policy):
 
     def __repr__(self):
         return f"FixedLength({self.k})"
+
+
+class FixedTree(Policy):
+    """Draft a tree of up to `nodes` nodes per row, no node deeper than `depth` (spec_adapt.tree). A drafter that
+    cannot branch drafts a chain of min(nodes, depth) tokens instead. FixedTree(n, depth=n) allows a chain."""
+
+    needs_timing = False
+    trees = True          # its plans have a depth: the call checks the target can verify trees
+
+    def __init__(self, nodes: int, depth: int):
+        self.nodes = _check_int("FixedTree(nodes)", nodes, 1)
+        self.depth = _check_int("FixedTree(depth)", depth, 1)
+        if depth > nodes:
+            raise ValueError(f"FixedTree(nodes={nodes}, depth={depth}): a tree of {nodes} nodes is at most {nodes} "
+                             "deep; use depth <= nodes.")
+
+    def choose(self, info: StepInfo):
+        return Plan(self.nodes, depth=self.depth)
+
+    def state_dict(self):
+        return {"nodes": self.nodes, "depth": self.depth}
+
+    def load_state_dict(self, state):
+        self.__init__(state["nodes"], state["depth"])
+
+    def __repr__(self):
+        return f"FixedTree(nodes={self.nodes}, depth={self.depth})"
 
 
 class Heuristic(Policy):
