@@ -66,6 +66,7 @@ class SpeculativeLoop:
         self.verifier = verifier if verifier is not None else FullVerifier()
         self.members = None            # the policy's plan for the drafter this step (chain members), if any
         self.depths = None             # a tree plan's depth per active row this step (None: chains)
+        self.pooled = False            # whether this step's tree budget is pooled over the rows
         self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
@@ -133,7 +134,7 @@ class SpeculativeLoop:
         lengths = self.lengths[self.rows]
         remaining = self.limits[self.rows] - lengths
         self.chosen = self.drafter is not None and bool(self._guard("available", self.drafter.available))
-        self.depths = None
+        self.depths, self.pooled = None, False
         if not self.chosen:          # no drafter (or it is away): a plain step, the policy is not asked
             return torch.zeros(batch, dtype=torch.long, device=self.device)
         lag = self._guard("lag", self.drafter.lag, lengths)
@@ -145,14 +146,16 @@ class SpeculativeLoop:
                         level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
-        gammas, self.members, depth = check_plan(self.policy, answer, batch)
+        plan = check_plan(self.policy, answer, batch)
+        self.members, depth, self.pooled = plan.members, plan.depth, plan.pooled
         if self.members is not None:
             self.drafter.check_members(self.members)
-        gammas = gammas.to(self.device)
+        gammas = plan.gammas.to(self.device)
         if depth is None:
             return torch.minimum(gammas, remaining - 1)          # a step commits up to gamma + 1 tokens
         depths = torch.minimum(torch.full_like(gammas, depth), remaining - 1)
         if not getattr(self.drafter, "trees", False):            # a drafter that cannot branch drafts the chain
+            self.pooled = False
             return torch.minimum(gammas, depths)
         self._check_trees()
         self.depths = depths
@@ -175,7 +178,7 @@ class SpeculativeLoop:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], gammas, self.rows, self.sampling, self.process,
-            self.acceptor, self.members, self.depths,
+            self.acceptor, self.members, self.depths, self.pooled,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)

@@ -469,3 +469,85 @@ def test_a_chain_drafter_under_a_tree_plan_drafts_the_chain(llama):
     oracle = Oracle(ref, mask, ["right"])
     out, _ = spec_generate(llama, ids, mask, Chain(oracle), FixedTree(8, 3))
     assert torch.equal(out, ref) and all(d is None and g <= 3 for d, g in seen)
+
+
+# -- one budget per step ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", [FixedTree(4, 4, pooled=True), FixedTree(6, 3, pooled=True)])
+def test_a_pooled_budget_is_spent_across_rows_and_stays_identical(policy):
+    model = cached_model("llama")
+    ids, mask = ragged_batch(4)
+    ref = stock_greedy(model, ids, mask, eos_token_id=None)
+    out, stats = spec_generate(model, ids, mask, ModelDrafter(tiny_model("llama", seed=1, layers=1), branch=3),
+                               policy)
+    assert torch.equal(out, ref) and stats.fallback is None
+    assert all(sum(r.drafted) <= policy.nodes * r.batch_size for r in stats.trace)
+    assert any(max(r.drafted) > policy.nodes for r in stats.trace)        # some row got more than its share
+
+
+def test_a_pooled_proposal_over_the_total_is_refused():
+    req = DraftRequest(torch.zeros(2, 8, dtype=torch.long), torch.tensor([4, 4]), torch.tensor([2, 2]),
+                       torch.tensor([0, 1]), False, ScoreProcessor(None), depths=torch.tensor([3, 3]), pooled=True)
+    fine = Proposal(torch.tensor([[5, 6, 7], [5, 0, 0]]), torch.tensor([3, 1]), parents=torch.tensor([[-1, 0, -1]] * 2))
+    assert check_proposal(fine, req, VOCAB).lengths.tolist() == [3, 1]
+    over = Proposal(torch.tensor([[5, 6, 7], [5, 6, 0]]), torch.tensor([3, 2]), parents=torch.tensor([[-1, 0, -1]] * 2))
+    with pytest.raises(InvalidProposal, match="pooled budget"):
+        check_proposal(over, req, VOCAB)
+
+
+def test_calibration_ranks_rows_by_what_they_really_accept(llama):
+    """A row whose drafts were accepted more than their path probabilities said gets a positive offset."""
+    drafter = ModelDrafter(tiny_model("llama", seed=1, layers=1))
+    drafter.begin(torch.tensor([[5, 6], [7, 8]]), None)
+    drafter.tree_expected = torch.tensor([0.5, 2.0])
+    drafter.keep_tree(torch.tensor([[True, True, False], [False, False, False]]))
+    offsets = drafter.calibration()
+    assert offsets[0] > 0 > offsets[1]
+    drafter.select_rows(torch.tensor([1]))
+    assert drafter.calibration().shape == (1,) and drafter.calibration()[0] < 0
+
+
+# -- the default policy with trees ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [1, 4])
+def test_adaptive_with_trees_stays_identical_and_measures_every_shape(batch):
+    model = cached_model("llama")
+    ids, mask = ragged_batch(batch)
+    ref = stock_greedy(model, ids, mask, eos_token_id=None)
+    policy = spec_adapt.Adaptive(trees=True)
+    for _ in range(3):
+        out, stats = spec_generate(model, ids, mask, ModelDrafter(model), policy)     # a draft that always pays
+        assert torch.equal(out, ref) and stats.fallback is None
+        out, stats = spec_generate(model, ids, mask, ModelDrafter(tiny_model("llama", seed=1, layers=1)), policy)
+        assert torch.equal(out, ref) and stats.fallback is None
+    measured = {factor for (_, factor), (_, n) in policy.tree_shapes.value.items() if n >= 2}
+    assert measured == {1, 2, 3}
+
+
+def test_tree_shapes_prefer_what_measures_faster_and_probe_the_rest():
+    from spec_adapt.policies.estimators import TreeShapes
+
+    shapes = TreeShapes((1, 2), start=4, max_gap=8)
+    for factor in (1, 1, 2, 2):          # each shape measured twice, the chain first
+        assert shapes.pick(1) == factor
+        shapes.observe(1, factor, tokens=2.0 if factor == 1 else 3.0, seconds=1.0)
+    picks = []
+    for _ in range(30):
+        factor = shapes.pick(1)
+        picks.append(factor)
+        shapes.observe(1, factor, tokens=2.0 if factor == 1 else 3.0, seconds=1.0)
+    assert picks.count(2) > 20 and 1 in picks          # the tree wins; the chain is still probed
+    with pytest.raises(ValueError):
+        TreeShapes((2, 3))
+
+
+def test_adaptive_trees_round_trip_and_refuse_bad_values(tmp_path):
+    policy = spec_adapt.Adaptive(trees=(1, 2))
+    policy.tree_shapes.observe(1, 2, 3.0, 1.0)
+    policy.save(tmp_path / "p.json")
+    loaded = spec_adapt.Adaptive.load(tmp_path / "p.json")
+    assert loaded.trees and loaded.tree_shapes.value == policy.tree_shapes.value
+    state = policy.state_dict()
+    state["tree_shapes"]["value"][0][1][0] = float("nan")
+    with pytest.raises(ValueError, match="Not a valid Adaptive state"):
+        spec_adapt.Adaptive(trees=(1, 2)).load_state_dict(state)
+    with pytest.raises(ValueError):
+        spec_adapt.Adaptive(trees="yes")

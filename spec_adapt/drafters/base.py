@@ -31,6 +31,7 @@ class DraftRequest:
     members: tuple | None = None  # the policy's plan: which chain members to use this step (None = the drafter's own)
     depths: torch.Tensor | None = None   # [B] long: a tree plan's deepest node per row; None = draft chains. With
                                          # depths, gammas[b] counts the row's nodes (spec_adapt.tree)
+    pooled: bool = False          # a tree plan's budget is sum(gammas), for the batch's likeliest nodes in any row
 
 
 @dataclass
@@ -167,7 +168,12 @@ def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
     tokens, lengths = tokens.to(device).long(), lengths.to(device).long()
     _expect(bool((lengths >= 0).all()) and bool((lengths <= tokens.shape[1]).all()),
             f"lengths must be within [0, S={tokens.shape[1]}], got {lengths.tolist()}")
-    lengths = torch.minimum(lengths, request.gammas.to(device))
+    if request.pooled:          # one budget for the batch: a row may hold more than its share
+        total = int(request.gammas.sum())
+        _expect(int(lengths.sum()) <= total, f"{int(lengths.sum())} nodes proposed for a pooled budget of {total}")
+        lengths = torch.where(request.gammas.to(device) > 0, lengths, 0)
+    else:
+        lengths = torch.minimum(lengths, request.gammas.to(device))
     width = int(lengths.max()) if batch else 0
     tokens = tokens[:, :width]
     used = torch.arange(width, device=device)[None, :] < lengths[:, None]            # [B, S]

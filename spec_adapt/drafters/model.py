@@ -41,6 +41,8 @@ class ModelDrafter(Drafter):
             raise ValueError(f"branch must be an int >= 1, got {branch!r}.")
         self.branch = branch
         self.tree_fed = None         # the last tree's nodes: their column in the ledger's pending region, or -1
+        self.tree_expected = None    # [B] the last tree's expected accepted count (sum of path probabilities), -1: none
+        self.calib = None            # [B, 2] per active row: EMA of accepted tree tokens, EMA of expected ones
         if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold must be within [0, 1], got {confidence_threshold!r}.")
         if head_tokens is not None and (isinstance(head_tokens, bool) or not isinstance(head_tokens, int)):
@@ -83,9 +85,12 @@ class ModelDrafter(Drafter):
         # more than its drafts saved at batch 4 on the real pair, even with 90% plain steps.
         self._learn(input_ids)
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
+        self.calib = None
 
     def add_rows(self, input_ids, attention_mask):
         self._learn(input_ids)
+        if self.calib is not None:
+            self.calib = torch.cat([self.calib, self.calib.new_ones(len(input_ids), 2)])
         self.ledger.add_rows(KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device))
 
     def _learn(self, tokens):
@@ -160,8 +165,22 @@ class ModelDrafter(Drafter):
             return None
         return lengths.to(self.ledger.device) - self.ledger.n_cached
 
+    def calibration(self) -> torch.Tensor:
+        """[B] log(observed / expected) accepted tree tokens per active row: how much the row's path probabilities
+        over- or under-state its acceptance (0 until it has drafted trees)."""
+        if self.calib is None or len(self.calib) != len(self.ledger.pad):
+            self.calib = torch.ones(len(self.ledger.pad), 2, device=self.ledger.device)
+        return (self.calib[:, 0] / self.calib[:, 1]).log()
+
     def keep_tree(self, path):
-        """Keep the cached entries of the accepted nodes this draft fed (the deepest ones were never fed)."""
+        """Keep the cached entries of the accepted nodes this draft fed (the deepest ones were never fed), and
+        update the rows' calibration."""
+        expected, self.tree_expected = self.tree_expected, None
+        if expected is not None:
+            self.calibration()
+            drafted = expected >= 0
+            seen = torch.stack([path.to(expected.device).long().sum(1).float(), expected.clamp(min=1e-3)], dim=1)
+            self.calib = torch.where(drafted[:, None], 0.9 * self.calib + 0.1 * seen, self.calib)
         fed, self.tree_fed = self.tree_fed, None
         if fed is None or self.ledger.tree is None:
             return
@@ -177,6 +196,8 @@ class ModelDrafter(Drafter):
 
     def select_rows(self, index):
         self.ledger.select_rows(index)
+        if self.calib is not None:
+            self.calib = self.calib[index.to(self.calib.device)]
 
     def end(self, tokens=None, lengths=None):
         if tokens is not None and lengths is not None:      # what the target committed: scored in later calls

@@ -5,7 +5,10 @@ Per row, starting from the draft's distribution after the last committed token:
    without replacement, by Gumbel-top-k), scored by path log-probability;
 2. the `branch` best new nodes of this depth are fed to the draft in one forward (each attends to its ancestors in
    the draft's own ledger, a pending tree region), which gives their children's distributions;
-3. after the plan's depth, the `gammas[b]` best nodes of all depths form the proposal (a reranking).
+3. after the plan's depth, the `gammas[b]` best nodes of all depths form the proposal (a reranking). A pooled plan
+   spends sum(gammas) on the batch's best nodes whatever their row: confident rows get long trees, others none. Rows
+   are compared by path probability calibrated per row, online: the ratio of the accepted tokens the row has had to
+   what its drafts' path probabilities predicted (exponentially weighted, `ModelDrafter.calibration`).
 
 Ranking keys never grow along a path, and a later sibling's key never exceeds an earlier sibling's (ties go to the
 older node): so the best n nodes always include every chosen node's parent and earlier siblings, and the tree stays
@@ -97,14 +100,29 @@ class TreeDraft:
                 self.tokens[rows[live], safe[live]]
             node = torch.where(live, self.parents[rows, safe], -1)
 
-    def proposal(self, budgets: torch.Tensor, sampling: bool, target_device) -> tuple[Proposal, torch.Tensor]:
-        """The best budgets[b] nodes per row, in creation order: (Proposal with parents, fed [B, N] region column of
-        each proposed node or -1)."""
+    def choose(self, budgets: torch.Tensor, pooled: bool, offsets: torch.Tensor | None) -> torch.Tensor:
+        """[B, M] bool: the best budgets[b] nodes of each row or, pooled, the best sum(budgets) nodes of the batch,
+        ranked by key + the row's calibration offset (log observed / predicted acceptance)."""
         batch, total = self.tokens.shape
-        order = torch.sort(-self.scores, dim=1, stable=True).indices                  # best first, ties: older
+        if not pooled:
+            order = torch.sort(-self.scores, dim=1, stable=True).indices              # best first, ties: older
+            rank = torch.empty_like(order)
+            rank.scatter_(1, order, torch.arange(total, device=self.device).expand(batch, total))
+            return (rank < budgets[:, None]) & torch.isfinite(self.scores)
+        keys = self.scores + (offsets[:, None] if offsets is not None else 0.0)
+        flat = keys.flatten()
+        order = torch.sort(-flat, stable=True).indices                   # row-major ties: a parent before its child
         rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(total, device=self.device).expand(batch, total))
-        chosen = (rank < budgets[:, None]) & torch.isfinite(self.scores)
+        rank.scatter_(0, order, torch.arange(flat.numel(), device=self.device))
+        return (rank.reshape(batch, total) < int(budgets.sum())) & torch.isfinite(self.scores)
+
+    def proposal(self, budgets: torch.Tensor, sampling: bool, target_device, pooled: bool = False,
+                 offsets: torch.Tensor | None = None) -> tuple[Proposal, torch.Tensor, torch.Tensor]:
+        """The chosen nodes (`choose`) per row, in creation order: (Proposal with parents, fed [B, N] region column
+        of each proposed node or -1, expected [B]: the draft's own expectation of the accepted count, the sum of the
+        proposed nodes' path probabilities)."""
+        batch, total = self.tokens.shape
+        chosen = self.choose(budgets, pooled, offsets)
         lengths = chosen.long().sum(dim=1)
         width = int(lengths.max()) if batch else 0
         index = torch.arange(total, device=self.device).expand(batch, total)
@@ -125,7 +143,8 @@ class TreeDraft:
         fed = self.fed.gather(1, picked)
         proposal = Proposal(tokens.to(target_device), lengths.to(target_device), probs,
                             parents=parents.to(target_device))
-        return proposal, torch.where(slot < lengths[:, None], fed, -1)
+        expected = torch.where(chosen, self.paths.exp(), 0.0).sum(dim=1)
+        return proposal, torch.where(slot < lengths[:, None], fed, -1), expected
 
 
 def draft_tree(drafter, request: DraftRequest, tokens, lengths, gammas, last) -> Proposal:
@@ -168,8 +187,9 @@ def draft_tree(drafter, request: DraftRequest, tokens, lengths, gammas, last) ->
         tok, logq = children(q, k, request.sampling)
         parents = torch.where(alive, feed, -2)
         frontier = tree.add(parents, tok, logq, tree.paths.gather(1, feed), depth, dist_index, request.sampling)
-    proposal, fed = tree.proposal(gammas, request.sampling, request.tokens.device)
-    drafter.tree_fed = fed
+    offsets = drafter.calibration() if request.pooled else None
+    proposal, fed, expected = tree.proposal(gammas, request.sampling, request.tokens.device, request.pooled, offsets)
+    drafter.tree_fed, drafter.tree_expected = fed, torch.where(proposal.lengths.to(device) > 0, expected, -1.0)
     return proposal
 
 

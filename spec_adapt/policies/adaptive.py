@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from ..metrics import StepRecord
-from .estimators import LatencyTable, LineFit, ProbeBackoff, _listed, _tupled, bucket, cached_profile
-from .base import Policy, StepInfo
+from .estimators import LatencyTable, LineFit, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile
+from .base import Plan, Policy, StepInfo
 from .fixed import _check_int
 
 USUAL_LAG = 2      # a draft model trails by 1-2 tokens after a normal step; more is catch-up
@@ -35,7 +35,7 @@ class Adaptive(Policy):
                  explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 128,
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
                  baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
-                 closed_batches: bool = True):
+                 closed_batches: bool = True, trees: bool | tuple = False):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
@@ -52,6 +52,13 @@ class Adaptive(Policy):
         if not isinstance(closed_batches, bool):
             raise ValueError(f"Adaptive(closed_batches) must be True or False, got {closed_batches!r}.")
         self.closed_batches = closed_batches
+        trees = tuple(trees) if isinstance(trees, list) else trees     # as saved in JSON
+        if not isinstance(trees, (bool, tuple)):
+            raise ValueError(f"Adaptive(trees) must be True, False or a tuple of tree factors, got {trees!r}.")
+        self.tree_factors = (1, 2, 3) if trees is True else (tuple(trees) if trees else None)
+        self.trees = self.tree_factors is not None    # its plans may have a depth (spec_adapt.tree)
+        if self.trees:
+            TreeShapes(self.tree_factors)             # validates the factors
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------------------------
@@ -70,6 +77,7 @@ class Adaptive(Policy):
         self.rng = random.Random(self.seed)
         self.probes, self.steps = ProbeBackoff(self.probe_every, self.max_probe_gap), 0
         self._pending: dict | None = None
+        self.tree_shapes = TreeShapes(self.tree_factors) if self.trees else None
 
     def begin(self, batch_size):
         self.row_tried = torch.zeros(batch_size, STATES, self.max_gamma)      # [rows, state, S]
@@ -191,11 +199,23 @@ class Adaptive(Policy):
                 near = [s for s in (width - 1, width + 1)
                         if 0 <= s < len(values) and values[s] >= (1 - self.explore_margin) * values[width]]
                 width = self.rng.choice(near) if near else width
-        self._pending = {"width": width, "lag": lag, "probing": probing, "burst": self._burst(rows)}
+        self._pending = {"width": width, "lag": lag, "probing": probing, "burst": self._burst(rows), "factor": 1}
         if width == 0 or probing or batch == 1 or self.steps % self.probe_every == 0:
-            return width
+            return self._shaped(width, batch)
         hopeless = (self.row_expected[rows, width] < 1 + self.row_floor) & (self.row_tried[rows, :, 0].sum(1) > 0)
-        return torch.where(hopeless, 0, width) if bool(hopeless.any()) else width
+        return self._shaped(torch.where(hopeless, 0, width) if bool(hopeless.any()) else width, batch)
+
+    def _shaped(self, gammas, batch: int):
+        """With trees: the chain's widths, or a tree of `factor` times as many nodes at the chain's depth, a pooled
+        budget when the batch has several rows (TreeShapes learns which factor pays per batch size)."""
+        pending = self._pending
+        if self.tree_shapes is None or pending["width"] == 0 or pending["probing"] or pending["lag"] > USUAL_LAG:
+            return gammas
+        factor = self.tree_shapes.pick(batch)
+        pending["factor"] = factor
+        if factor == 1:
+            return gammas
+        return Plan(gammas * factor, depth=pending["width"], pooled=batch > 1)
 
     def observe(self, record: StepRecord):
         pending, self._pending = self._pending, None
@@ -206,6 +226,11 @@ class Adaptive(Policy):
         weight = max(self.ema, 1 / (samples + 1))
         self.shapes[shape] = [_ema(seconds, record.verify_time, weight), samples + 1]
         if pending is None:
+            return
+        if pending["width"] and pending["factor"] is not None and self.tree_shapes is not None:
+            self.tree_shapes.observe(record.batch_size, pending["factor"], sum(record.committed) / record.batch_size,
+                                     record.step_time)
+        if pending["factor"] != 1:      # a tree step: its counts and times are not the chain's model
             return
         batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
         widest = max(record.drafted, default=0)
@@ -282,7 +307,9 @@ class Adaptive(Policy):
                        "horizon": self.horizon, "row_floor": self.row_floor, "shrink": self.shrink,
                        "decay": self.decay, "ema": self.ema, "seed": self.seed,
                        "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget,
-                       "shape_margin": self.shape_margin, "closed_batches": self.closed_batches},
+                       "shape_margin": self.shape_margin, "closed_batches": self.closed_batches,
+                       "trees": list(self.tree_factors) if self.trees else False},
+            "tree_shapes": self.tree_shapes.state_dict() if self.tree_shapes is not None else None,
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
             "measured": [[list(k), v] for k, v in self.measured.items()],
@@ -342,7 +369,15 @@ class Adaptive(Policy):
                 "span": {tuple(k): _finite(v, what="span")[0] for k, v in state["span"]},
                 "shapes": {tuple(k): _times(v, "shapes") for k, v in state.get("shapes", [])},
                 "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,
-                "_probes": (gap, idle, steps)}
+                "_probes": (gap, idle, steps), "tree_shapes": self._parse_trees(state.get("tree_shapes"))}
+
+    def _parse_trees(self, saved) -> TreeShapes | None:
+        if not self.trees:
+            return None
+        shapes = TreeShapes(self.tree_factors)
+        if saved:
+            shapes.load_state_dict(saved)
+        return shapes
 
     def save(self, path) -> None:
         """Write what was learned (and the settings) as JSON, for `Adaptive.load` in another process."""

@@ -46,6 +46,9 @@ class Plan:
     gammas: object
     members: tuple | None = None
     depth: int | None = None      # a tree plan: gammas count each row's nodes, no node deeper than `depth`
+    pooled: bool = False          # a tree plan whose sum(gammas) is one budget for the step, spent on the batch's
+                                  # likeliest nodes whatever their row (a drafter that cannot rank across rows keeps
+                                  # gammas[b] per row)
 
 
 class Policy:
@@ -85,17 +88,20 @@ def check_rows(policy, value, live: int, held: int) -> int:
     )
 
 
-def check_plan(policy, value, batch_size: int) -> tuple[torch.Tensor, tuple | None, int | None]:
-    """A policy's answer -> (gammas [B] long, members or None, tree depth or None), or an error naming the policy
-    and the fix."""
-    if isinstance(value, Plan):
-        members = None if value.members is None else tuple(int(m) for m in value.members)
-        depth = value.depth
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1):
-            raise ValueError(f"{type(policy).__name__}.choose returned a Plan with depth={depth!r}; expected None "
-                             "(chains) or an int >= 1.")
-        return check_gammas(policy, value.gammas, batch_size), members, None if depth is None else int(depth)
-    return check_gammas(policy, value, batch_size), None, None
+def check_plan(policy, value, batch_size: int) -> Plan:
+    """A policy's answer -> a Plan with gammas [B] long, or an error naming the policy and the fix."""
+    if not isinstance(value, Plan):
+        return Plan(check_gammas(policy, value, batch_size))
+    members = None if value.members is None else tuple(int(m) for m in value.members)
+    depth = value.depth
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1):
+        raise ValueError(f"{type(policy).__name__}.choose returned a Plan with depth={depth!r}; expected None "
+                         "(chains) or an int >= 1.")
+    if not isinstance(value.pooled, bool) or (value.pooled and depth is None):
+        raise ValueError(f"{type(policy).__name__}.choose returned a Plan with pooled={value.pooled!r}; pooled is "
+                         "True or False, and True only for a tree plan (with a depth).")
+    return Plan(check_gammas(policy, value.gammas, batch_size), members, None if depth is None else int(depth),
+                value.pooled)
 
 
 def check_gammas(policy, value, batch_size: int) -> torch.Tensor:

@@ -312,3 +312,70 @@ def cached_profile(model, draft=None) -> LatencyTable | None:
     """The table `spec-adapt profile` cached for this model, draft, dtype and device, or None."""
     path = profile_path(model, draft)
     return LatencyTable.load(path) if path.exists() else None
+
+
+class TreeShapes:
+    """Which tree to grow around the chain a length policy chose: per batch-size bucket, a few shapes, each
+    `factor` times the chain's width in nodes at the chain's depth (factor 1 is the chain itself), judged by the
+    goodput they were measured to give (committed tokens / step seconds, an EMA per bucket and shape). The best
+    measured shape runs; every other shape is tried after `start` steps, then after twice as many each time it
+    loses again (ProbeBackoff). Shapes not measured yet are tried first, the chain first of all."""
+
+    def __init__(self, factors=(1, 2, 3), ema: float = 0.1, start: int = 16, max_gap: int = 256):
+        factors = tuple(factors)
+        if not factors or factors[0] != 1 or any(not isinstance(f, int) or isinstance(f, bool) or f < 1
+                                                 for f in factors) or len(set(factors)) != len(factors):
+            raise ValueError(f"tree factors must be distinct ints >= 1 starting with 1 (the chain), got {factors!r}.")
+        self.factors, self.ema, self.start, self.max_gap = factors, ema, start, max_gap
+        self.value: dict[tuple, list] = {}          # (bucket, factor) -> [EMA goodput, samples]
+        self.probes: dict[tuple, ProbeBackoff] = {}  # (bucket, factor) -> when to try that shape again
+        self._probing: tuple | None = None
+
+    def pick(self, batch: int) -> int:
+        key = bucket(batch)
+        self._probing = None
+        for factor in self.factors:                  # everything measured twice first
+            if self.value.get((key, factor), (0, 0))[1] < 2:
+                return factor
+        best = self.best(batch)
+        for factor in self.factors:
+            if factor == best:
+                continue
+            backoff = self.probes.setdefault((key, factor), ProbeBackoff(self.start, self.max_gap))
+            backoff.wait()
+            if backoff.due():
+                self._probing = (key, factor, best)
+                return factor
+        return best
+
+    def best(self, batch: int) -> int:
+        key = bucket(batch)
+        measured = [(self.value[(key, f)][0], -f) for f in self.factors if (key, f) in self.value]
+        return -max(measured)[1] if measured else 1
+
+    def observe(self, batch: int, factor: int, tokens: float, seconds: float) -> None:
+        key = bucket(batch)
+        goodput = tokens / max(seconds, 1e-9)
+        old = self.value.get((key, factor))
+        samples = old[1] + 1 if old else 1
+        weight = max(self.ema, 1 / samples)
+        self.value[(key, factor)] = [goodput if old is None else (1 - weight) * old[0] + weight * goodput, samples]
+        probing, self._probing = self._probing, None
+        if probing is not None and probing[1] == factor:
+            self.probes[probing[:2]].result(won=goodput > self.value[(key, probing[2])][0])
+
+    def state_dict(self) -> dict:
+        return {"factors": list(self.factors), "value": [[list(k), v] for k, v in self.value.items()],
+                "gaps": [[list(k), [p.gap, p.idle]] for k, p in self.probes.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        factors = tuple(state["factors"])
+        value = {tuple(k): [float(v[0]), int(v[1])] for k, v in state["value"]}
+        if factors != self.factors or any(not math.isfinite(v[0]) or v[0] < 0 or v[1] < 0 for v in value.values()):
+            raise ValueError(f"tree shapes saved for factors {factors} with bad values, this policy has {self.factors}")
+        self.value = value
+        self.probes = {}
+        for k, (gap, idle) in state["gaps"]:
+            probe = ProbeBackoff(self.start, self.max_gap)
+            probe.gap, probe.idle = int(gap), int(idle)
+            self.probes[tuple(k)] = probe

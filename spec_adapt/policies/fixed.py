@@ -36,29 +36,35 @@ class FixedLength(Policy):
 
 class FixedTree(Policy):
     """Draft a tree of up to `nodes` nodes per row, no node deeper than `depth` (spec_adapt.tree). A drafter that
-    cannot branch drafts a chain of min(nodes, depth) tokens instead. FixedTree(n, depth=n) allows a chain."""
+    cannot branch drafts a chain of min(nodes, depth) tokens instead. FixedTree(n, depth=n) allows a chain.
+    `pooled=True`: the step's budget is nodes x rows, spent on the batch's likeliest nodes in any row (a draft
+    model ranks across rows; model-free drafters keep `nodes` per row)."""
 
     needs_timing = False
     trees = True          # its plans have a depth: the call checks the target can verify trees
 
-    def __init__(self, nodes: int, depth: int):
+    def __init__(self, nodes: int, depth: int, pooled: bool = False):
         self.nodes = _check_int("FixedTree(nodes)", nodes, 1)
         self.depth = _check_int("FixedTree(depth)", depth, 1)
         if depth > nodes:
             raise ValueError(f"FixedTree(nodes={nodes}, depth={depth}): a tree of {nodes} nodes is at most {nodes} "
                              "deep; use depth <= nodes.")
+        if not isinstance(pooled, bool):
+            raise ValueError(f"FixedTree(pooled) must be True or False, got {pooled!r}.")
+        self.pooled = pooled
 
     def choose(self, info: StepInfo):
-        return Plan(self.nodes, depth=self.depth)
+        return Plan(self.nodes, depth=self.depth, pooled=self.pooled)
 
     def state_dict(self):
-        return {"nodes": self.nodes, "depth": self.depth}
+        return {"nodes": self.nodes, "depth": self.depth, "pooled": self.pooled}
 
     def load_state_dict(self, state):
-        self.__init__(state["nodes"], state["depth"])
+        self.__init__(state["nodes"], state["depth"], state.get("pooled", False))
 
     def __repr__(self):
-        return f"FixedTree(nodes={self.nodes}, depth={self.depth})"
+        pooled = ", pooled=True" if self.pooled else ""
+        return f"FixedTree(nodes={self.nodes}, depth={self.depth}{pooled})"
 
 
 class Heuristic(Policy):
