@@ -14,10 +14,12 @@ Configuration names:
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
   <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, draftpc,
-                                wrong}, policy in {adaptive, fixed<k>, heuristic[<initial>], nightjar,
-                                nightjar-local, ucb, goodput, goodput-explore, ewma, per-request, chain} ("wrong"
-                                drafts tokens that are never right; draftc/draftp/draftpc: the draft with the 0.4
-                                confidence exit / a 32,768-token short head / both)
+                                wrong, draftb<k>}, policy in {adaptive, adaptive-tree, fixed<k>, tree<N>x<D>[p],
+                                heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore, ewma,
+                                per-request, chain} ("wrong" drafts tokens that are never right; draftc/draftp/
+                                draftpc: the draft with the 0.4 confidence exit / a 32,768-token short head / both;
+                                draftb<k>: the draft growing trees with branch k; tree<N>x<D>: FixedTree(N, D), "p"
+                                pooled; adaptive-tree: Adaptive(trees=True))
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
@@ -176,6 +178,8 @@ def drafter_factory(name: str, tok, draft=None):
         "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
         if draft is not None else None,
     }.get(name)
+    if name.startswith("draftb") and name[6:].isdigit() and draft is not None:
+        make = lambda: spec_adapt.ModelDrafter(draft, branch=int(name[6:]))  # noqa: E731
     if make is None:
         raise ValueError(f"Unknown drafter {name!r} (or --draft missing for 'draft'/'draftc'/'offload'/'chain').")
     return make
@@ -209,6 +213,7 @@ def parse_policy(name: str, latency=None):
 
     presets = {
         "adaptive": lambda: Adaptive(latency=latency),
+        "adaptive-tree": lambda: Adaptive(latency=latency, trees=True),
         "nightjar": lambda: Nightjar(max_gamma=8, latency=latency),
         "nightjar-local": lambda: Nightjar(max_gamma=8, latency=latency, exploration="local"),
         "ucb": lambda: BanditSpecUCB(max_gamma=8),
@@ -221,11 +226,17 @@ def parse_policy(name: str, latency=None):
         return presets[name]()
     if name.startswith("fixed"):
         return FixedLength(int(name[5:] or 4))
+    if name.startswith("tree") and "x" in name:
+        from spec_adapt import FixedTree
+
+        nodes, _, depth = name[4:].removesuffix("p").partition("x")
+        return FixedTree(int(nodes), int(depth), pooled=name.endswith("p"))
     if name == "heuristic":
         return Heuristic()
     if name.startswith("heuristic"):
         return Heuristic(initial=int(name[9:]))
-    raise ValueError(f"Unknown policy {name!r}: use fixed<k>, heuristic or heuristic<initial>.")
+    raise ValueError(f"Unknown policy {name!r}: use adaptive, adaptive-tree, fixed<k>, tree<N>x<D>[p], heuristic or "
+                     "heuristic<initial>.")
 
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
