@@ -551,3 +551,32 @@ def test_adaptive_trees_round_trip_and_refuse_bad_values(tmp_path):
         spec_adapt.Adaptive(trees=(1, 2)).load_state_dict(state)
     with pytest.raises(ValueError):
         spec_adapt.Adaptive(trees="yes")
+
+
+# -- serving ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [lambda: ModelDrafter(tiny_model("llama", seed=7, layers=1), branch=3),
+                                  lambda: PromptLookupDrafter(2, 1)], ids=["model", "lookup"])
+@pytest.mark.parametrize("policy", [FixedTree(6, 3), FixedTree(4, 3, pooled=True)], ids=repr)
+def test_the_engine_serves_trees_to_rows_that_join(make, policy):
+    """Requests join a running batch of trees; every output equals stock generate on its prompt alone."""
+    import random
+
+    from spec_adapt.serving.engine import Engine
+
+    model = cached_model("llama")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 10))] for _ in range(6)]
+    budgets = [rng.randrange(4, 14) for _ in prompts]
+    engine = Engine(model, drafter=make(), assistant_policy=policy, max_batch=3, eos_token_id=EOS, pad_token_id=PAD)
+    handles, step = [], 0
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        handles.append(engine.submit(prompt, max_new_tokens=budget))
+        engine.step()
+    while engine.step():
+        pass
+    for prompt, budget, handle in zip(prompts, budgets, handles):
+        ids = torch.tensor([prompt])
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                             do_sample=False, eos_token_id=EOS, pad_token_id=PAD)[0, len(prompt):].tolist()
+        assert handle.result(timeout=1) == ref
+    assert engine.stats.fallback is None and engine.stats.drafted > 0

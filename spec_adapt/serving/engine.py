@@ -237,6 +237,10 @@ class Engine:
         check_policy(policy)
         verifier = check_verifier(verifier)
         verifier.check(model)
+        if getattr(policy, "trees", False) and drafter is not None and drafter.trees:
+            from ..api import _check_trees
+
+            _check_trees(model, verifier)
         if seed is not None:
             torch.manual_seed(seed)
         # eos_token_id: "model" = the model's generation config; None = no EOS (every request runs to its budget).
