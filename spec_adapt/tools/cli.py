@@ -126,7 +126,8 @@ def bench(args) -> None:
 
         model, draft = prepare(model), prepare(draft) if draft is not None else None
         args.configs = [c for c in args.configs if c != "target-eager"]
-        args.configs.insert(1 if "target" in args.configs else 0, "target-eager")
+        if not args.no_eager:
+            args.configs.insert(1 if "target" in args.configs else 0, "target-eager")
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
     from spec_adapt.tools.profiling import LatencyTable
@@ -400,6 +401,8 @@ def main(argv=None) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
     p.add_argument("--prepare", action="store_true", help="spec_adapt.prepare target and draft; adds target-eager "
                    "(stock generate on the unprepared model) beside target (stock generate on the prepared one)")
+    p.add_argument("--no-eager", action="store_true", help="with --prepare, leave target-eager out (compare "
+                   "configurations on the prepared models only)")
     p.add_argument("--policy-state", help="a folder: each cell's policy starts from the state a previous run saved "
                    "there (warm; cold if none) and is saved there afterwards")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
