@@ -580,3 +580,12 @@ def test_the_engine_serves_trees_to_rows_that_join(make, policy):
                              do_sample=False, eos_token_id=EOS, pad_token_id=PAD)[0, len(prompt):].tolist()
         assert handle.result(timeout=1) == ref
     assert engine.stats.fallback is None and engine.stats.drafted > 0
+
+
+def test_an_offloadable_draft_grows_trees_too(llama):
+    from spec_adapt import DraftOffload
+
+    ids, mask = ragged_batch(2)
+    ref = stock_greedy(llama, ids, mask, eos_token_id=None)
+    out, stats = spec_generate(llama, ids, mask, DraftOffload(ModelDrafter(llama, branch=2), low=0), FixedTree(6, 3))
+    assert torch.equal(out, ref) and stats.fallback is None and stats.accepted > 0

@@ -42,6 +42,8 @@ def _free_memory(device) -> int:
 class DraftOffload(Drafter):
     """Wrap a model drafter (or a draft model) so its weights can leave and come back. See the module docstring."""
 
+    trees = True          # the draft model's trees (ModelDrafter)
+
     def __init__(self, drafter, low: int = 1 << 30, persist: int = 8, free_memory=None, folder=None):
         self.inner = drafter if isinstance(drafter, ModelDrafter) else ModelDrafter(drafter)
 
@@ -181,6 +183,9 @@ class DraftOffload(Drafter):
 
     def lag(self, lengths):
         return self.inner.lag(lengths)
+
+    def keep_tree(self, path):
+        self.inner.keep_tree(path)
 
     def rollback(self, keep_len):
         self.inner.rollback(keep_len)
