@@ -227,10 +227,11 @@ class Adaptive(Policy):
         self.shapes[shape] = [_ema(seconds, record.verify_time, weight), samples + 1]
         if pending is None:
             return
-        if pending["width"] and pending["factor"] is not None and self.tree_shapes is not None:
-            self.tree_shapes.observe(record.batch_size, pending["factor"], sum(record.committed) / record.batch_size,
+        factor = pending.get("factor", 1)
+        if pending["width"] and self.tree_shapes is not None:
+            self.tree_shapes.observe(record.batch_size, factor, sum(record.committed) / record.batch_size,
                                      record.step_time)
-        if pending["factor"] != 1:      # a tree step: its counts and times are not the chain's model
+        if factor != 1:                 # a tree step: its counts and times are not the chain's model
             return
         batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
         widest = max(record.drafted, default=0)
