@@ -61,7 +61,7 @@ def main() -> None:
     rows, shapes = [], [(kind, n) for n in args.nodes for kind in ("chain", "tree")]
     for workload in args.workloads:
         ds = workloads.with_inputs(workloads.load(workload, args.num_prompts), tok)
-        encoded = [tok(text, return_tensors="pt") for text in ds["input"]]
+        encoded = [tok(text, return_tensors="pt") for text in ds["input_text"]]
         plain = [model.generate(**enc, max_new_tokens=args.new_tokens, do_sample=False) for enc in encoded]
         for kind, nodes in tqdm(shapes, desc=workload):
             policy = FixedLength(nodes) if kind == "chain" else FixedTree(nodes, min(nodes, args.depth))

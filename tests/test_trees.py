@@ -589,3 +589,14 @@ def test_an_offloadable_draft_grows_trees_too(llama):
     ref = stock_greedy(llama, ids, mask, eos_token_id=None)
     out, stats = spec_generate(llama, ids, mask, DraftOffload(ModelDrafter(llama, branch=2), low=0), FixedTree(6, 3))
     assert torch.equal(out, ref) and stats.fallback is None and stats.accepted > 0
+
+
+def test_a_tree_slower_than_plain_decoding_runs_as_the_chain():
+    from spec_adapt.policies.estimators import TreeShapes
+
+    shapes = TreeShapes((1, 2))
+    for factor, tokens in ((1, 1.2), (1, 1.2), (2, 2.0), (2, 2.0)):
+        assert shapes.pick(4) == factor
+        shapes.observe(4, factor, tokens=tokens, seconds=1.0)
+    assert shapes.pick(4) == 2                       # the tree measures best ...
+    assert shapes.pick(4, floor=2.5) == 1            # ... but plain decoding (2.5 tokens/s per row) is faster

@@ -207,11 +207,16 @@ class Adaptive(Policy):
 
     def _shaped(self, gammas, batch: int):
         """With trees: the chain's widths, or a tree of `factor` times as many nodes at the chain's depth, a pooled
-        budget when the batch has several rows (TreeShapes learns which factor pays per batch size)."""
+        budget when the batch has several rows (TreeShapes learns which factor pays per batch size). A tree runs only
+        while it measures faster than plain decoding: tree steps do not feed the chain's model, so the chain keeps
+        the say over whether to draft at all (a tree not held to plain's goodput could draft every step of a batch
+        size where plain decoding is faster)."""
         pending = self._pending
         if self.tree_shapes is None or pending["width"] == 0 or pending["probing"] or pending["lag"] > USUAL_LAG:
             return gammas
-        factor = self.tree_shapes.pick(batch)
+        plain = self.measured.get((bucket(batch), 0, False))
+        floor = 1.0 / plain[0] if plain is not None and plain[1] >= self.baseline_steps and plain[0] > 0 else None
+        factor = self.tree_shapes.pick(batch, floor)
         pending["factor"] = factor
         if factor == 1:
             return gammas

@@ -331,13 +331,17 @@ class TreeShapes:
         self.probes: dict[tuple, ProbeBackoff] = {}  # (bucket, factor) -> when to try that shape again
         self._probing: tuple | None = None
 
-    def pick(self, batch: int) -> int:
+    def pick(self, batch: int, floor: float | None = None) -> int:
+        """The shape to run. `floor`: the goodput of plain decoding at this batch size (tokens per row and second);
+        a tree that measured no better runs as the chain, whose own policy then decides whether to draft at all."""
         key = bucket(batch)
         self._probing = None
         for factor in self.factors:                  # everything measured twice first
             if self.value.get((key, factor), (0, 0))[1] < 2:
                 return factor
         best = self.best(batch)
+        if best != 1 and floor is not None and self.value[(key, best)][0] <= floor:
+            best = 1
         for factor in self.factors:
             if factor == best:
                 continue
