@@ -7,7 +7,9 @@ measured per batch-size bucket and asked width (a line fit, a profiled `LatencyT
 then); the width s* = argmax N(s) / T(B, s), where N(s) sums E_b(s) for an open batch (serving) and, for a closed
 batch (one generate call, which ends with its slowest row), is the batch's remaining tokens over the steps its
 slowest row still needs (`batch_tokens`). A draft model's catch-up after plain steps is charged to the widths that
-would pay it; hopeless rows get width 0; spare rows keep the batch shape the hardware runs fastest.
+would pay it; hopeless rows get width 0; spare rows keep the batch shape the hardware runs fastest. With
+`trees=True`, a width s* > 0 may become a token tree of 2x or 3x as many nodes at depth s* (`TreeShapes`: measured
+goodput per batch-size bucket, held to plain decoding's).
 docs/policies.md explains each rule and the measurements behind it.
 """
 
