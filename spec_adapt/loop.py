@@ -153,13 +153,18 @@ class SpeculativeLoop:
         gammas = plan.gammas.to(self.device)
         if depth is None:
             return torch.minimum(gammas, remaining - 1)          # a step commits up to gamma + 1 tokens
-        depths = torch.minimum(torch.full_like(gammas, depth), remaining - 1)
-        if not getattr(self.drafter, "trees", False):            # a drafter that cannot branch drafts the chain
+        return self._tree_budget(gammas, depth, remaining)
+
+    def _tree_budget(self, nodes, depth: int, remaining) -> torch.Tensor:
+        """A tree plan: each row's depth capped by what it may still generate (a path commits depth + 1 tokens); a
+        drafter that cannot branch is asked for the chain of min(nodes, depth)."""
+        depths = torch.minimum(torch.full_like(nodes, depth), remaining - 1)
+        if not getattr(self.drafter, "trees", False):
             self.pooled = False
-            return torch.minimum(gammas, depths)
+            return torch.minimum(nodes, depths)
         self._check_trees()
         self.depths = depths
-        return torch.where(depths > 0, gammas, 0)
+        return torch.where(depths > 0, nodes, 0)
 
     def _check_trees(self) -> None:
         if self.trees_checked:

@@ -6,9 +6,9 @@ from .adaptive import Adaptive
 from .base import Plan, Policy, StepInfo, check_gammas, check_plan, check_policy
 from .baselines import BanditSpecUCB, ElasticEWMA, GoodputModel, Nightjar, PerRequest, goodput
 from .chain import ChainScheduler
-from .estimators import LatencyTable, bucket
+from .estimators import LatencyTable, TreeShapes, bucket
 from .fixed import FixedLength, FixedTree, Heuristic
 
-__all__ = ["Adaptive", "FixedLength", "FixedTree", "Heuristic", "ChainScheduler", "Plan", "Policy", "StepInfo", "LatencyTable",
-           "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA", "PerRequest", "check_plan", "check_policy",
-           "check_gammas", "bucket", "goodput"]
+__all__ = ["Adaptive", "FixedLength", "FixedTree", "Heuristic", "ChainScheduler", "Plan", "Policy", "StepInfo",
+           "LatencyTable", "TreeShapes", "Nightjar", "BanditSpecUCB", "GoodputModel", "ElasticEWMA", "PerRequest",
+           "check_plan", "check_policy", "check_gammas", "bucket", "goodput"]
