@@ -86,13 +86,16 @@ def rejection_sample(
             q_next[rows, draft_tokens[rows, at]] = 1.0
         else:
             q_next = draft_probs[rows, at]
-        residual = (p_next - q_next).clamp(min=0)
-        # p == q exactly leaves nothing to reject into; the rejection had probability 0, keep p to stay defined.
-        empty = residual.sum(-1, keepdim=True) <= 0
-        residual = torch.where(empty, p_next, residual)
-        residual = torch.where(rejected[:, None], residual, p_next)
+        residual = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
     next_token = (residual / exponentials).argmax(dim=-1)
     return accepted, next_token
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q), unnormalized. p == q exactly leaves nothing to reject into: the rejection had probability 0,
+    and p is kept to stay defined."""
+    residual = (p - q).clamp(min=0)
+    return torch.where(residual.sum(-1, keepdim=True) <= 0, p, residual)
 
 
 def committed_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor, fill: int = -1):
@@ -175,10 +178,8 @@ def tree_rejection_sample(
         q_x = q_i[rows, x]
         accept = tried & (uniforms[:, i] * q_x < p[rows, x])
         reject = tried & ~accept
-        residual = (p - q_i).clamp(min=0)
-        empty = residual.sum(-1, keepdim=True) <= 0     # p == q: the rejection had probability 0; keep p defined
-        residual = torch.where(empty, p, residual)
-        residual = residual / residual.sum(-1, keepdim=True)
+        residual = _residual(p, q_i)
+        residual = residual / residual.sum(-1, keepdim=True)      # p is tested against the next sibling
         path[:, i] = accept
         cur = torch.where(accept, i + 1, cur)
         p = torch.where(accept[:, None], target_probs[:, i + 1], torch.where(reject[:, None], residual, p))

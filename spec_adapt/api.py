@@ -19,7 +19,7 @@ from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import Policy, check_policy
 from .policies.adaptive import Adaptive
-from .verifiers import Verifier, check_verifier
+from .verifiers import Verifier, check_trees, check_verifier
 
 
 @dataclass
@@ -99,7 +99,7 @@ def generate(
     verifier = check_verifier(verifier)
     verifier.check(model)
     if getattr(policy, "trees", False) and drafter is not None and drafter.trees:
-        _check_trees(model, verifier)
+        check_trees(model, verifier)
     stats = spec_stats if spec_stats is not None else SpecStats()
     stats.policy = repr(policy)
     if spec_streamer is None:
@@ -242,16 +242,6 @@ def _stock_streamer():
         if frame.f_code.co_name == "generate" and "transformers" in frame.f_code.co_filename:
             return frame.f_locals.get("streamer")
     return None
-
-
-def _check_trees(model, verifier) -> None:
-    """A policy that plans token trees, with a drafter that branches: the verifier and the target must take trees."""
-    from .ledger import check_tree_attention
-
-    if not getattr(verifier, "trees", False):
-        raise ValueError(f"The policy plans token trees, but {verifier!r} verifies chains only: use FullVerifier(), "
-                         "or a policy without depth (FixedLength, Adaptive).")
-    check_tree_attention(model)
 
 
 def _check_left_padding(mask) -> None:

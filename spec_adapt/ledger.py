@@ -92,26 +92,6 @@ def attention_mask_4d(model, allowed: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
-def _grow_ancestry(anc: torch.Tensor, parents: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-    """anc [B, T, T] of a tree region, grown by W new columns with parents [B, W] (region indices, -1 = none).
-    A hole column (index >= n_valid) has no ancestors but itself."""
-    batch, old = anc.shape[:2]
-    width = parents.shape[1]
-    grown = anc.new_zeros((batch, old + width, old + width))
-    grown[:, :old, :old] = anc
-    rows = torch.arange(batch, device=anc.device)
-    for k in range(width):
-        column = old + k
-        parent = parents[:, k]
-        linked = (parent >= 0) & (k < n_valid)
-        if bool(linked.any()) and bool((parent[linked] >= column).any()):
-            raise ValueError("KVLedger: a tree node's parent must be appended before it")
-        inherited = grown[rows, parent.clamp(min=0)]
-        grown[:, column] = torch.where(linked[:, None], inherited, grown[:, column])
-        grown[:, column, column] = True
-    return grown
-
-
 class KVLedger:
     """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
 
@@ -131,7 +111,7 @@ class KVLedger:
         self.pad: torch.Tensor | None = None       # [B] long, left padding of each row
         self.n_cached: torch.Tensor | None = None  # [B] long, buffer tokens whose KV is cached (a prefix)
         self.spare = 0                             # cache rows after the B live ones, kept only for the batch shape
-        self.tree: tuple[int, torch.Tensor] | None = None   # pending tree region: (first column, anc [B, T, T])
+        self.tree: tuple | None = None   # pending tree region: (first column, parents [B, T], in use [B, T])
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
@@ -187,14 +167,19 @@ class KVLedger:
         return logits
 
     def _forward_tree(self, tokens, n_valid, parents, columns):
+        from .tree import ancestry
+
         batch, width = tokens.shape
-        start, anc = self.tree if self.tree is not None else (self.physical_length, self.slots.new_zeros(
-            (batch, 0, 0), dtype=torch.bool))
-        anc = _grow_ancestry(anc, parents, n_valid)                           # [B, T, T]
-        region = anc.shape[1]
-        levels = anc[:, region - width:].long().sum(dim=-1) - 1               # ancestors in the region, per token
         offset = torch.arange(width, device=self.device)[None, :]
-        new = torch.where(offset < n_valid[:, None], self.n_cached[:, None] + levels, -1)
+        start, before, in_use = self.tree if self.tree is not None else (
+            self.physical_length, parents[:, :0], offset[:, :0].expand(batch, 0) > 0)
+        parents = torch.cat([before, parents], dim=1)                         # region indices, [B, T]
+        in_use = torch.cat([in_use, offset < n_valid[:, None]], dim=1)
+        region = parents.shape[1]
+        if bool((in_use & (parents >= torch.arange(region, device=self.device))).any()):
+            raise ValueError("KVLedger: a tree node's parent must be appended before it")
+        anc, depth = ancestry(parents, in_use)                                # [B, T, T], [B, T]
+        new = torch.where(in_use[:, -width:], self.n_cached[:, None] + depth[:, -width:] - 1, -1)
         slots = torch.cat([self.slots, new], dim=1)
         valid = slots >= 0
         committed = valid[:, None, :start].expand(batch, width, start)
@@ -203,7 +188,7 @@ class KVLedger:
         allowed[:, :, -width:] |= torch.eye(width, dtype=torch.bool, device=self.device)   # holes see themselves
         keep = columns.to(self.device) if columns is not None else width
         logits = self._run(tokens.to(self.device), slots, keep=keep, new=new, allowed=allowed)
-        self.slots, self.tree = slots, (start, anc)
+        self.slots, self.tree = slots, (start, parents, in_use)
         return logits
 
     def keep_tree(self, kept: torch.Tensor) -> None:
@@ -211,8 +196,8 @@ class KVLedger:
         region's first level), the others become holes. n_cached grows by the kept count."""
         if self.tree is None:
             return
-        start, anc = self.tree
-        kept = kept.to(self.device)[:, : anc.shape[1]]
+        start = self.tree[0]
+        kept = kept.to(self.device)[:, : self.tree_width]
         region = self.slots[:, start:]
         self.slots = torch.cat([self.slots[:, :start], torch.where(kept, region, -1)], dim=1)
         self.n_cached = self.n_cached + kept.long().sum(dim=1)
@@ -312,7 +297,7 @@ class KVLedger:
         leave as spare rows (see the module docstring): the cache then holds len(index) + spare rows."""
         index = index.to(self.device)
         if self.tree is not None:
-            self.tree = (self.tree[0], self.tree[1][index])
+            self.tree = (self.tree[0], self.tree[1][index], self.tree[2][index])
         layers = self._layers()
         gone = torch.ones(self.held_rows, dtype=torch.bool, device=self.device)
         gone[index] = False
@@ -425,6 +410,11 @@ class KVLedger:
 
     def _layers(self):
         return [layer for layer in self.cache.layers if layer.is_initialized]
+
+    @property
+    def tree_width(self) -> int:
+        """Columns of the pending tree region (0 when none is pending)."""
+        return self.physical_length - self.tree[0] if self.tree is not None else 0
 
     @property
     def physical_length(self) -> int:

@@ -25,7 +25,7 @@ from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
 from .processors import ScoreProcessor, tree_positions
 from .tree import ancestry, chunk_tree, path_nodes
-from .verifiers import FullVerifier, Verifier
+from .verifiers import FullVerifier, Verifier, check_trees
 
 
 class SpeculativeLoop:
@@ -162,20 +162,11 @@ class SpeculativeLoop:
         if not getattr(self.drafter, "trees", False):
             self.pooled = False
             return torch.minimum(nodes, depths)
-        self._check_trees()
+        if not self.trees_checked:       # once per call: a policy may plan trees the call did not announce
+            check_trees(self.model, self.verifier)
+            self.trees_checked = True
         self.depths = depths
         return torch.where(depths > 0, nodes, 0)
-
-    def _check_trees(self) -> None:
-        if self.trees_checked:
-            return
-        from .ledger import check_tree_attention
-
-        if not getattr(self.verifier, "trees", False):
-            raise ValueError(f"The policy planned token trees, but {self.verifier!r} verifies chains only: use "
-                             "FullVerifier(), or a policy without depth.")
-        check_tree_attention(self.model)
-        self.trees_checked = True
 
     def _propose(self, gammas: torch.Tensor) -> Proposal:
         batch = len(self.rows)

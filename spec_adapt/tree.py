@@ -28,21 +28,23 @@ def chain_parents(batch: int, width: int, device=None) -> torch.Tensor:
     return (torch.arange(width, device=device) - 1).expand(batch, width).clone()
 
 
-def ancestry(parents: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ancestry(parents: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(anc [B, S, S] bool: anc[b, i, j] = node j is node i or one of its ancestors, depth [B, S] long: 1 for a
-    child of the root). Nodes at index >= lengths[b] get anc = {itself} and depth 0."""
+    child of the root). `used`: the nodes in use, as counts per row [B] (the first lengths[b]) or a mask [B, S];
+    a node not in use gets anc = {itself} and depth 0. Parents must come before their children."""
     batch, width = parents.shape
     device = parents.device
+    if used.dim() == 1:
+        used = torch.arange(width, device=device)[None, :] < used[:, None]
     anc = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
     depth = torch.zeros(batch, width, dtype=torch.long, device=device)
     rows = torch.arange(batch, device=device)
     for i in range(width):                      # parents come first: one pass in node order
-        used = i < lengths
         parent = parents[:, i].clamp(min=0)
-        has_parent = used & (parents[:, i] >= 0)
+        has_parent = used[:, i] & (parents[:, i] >= 0)
         anc[:, i] = torch.where(has_parent[:, None], anc[rows, parent], anc[:, i])
         anc[:, i, i] = True
-        depth[:, i] = torch.where(used, torch.where(has_parent, depth[rows, parent] + 1, 1), 0)
+        depth[:, i] = torch.where(used[:, i], torch.where(has_parent, depth[rows, parent] + 1, 1), 0)
     return anc, depth
 
 
@@ -112,9 +114,9 @@ def node_contexts(buffer: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor
 
 
 def from_branches(branches: list[list[list[int]]], budgets: list[int], depths: list[int] | None = None):
-    """Per row, continuations (token lists, best first) -> (tokens [B, S], parents [B, S], lengths [B]) of the
-    trie they make: shared prefixes merge, nodes are added branch by branch, row b keeps at most budgets[b] nodes
-    and depth depths[b] (None: no limit). A branch that no longer fits is cut where the budget ends."""
+    """Per row, continuations (token lists, best first) -> per row the (tokens, parents) lists of the trie they
+    make: shared prefixes merge, nodes are added branch by branch, row b keeps at most budgets[b] nodes and depth
+    depths[b] (None: no limit). A branch that no longer fits is cut where the budget ends."""
     trees = []
     for b, row in enumerate(branches):
         limit = budgets[b]
@@ -135,7 +137,7 @@ def from_branches(branches: list[list[list[int]]], budgets: list[int], depths: l
                     par.append(parent)
                 parent = children[key]
         trees.append((tok, par))
-    return pack_tree_lists(trees)
+    return trees
 
 
 def pack_tree_lists(trees: list[tuple[list[int], list[int]]]):
@@ -156,3 +158,16 @@ def pack_trees(trees: list[tuple[list[int], list[int]]], device):
 
     tokens, parents, lengths = pack_tree_lists(trees)
     return Proposal(tokens.to(device), lengths.to(device), parents=parents.to(device))
+
+
+def branches_proposal(branches: list[list[list[int]]], request):
+    """Per row, continuations best first -> a point-mass Proposal for `request` (a DraftRequest): the trie within
+    the plan's node budget and depths, or, when the plan asks for chains, each row's first continuation cut to
+    gamma."""
+    from .drafters.base import Proposal
+
+    gammas, device = request.gammas.tolist(), request.tokens.device
+    if request.depths is None:
+        return Proposal.pack([torch.tensor([int(t) for t in (row[0] if row else [])][:g], dtype=torch.long)
+                              for row, g in zip(branches, gammas)], device)
+    return pack_trees(from_branches(branches, gammas, request.depths.tolist()), device)

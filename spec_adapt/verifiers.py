@@ -89,6 +89,16 @@ def check_verifier(verifier) -> "Verifier":
     return verifier
 
 
+def check_trees(model, verifier) -> None:
+    """Token trees need a verifier that takes them and a target that takes a 4-D attention mask."""
+    from .ledger import check_tree_attention
+
+    if not getattr(verifier, "trees", False):
+        raise ValueError(f"The policy plans token trees, but {verifier!r} verifies chains only: use FullVerifier(), "
+                         "or a policy without depth (FixedLength, Adaptive).")
+    check_tree_attention(model)
+
+
 @dataclass
 class PruneStats:
     steps: int = 0                 # verify steps run layer by layer (the pruning path)

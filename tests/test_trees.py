@@ -66,10 +66,10 @@ def test_tree_problems_are_named(parents, tokens, problem):
 
 
 def test_from_branches_merges_prefixes_and_keeps_the_budget():
-    tokens, parents, lengths = from_branches([[[1, 2, 3], [1, 4], [5, 6]]], [5], [2])
-    assert tokens[0, :5].tolist() == [1, 2, 4, 5, 6] and parents[0, :5].tolist() == [-1, 0, 0, -1, 3]
-    tokens, parents, lengths = from_branches([[[1, 2, 3], [1, 4], [5, 6]]], [3], None)
-    assert lengths.tolist() == [3] and tokens[0].tolist() == [1, 2, 3]
+    [(tokens, parents)] = from_branches([[[1, 2, 3], [1, 4], [5, 6]]], [5], [2])
+    assert tokens == [1, 2, 4, 5, 6] and parents == [-1, 0, 0, -1, 3]
+    [(tokens, parents)] = from_branches([[[1, 2, 3], [1, 4], [5, 6]]], [3], None)
+    assert tokens == [1, 2, 3] and parents == [-1, 0, 1]
 
 
 def brute_force_walk(best, tokens, parents):

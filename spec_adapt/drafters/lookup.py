@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from ..tree import branches_proposal
 from .base import Drafter, DraftRequest, Proposal, left_padding
 
 
 def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
     """context [L] long -> up to gamma tokens that followed the most recent earlier match of its longest suffix."""
-    length = context.shape[0]
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = context[length - n:]
-        windows = context[: length - 1].unfold(0, n, 1)             # [L-n, n]: every earlier n-gram
-        hits = (windows == suffix).all(dim=1).nonzero().squeeze(1)
-        hits = hits[hits + n < length]                               # it must be followed by something
-        if hits.numel():
-            start = int(hits[-1]) + n                                # the most recent match
-            return context[start : start + gamma]
-    return context[:0]
+    found = lookup_branches(context, gamma, max_ngram, min_ngram, most=1)
+    return context.new_tensor(found[0]) if found else context[:0]
 
 
 def lookup_branches(context: torch.Tensor, depth: int, max_ngram: int, min_ngram: int, most: int) -> list[list[int]]:
@@ -36,9 +29,9 @@ def lookup_branches(context: torch.Tensor, depth: int, max_ngram: int, min_ngram
     found: list[list[int]] = []
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = context[length - n:]
-        windows = context[: length - 1].unfold(0, n, 1)
+        windows = context[: length - 1].unfold(0, n, 1)             # [L-n, n]: every earlier n-gram
         hits = (windows == suffix).all(dim=1).nonzero().squeeze(1)
-        for start in reversed((hits[hits + n < length] + n).tolist()):
+        for start in reversed((hits[hits + n < length] + n).tolist()):   # followed by something, most recent first
             branch = context[start : start + depth].tolist()
             if branch not in found:
                 found.append(branch)
@@ -80,8 +73,6 @@ class PromptLookupDrafter(Drafter):
         return Proposal.pack(drafts, request.tokens.device)
 
     def _propose_tree(self, request: DraftRequest) -> Proposal:
-        from .scripted import branches_proposal
-
         tokens = request.tokens.cpu()
         branches = []
         for b, (row, length, gamma, depth) in enumerate(zip(request.rows.tolist(), request.lengths.tolist(),

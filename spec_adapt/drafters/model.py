@@ -85,12 +85,11 @@ class ModelDrafter(Drafter):
         # more than its drafts saved at batch 4 on the real pair, even with 90% plain steps.
         self._learn(input_ids)
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
-        self.calib = None
+        self.calib = torch.ones(len(input_ids), 2, device=self.ledger.device)
 
     def add_rows(self, input_ids, attention_mask):
         self._learn(input_ids)
-        if self.calib is not None:
-            self.calib = torch.cat([self.calib, self.calib.new_ones(len(input_ids), 2)])
+        self.calib = torch.cat([self.calib, self.calib.new_ones(len(input_ids), 2)])
         self.ledger.add_rows(KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device))
 
     def _learn(self, tokens):
@@ -168,8 +167,6 @@ class ModelDrafter(Drafter):
     def calibration(self) -> torch.Tensor:
         """[B] log(observed / expected) accepted tree tokens per active row: how much the row's path probabilities
         over- or under-state its acceptance (0 until it has drafted trees)."""
-        if self.calib is None or len(self.calib) != len(self.ledger.pad):
-            self.calib = torch.ones(len(self.ledger.pad), 2, device=self.ledger.device)
         return (self.calib[:, 0] / self.calib[:, 1]).log()
 
     def keep_tree(self, path):
@@ -177,7 +174,6 @@ class ModelDrafter(Drafter):
         update the rows' calibration."""
         expected, self.tree_expected = self.tree_expected, None
         if expected is not None:
-            self.calibration()
             drafted = expected >= 0
             seen = torch.stack([path.to(expected.device).long().sum(1).float(), expected.clamp(min=1e-3)], dim=1)
             self.calib = torch.where(drafted[:, None], 0.9 * self.calib + 0.1 * seen, self.calib)
@@ -185,7 +181,7 @@ class ModelDrafter(Drafter):
         if fed is None or self.ledger.tree is None:
             return
         path = path.to(fed.device)[:, : fed.shape[1]]
-        columns = self.ledger.tree[1].shape[1]
+        columns = self.ledger.tree_width
         kept = torch.zeros(len(fed), columns + 1, dtype=torch.bool, device=fed.device)
         on_path = path & (fed >= 0)
         kept.scatter_(1, torch.where(on_path, fed, columns), on_path)
@@ -196,8 +192,7 @@ class ModelDrafter(Drafter):
 
     def select_rows(self, index):
         self.ledger.select_rows(index)
-        if self.calib is not None:
-            self.calib = self.calib[index.to(self.calib.device)]
+        self.calib = self.calib[index.to(self.calib.device)]
 
     def end(self, tokens=None, lengths=None):
         if tokens is not None and lengths is not None:      # what the target committed: scored in later calls

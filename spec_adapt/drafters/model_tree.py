@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tree import ancestry, node_contexts
 from .base import DraftRequest, Proposal
 
 
@@ -39,7 +40,7 @@ def children(q: torch.Tensor, k: int, sampling: bool) -> tuple[torch.Tensor, tor
 class TreeDraft:
     """The nodes grown so far for a batch of rows (creation order is topological)."""
 
-    def __init__(self, batch: int, depth_limit: torch.Tensor, device):
+    def __init__(self, batch: int, device):
         self.device = device
         self.tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.parents = torch.zeros(batch, 0, dtype=torch.long, device=device)     # node index or -1
@@ -49,11 +50,11 @@ class TreeDraft:
         self.drawn_from = torch.zeros(batch, 0, dtype=torch.long, device=device)   # index into `dists`
         self.fed = torch.zeros(batch, 0, dtype=torch.long, device=device)         # draft ledger region column or -1
         self.dists: list[torch.Tensor] = []                                        # [B, V] each (sampling only)
-        self.depth_limit = depth_limit
 
     def add(self, parents, tokens, logq, parent_paths, depth, dist_index, sampling) -> torch.Tensor:
-        """Add children [B, n, k] (parents [B, n], tokens / logq [B, n, k], parent_paths: the parents' path
-        log-probabilities [B, n]); returns their node indices [B, n*k]."""
+        """Add children [B, n, k] (parents [B, n], -2 for a parent that is not expanded: its children rank last;
+        tokens / logq [B, n, k]; parent_paths: the parents' path log-probabilities [B, n]); returns their node
+        indices [B, n*k]."""
         batch, n, k = tokens.shape
         paths = parent_paths[:, :, None] + logq
         if sampling:        # before the draw: the parent's path and the mass the earlier siblings left
@@ -63,8 +64,7 @@ class TreeDraft:
         else:
             scores = paths
         scores = scores.cummin(dim=-1).values                 # a later sibling never outranks an earlier one
-        too_deep = depth > self.depth_limit
-        scores = torch.where(too_deep[:, None, None] | (parents[:, :, None] == -2), float("-inf"), scores)
+        scores = torch.where(parents[:, :, None] == -2, float("-inf"), scores)
         start = self.tokens.shape[1]
         self.tokens = torch.cat([self.tokens, tokens.reshape(batch, n * k)], dim=1)
         self.parents = torch.cat([self.parents, parents[:, :, None].expand(-1, -1, k).reshape(batch, n * k)], dim=1)
@@ -84,37 +84,21 @@ class TreeDraft:
 
     def contexts(self, nodes, buffer, lengths) -> torch.Tensor:
         """[B, n, L] token contexts of `nodes`: the committed buffer and each node's path."""
-        batch, n = nodes.shape
-        width = buffer.shape[1] + int(self.depth.max()) if self.depth.numel() else buffer.shape[1]
-        out = torch.zeros(batch, n, width, dtype=torch.long, device=self.device)
-        out[:, :, : buffer.shape[1]] = buffer[:, None]
-        node = nodes.clone()
-        rows = torch.arange(batch, device=self.device)[:, None].expand(batch, n)
-        while True:
-            live = node >= 0
-            if not bool(live.any()):
-                return out
-            safe = node.clamp(min=0)
-            where = lengths[:, None] + self.depth[rows, safe] - 1
-            out[rows[live], torch.arange(n, device=self.device)[None].expand(batch, n)[live], where[live]] = \
-                self.tokens[rows[live], safe[live]]
-            node = torch.where(live, self.parents[rows, safe], -1)
+        anc, depth = ancestry(self.parents, torch.ones_like(self.parents, dtype=torch.bool))
+        every = node_contexts(buffer, lengths, self.tokens, anc, depth)                   # [B, M, L]
+        return every.gather(1, nodes[..., None].expand(-1, -1, every.shape[-1]))
 
     def choose(self, budgets: torch.Tensor, pooled: bool, offsets: torch.Tensor | None) -> torch.Tensor:
         """[B, M] bool: the best budgets[b] nodes of each row or, pooled, the best sum(budgets) nodes of the batch,
         ranked by key + the row's calibration offset (log observed / predicted acceptance)."""
-        batch, total = self.tokens.shape
-        if not pooled:
-            order = torch.sort(-self.scores, dim=1, stable=True).indices              # best first, ties: older
-            rank = torch.empty_like(order)
-            rank.scatter_(1, order, torch.arange(total, device=self.device).expand(batch, total))
-            return (rank < budgets[:, None]) & torch.isfinite(self.scores)
-        keys = self.scores + (offsets[:, None] if offsets is not None else 0.0)
-        flat = keys.flatten()
-        order = torch.sort(-flat, stable=True).indices                   # row-major ties: a parent before its child
+        keys, limits = self.scores, budgets
+        if pooled:          # one row of every node; row-major ties still put a parent before its child
+            keys = (keys + (offsets[:, None] if offsets is not None else 0.0)).reshape(1, -1)
+            limits = budgets.sum().reshape(1)
+        order = torch.sort(-keys, dim=1, stable=True).indices                          # best first, ties: older
         rank = torch.empty_like(order)
-        rank.scatter_(0, order, torch.arange(flat.numel(), device=self.device))
-        return (rank.reshape(batch, total) < int(budgets.sum())) & torch.isfinite(self.scores)
+        rank.scatter_(1, order, torch.arange(keys.shape[1], device=self.device).expand_as(order))
+        return (rank < limits[:, None]).reshape(self.scores.shape) & torch.isfinite(self.scores)
 
     def proposal(self, budgets: torch.Tensor, sampling: bool, target_device, pooled: bool = False,
                  offsets: torch.Tensor | None = None) -> tuple[Proposal, torch.Tensor, torch.Tensor]:
@@ -153,9 +137,9 @@ def draft_tree(drafter, request: DraftRequest, tokens, lengths, gammas, last) ->
     device, k, vocab = tokens.device, drafter.branch, drafter.vocab
     depths = torch.where(gammas > 0, request.depths.to(device), 0)
     rows = request.rows.to(device)
-    tree = TreeDraft(len(gammas), depths, device)
+    tree = TreeDraft(len(gammas), device)
     batch = len(gammas)
-    q = _distribution(request, last[:, :vocab], tokens, lengths, rows)
+    q = request.process(last[:, :vocab].float(), tokens, lengths, rows).softmax(dim=-1)
     tree.dists.append(q)
     tok, logq = children(q, k, request.sampling)
     root = torch.where(depths > 0, -1, -2)[:, None]                       # -2: a row that drafts nothing
@@ -192,7 +176,3 @@ def draft_tree(drafter, request: DraftRequest, tokens, lengths, gammas, last) ->
     drafter.tree_fed, drafter.tree_expected = fed, torch.where(proposal.lengths.to(device) > 0, expected, -1.0)
     return proposal
 
-
-def _distribution(request: DraftRequest, logits, tokens, lengths, rows) -> torch.Tensor:
-    """The draft's processed distribution after each row's committed tokens [B, V]."""
-    return request.process(logits.float(), tokens, lengths, rows).softmax(dim=-1)

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from ..tree import branches_proposal
 from .base import Drafter, DraftRequest, Proposal, left_padding
 
 # script(row, context, gamma) -> up to gamma token ids, or a tree as a list of branches (token lists from the
@@ -47,17 +48,3 @@ class ScriptedDrafter(Drafter):
             branches.append([list(x) for x in answer] if tree else [answer])
         return branches_proposal(branches, request)
 
-
-def branches_proposal(branches: list[list[list[int]]], request: DraftRequest) -> Proposal:
-    """Per row, continuations best first -> a point-mass Proposal: a trie within the plan's budget (spec_adapt.tree),
-    or, when the plan asks for chains, each row's first continuation cut to gamma."""
-    from ..tree import from_branches
-
-    gammas = request.gammas.tolist()
-    if request.depths is None:
-        drafts = [torch.tensor([int(t) for t in (row[0] if row else [])][:g], dtype=torch.long)
-                  for row, g in zip(branches, gammas)]
-        return Proposal.pack(drafts, request.tokens.device)
-    tokens, parents, lengths = from_branches(branches, gammas, request.depths.tolist())
-    device = request.tokens.device
-    return Proposal(tokens.to(device), lengths.to(device), parents=parents.to(device))

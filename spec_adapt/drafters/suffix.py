@@ -63,11 +63,7 @@ class SuffixIndex:
             self._flush()
         out, ctx = [], list(context[-self.depth:])
         while len(out) < gamma:
-            counts = None
-            for n in range(min(self.depth, len(ctx)), min_depth - 1, -1):
-                counts = self.next.get(tuple(ctx[-n:]))
-                if counts:
-                    break
+            counts = self._counts(ctx, min_depth)
             if not counts:
                 break
             token, count = counts.most_common(1)[0]
@@ -106,6 +102,7 @@ class SuffixIndex:
         return tokens, parents
 
     def _counts(self, ctx, min_depth):
+        """The next-token counts of the longest indexed suffix of `ctx` (at least min_depth tokens), or None."""
         for n in range(min(self.depth, len(ctx)), min_depth - 1, -1):
             counts = self.next.get(tuple(ctx[-n:]))
             if counts:

@@ -43,7 +43,7 @@ from ..metrics import SpecStats
 from ..policies.base import check_policy
 from ..policies.adaptive import Adaptive
 from ..processors import ScoreProcessor
-from ..verifiers import check_verifier
+from ..verifiers import check_trees, check_verifier
 
 
 class RequestError(ValueError):
@@ -238,9 +238,7 @@ class Engine:
         verifier = check_verifier(verifier)
         verifier.check(model)
         if getattr(policy, "trees", False) and drafter is not None and drafter.trees:
-            from ..api import _check_trees
-
-            _check_trees(model, verifier)
+            check_trees(model, verifier)
         if seed is not None:
             torch.manual_seed(seed)
         # eos_token_id: "model" = the model's generation config; None = no EOS (every request runs to its budget).
