@@ -57,17 +57,23 @@ class SpecStats:
     trace: list[StepRecord] = field(default_factory=list)
     trace_limit: int | None = None   # keep only the last N StepRecords (a serving engine runs for days); None: all
     step_tokens: int = 0             # tokens committed by verification steps (first tokens excluded)
+    restarts: int = 0                # serving: times a drafter that had failed was started again
 
     def start(self, batch_size: int) -> None:
         self.batch_size = batch_size
         for name in ("per_row_drafted", "per_row_accepted", "per_row_new_tokens", "per_row_steps"):
             setattr(self, name, [0] * batch_size)
 
-    def add_rows(self, n: int) -> None:
-        """Serving: n more user rows joined."""
-        self.batch_size += n
+    def admit(self, rows) -> None:
+        """Serving: requests joined in these row numbers (slots, which a request that left may have used): their
+        per-row counts start at 0. `batch_size` counts the rows ever admitted; the totals count every request."""
+        rows = [int(r) for r in rows]
+        self.batch_size += len(rows)
         for name in ("per_row_drafted", "per_row_accepted", "per_row_new_tokens", "per_row_steps"):
-            getattr(self, name).extend([0] * n)
+            values = getattr(self, name)
+            values.extend([0] * (max(rows, default=-1) + 1 - len(values)))
+            for row in rows:
+                values[row] = 0
 
     def record(self, rec: StepRecord) -> None:
         self.steps += 1

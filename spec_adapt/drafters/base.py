@@ -77,6 +77,16 @@ def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return (attention_mask == 0).sum(dim=1).tolist()
 
 
+def place(values: list | None, rows, new: list) -> list:
+    """Per-row state kept in a list indexed by row number: `new[i]` becomes row rows[i]'s (the list grows to hold
+    the largest row; slots in between that no row holds yet are None)."""
+    values = list(values or [])
+    for row, value in zip(rows, new):
+        values.extend([None] * (int(row) + 1 - len(values)))
+        values[int(row)] = value
+    return values
+
+
 def with_drafts(tokens: torch.Tensor, lengths: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """A copy of the token buffer [B, L] with each row's drafts [B, S] written after its committed tokens."""
     out = tokens.clone()
@@ -108,10 +118,13 @@ class Drafter:
     def observe(self, record) -> None:
         """After every step: the StepRecord (γ chosen, drafted, accepted, times), e.g. to decide an offload."""
 
-    def add_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Serving: rows join the running batch after its active rows; their (left padded) prompts [n, L] and mask.
-        They take the next user-row numbers (after every row seen so far). A drafter that cannot take rows
-        raises, and the engine continues without speculation (nothing is lost)."""
+    def add_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: list[int]) -> None:
+        """Serving: rows join the running batch after its active rows: their tokens [n, L], laid out as in the
+        loop's buffer (left padding, then the prompt, and for a drafter restarted on running rows what they have
+        generated; `attention_mask` marks the padding), and the row numbers they take in `DraftRequest.rows`. Row
+        numbers are slots: one that a request which left had used is reused, so state kept per row number is
+        replaced here. A drafter that cannot take rows raises, and the engine goes on without speculation (nothing
+        is lost)."""
         raise NotImplementedError(f"{type(self).__name__} cannot take rows joining a running batch.")
 
     def lag(self, lengths: torch.Tensor) -> torch.Tensor | None:

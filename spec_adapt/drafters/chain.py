@@ -164,11 +164,11 @@ class ChainDrafter(Drafter):
         stats["draft_tokens"] += int(proposal.lengths.sum())
         return proposal, members
 
-    def add_rows(self, input_ids, attention_mask):
-        self.first.add_rows(input_ids, attention_mask)
+    def add_rows(self, input_ids, attention_mask, rows):
+        self.first.add_rows(input_ids, attention_mask, rows)
         for i, level in enumerate(self.verifiers, start=1):
             if i not in self.failed:
-                self._guarded(i, level.add_rows, input_ids, attention_mask)
+                self._guarded(i, level.add_rows, input_ids, attention_mask, rows)
 
     def rollback(self, keep_len):
         self.first.rollback(keep_len)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import branches_proposal
-from .base import Drafter, DraftRequest, Proposal, left_padding
+from .base import Drafter, DraftRequest, Proposal, left_padding, place
 
 
 def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
@@ -54,8 +54,8 @@ class PromptLookupDrafter(Drafter):
     def begin(self, input_ids, attention_mask):
         self.pad = left_padding(input_ids, attention_mask)
 
-    def add_rows(self, input_ids, attention_mask):
-        self.pad = (self.pad or []) + left_padding(input_ids, attention_mask)
+    def add_rows(self, input_ids, attention_mask, rows):
+        self.pad = place(self.pad, rows, left_padding(input_ids, attention_mask))
 
     def propose(self, request: DraftRequest) -> Proposal:
         if request.depths is not None:

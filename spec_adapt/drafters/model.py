@@ -87,7 +87,8 @@ class ModelDrafter(Drafter):
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
         self.calib = torch.ones(len(input_ids), 2, device=self.ledger.device)
 
-    def add_rows(self, input_ids, attention_mask):
+    def add_rows(self, input_ids, attention_mask, rows):
+        # Positional: the draft's ledger follows the active rows; row numbers only matter to the processors.
         self._learn(input_ids)
         self.calib = torch.cat([self.calib, self.calib.new_ones(len(input_ids), 2)])
         self.ledger.add_rows(KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device))

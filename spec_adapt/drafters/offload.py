@@ -170,8 +170,8 @@ class DraftOffload(Drafter):
         self._steps, self.idle = 0, 0
         self.inner.begin(input_ids, attention_mask)        # nothing cached yet: no weights needed
 
-    def add_rows(self, input_ids, attention_mask):
-        self.inner.add_rows(input_ids, attention_mask)
+    def add_rows(self, input_ids, attention_mask, rows):
+        self.inner.add_rows(input_ids, attention_mask, rows)
 
     def propose(self, request: DraftRequest) -> Proposal:
         if self.offloaded:                                   # the loop does not ask while unavailable

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..tree import branches_proposal
-from .base import Drafter, DraftRequest, Proposal, left_padding
+from .base import Drafter, DraftRequest, Proposal, left_padding, place
 
 # script(row, context, gamma) -> up to gamma token ids, or a tree as a list of branches (token lists from the
 # last committed token, best first; shared prefixes merge). `row` is the row's index in the user's batch, `context`
@@ -30,8 +30,8 @@ class ScriptedDrafter(Drafter):
     def begin(self, input_ids, attention_mask):
         self.pad = left_padding(input_ids, attention_mask)
 
-    def add_rows(self, input_ids, attention_mask):
-        self.pad = (self.pad or []) + left_padding(input_ids, attention_mask)
+    def add_rows(self, input_ids, attention_mask, rows):
+        self.pad = place(self.pad, rows, left_padding(input_ids, attention_mask))
 
     def propose(self, request: DraftRequest) -> Proposal:
         batch = request.tokens.shape[0]

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal, left_padding
+from .base import Drafter, DraftRequest, Proposal, left_padding, place
 from ..tree import pack_trees
 
 
@@ -136,9 +136,9 @@ class SuffixDrafter(Drafter):
         self.pad = left_padding(input_ids, attention_mask)
         self.indexed = [0] * len(self.pad)   # per user row: tokens of its context already in the index
 
-    def add_rows(self, input_ids, attention_mask):
+    def add_rows(self, input_ids, attention_mask, rows):
         more = left_padding(input_ids, attention_mask)
-        self.pad, self.indexed = (self.pad or []) + more, (self.indexed or []) + [0] * len(more)
+        self.pad, self.indexed = place(self.pad, rows, more), place(self.indexed, rows, [0] * len(more))
 
     def propose(self, request: DraftRequest) -> Proposal:
         tokens = request.tokens.cpu()

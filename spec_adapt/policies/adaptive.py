@@ -87,6 +87,13 @@ class Adaptive(Policy):
         self.row_state = torch.zeros(batch_size, dtype=torch.long)
         self._refresh()
 
+    def admit(self, rows) -> None:
+        """Serving: these slots hold new requests; their rows start from the pooled estimates again."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        self._grow(rows)
+        self.row_tried[rows], self.row_accepted[rows], self.row_state[rows] = 0.0, 0.0, PLAIN
+        self._refresh()
+
     def _grow(self, rows: torch.Tensor) -> None:
         need = int(rows.max()) + 1 if len(rows) else 0
         have = self.row_tried.shape[0]

@@ -2,6 +2,8 @@
 
 A policy is an object, never a config string, and keeps its state to itself (never in the user's model):
 - `begin(batch_size)`: a generate call starts (reset per-call state such as per-row lengths);
+- `admit(rows)`: serving: new requests take these row numbers (slots that earlier requests may have used): forget
+  what was kept per row for them;
 - `choose(info) -> int | sequence/tensor of B ints | Plan`: gamma for the whole batch or one per active row (0 = no
   draft); a `Plan` also names the chain members the drafter should use this step (a ChainScheduler's answer);
 - `observe(record)`: what the step did (a `StepRecord`: gammas, drafted, accepted, committed, times, batch size);
@@ -57,6 +59,9 @@ class Policy:
     needs_timing = True
 
     def begin(self, batch_size: int) -> None:
+        pass
+
+    def admit(self, rows) -> None:
         pass
 
     def choose(self, info: StepInfo):

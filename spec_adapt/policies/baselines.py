@@ -268,6 +268,10 @@ class ElasticEWMA(Policy):
     def begin(self, batch_size):
         self.rates = {}
 
+    def admit(self, rows):
+        for row in rows:
+            self.rates.pop(int(row), None)
+
     def length_for(self, rate: float) -> int:
         return self.lengths[min(int(rate * len(self.lengths)), len(self.lengths) - 1)]
 
@@ -310,6 +314,10 @@ class PerRequest(Policy):
 
     def begin(self, batch_size):
         self.rows = {}
+
+    def admit(self, rows):
+        for row in rows:
+            self.rows.pop(int(row), None)
 
     def _optimistic_rates(self, row: int) -> list[float]:
         pooled = self.pooled.rates()

@@ -82,6 +82,10 @@ class Heuristic(Policy):
     def begin(self, batch_size):
         self.lengths = {}
 
+    def admit(self, rows):
+        for row in rows:
+            self.lengths.pop(int(row), None)
+
     def choose(self, info: StepInfo):
         return torch.tensor([self.lengths.get(int(r), self.initial) for r in info.rows], dtype=torch.long)
 

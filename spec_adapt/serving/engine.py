@@ -42,6 +42,7 @@ from ..loop import SpeculativeLoop, Stopper
 from ..metrics import SpecStats
 from ..policies.base import check_policy
 from ..policies.adaptive import Adaptive
+from ..policies.estimators import ProbeBackoff
 from ..processors import ScoreProcessor
 from ..verifiers import check_trees, check_verifier
 
@@ -118,7 +119,11 @@ class Handle:
 
 
 class ServingLoop(SpeculativeLoop):
-    """SpeculativeLoop with an admission phase. It starts with no rows; `admit` appends rows, `step` is inherited."""
+    """SpeculativeLoop with an admission phase. It starts with no rows; `admit` appends rows, `step` is inherited.
+
+    Rows are slots: a request takes the lowest slot no running request holds, so the buffer, the per-row counters
+    and whatever drafters and policies keep per row number are bounded by the most requests ever running at once,
+    not by the requests served. A drafter that failed is tried again after a back-off (`restarts`)."""
 
     closed = False    # requests join as others leave: a step is worth the tokens it commits (throughput)
 
@@ -132,16 +137,20 @@ class ServingLoop(SpeculativeLoop):
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         self._hold_rows(torch.full((0, 1), pad_id, dtype=torch.long, device=self.device), empty, empty.clone(),
                         empty.clone())
+        self.pads = empty.clone()                    # per slot: the left padding of its buffer row
         self.target: KVLedger | None = None          # made by the first admission
         self.scores, self.raw_logits = None, None
         self.verifier.begin()
         self.stats.start(0)
         self.policy.begin(0)
         self.vocab = model.get_output_embeddings().weight.shape[0]
+        # After a drafter fails: steps to wait before restarting it (doubling while it keeps failing soon after a
+        # restart) and the steps it has run since its last (re)start.
+        self.restarts, self.healthy = ProbeBackoff(16, 1024), 1 << 30
 
     def admit(self, prompts: list[torch.Tensor], budgets: list[int]) -> torch.Tensor:
         """Prefill `prompts` (1-D token tensors) together, commit their first token and append their rows to the
-        running batch. Returns their user-row numbers."""
+        running batch. Returns the slots (user-row numbers) they take."""
         n, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
@@ -150,10 +159,14 @@ class ServingLoop(SpeculativeLoop):
         # The prefill first: if the target fails there, nothing of the running batch has changed yet.
         joining = KVLedger(self.model, kernels=self.acceptor.mode)
         logits = joining.prefill(ids, mask).float()[:, None]                        # [n, 1, V]
-        new_rows = torch.arange(self.buffer.shape[0], self.buffer.shape[0] + n, device=self.device)
+        new_rows = self._take_slots(n)
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
-        self._grow_buffer(ids, limits)
-        self.stats.add_rows(n)
+        self._place(new_rows, ids, mask, limits)
+        self.stats.admit(new_rows.tolist())
+        admit = getattr(self.policy, "admit", None)          # a duck-typed policy may not have it
+        if admit is not None:
+            with self.policy_lock:
+                admit(new_rows.tolist())
         old = self.lengths[new_rows].clone()
         scores = self.process.positions(logits, self.buffer[new_rows], old, torch.ones_like(old), new_rows)
         empty = torch.zeros(n, 0, dtype=torch.long, device=self.device)
@@ -173,36 +186,87 @@ class ServingLoop(SpeculativeLoop):
         self.rows = torch.cat([self.rows, new_rows])
         self.finished = torch.cat([self.finished, finished])
         if self.drafter is not None:
-            call = self.drafter.begin if first_rows else self.drafter.add_rows
-            self._guard("admission", call, ids, mask)
+            if first_rows:           # nothing runs: the slots taken are 0..n-1, the rows a call's begin numbers
+                self._guard("admission", self.drafter.begin, ids, mask)
+            else:
+                self._guard("admission", self.drafter.add_rows, ids, mask, new_rows.tolist())
         self._retire()
         return new_rows
 
-    def _grow_buffer(self, ids, limits) -> None:
-        # Wide enough for the prompts and their first token; later tokens get room as they come (`_reserve`).
-        width = max(self.buffer.shape[1], ids.shape[1] + 1)
-        if width > self.buffer.shape[1]:
-            more = torch.full((self.buffer.shape[0], width - self.buffer.shape[1]), self.pad_id,
-                              dtype=torch.long, device=self.device)
-            self.buffer = torch.cat([self.buffer, more], dim=1)
-        rows = torch.full((ids.shape[0], width), self.pad_id, dtype=torch.long, device=self.device)
-        rows[:, : ids.shape[1]] = ids
-        self.buffer = torch.cat([self.buffer, rows])
-        start = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
-        self.lengths = torch.cat([self.lengths, start])
-        self.starts = torch.cat([self.starts, start])
-        self.limits = torch.cat([self.limits, limits])
+    def _take_slots(self, n: int) -> torch.Tensor:
+        """The n lowest slots no running row holds (new ones at the end when all are held). The engine has handed
+        every row that left its tokens before it admits, so a free slot's contents are no one's."""
+        held = torch.zeros(self.buffer.shape[0], dtype=torch.bool, device=self.device)
+        held[self.rows] = True
+        free = (~held).nonzero().squeeze(1)[:n]
+        more = torch.arange(self.buffer.shape[0], self.buffer.shape[0] + n - len(free), device=self.device)
+        return torch.cat([free, more])
+
+    def _place(self, slots, ids, mask, limits) -> None:
+        """Write the joining prompts into their slots; the buffer is as wide as the running rows and the prompts
+        need (a long request that left widens nothing), and grows from there as tokens come (`_reserve`)."""
+        running = int(self.lengths[self.rows].max()) if len(self.rows) else 0
+        width = max(running, ids.shape[1] + 1, 64)
+        if self.buffer.shape[1] > 2 * width:
+            self.buffer = self.buffer[:, :width].clone()
+        elif width > self.buffer.shape[1]:
+            self.buffer = torch.cat([self.buffer, self.buffer.new_full((self.buffer.shape[0], width -
+                                                                          self.buffer.shape[1]), self.pad_id)], 1)
+        grow = int(slots.max()) + 1 - self.buffer.shape[0]
+        if grow > 0:
+            self.buffer = torch.cat([self.buffer, self.buffer.new_full((grow, self.buffer.shape[1]), self.pad_id)])
+            more = torch.zeros(grow, dtype=torch.long, device=self.device)
+            self.lengths, self.starts = torch.cat([self.lengths, more]), torch.cat([self.starts, more.clone()])
+            self.limits, self.pads = torch.cat([self.limits, more.clone()]), torch.cat([self.pads, more.clone()])
+        self.buffer[slots] = self.pad_id
+        self.buffer[slots, : ids.shape[1]] = ids
+        self.lengths[slots] = self.starts[slots] = ids.shape[1]
+        self.limits[slots] = limits
+        self.pads[slots] = (mask == 0).sum(dim=1)
+
+    def step(self) -> None:
+        self._restart_drafter()
+        super().step()
+        if self.drafter is not None:
+            self.healthy += 1
+
+    def _guard(self, what, fn, *args):
+        had = self.drafter
+        out = super()._guard(what, fn, *args)
+        if had is not None and self.drafter is None:      # it failed: back off, longer if it failed soon again
+            self.restarts.result(won=self.healthy >= self.restarts.max_gap)
+            self.healthy = 0
+        return out
+
+    def _restart_drafter(self) -> None:
+        """After the back-off, the drafter that failed starts again on the running rows (their tokens so far as its
+        prompts; a draft model catches up on them at its first proposal). If it fails again, the wait doubles."""
+        if self.drafter is not None or self.given_drafter is None or not len(self.rows):
+            return
+        self.restarts.wait()
+        if not self.restarts.due():
+            return
+        rows = self.rows
+        width = int(self.lengths[rows].max())
+        ids = self.buffer[rows, :width]
+        mask = (torch.arange(width, device=self.device)[None, :] >= self.pads[rows, None]).long()
+        self.drafter = self.given_drafter
+        if self._guard("restart", self._begin_drafter, ids, mask, rows.tolist()):
+            self.stats.restarts += 1
+
+    def _begin_drafter(self, ids, mask, rows) -> bool:
+        self.drafter.begin(ids[:0], mask[:0])
+        self.drafter.add_rows(ids, mask, rows)
+        return True
 
     def reset_rows(self) -> None:
         """Forget every running row after a failure that left the batch's state unknown: the next admission starts a
-        new target batch. The drafter cannot follow (its rows are keyed by user-row number, which keeps counting), so
-        the engine goes on without speculation, as after a drafter failure."""
+        new target batch. The drafter is dropped like after its own failure, and restarted after the back-off."""
         self.rows = self.rows[:0]
         self.finished = self.finished[:0]
         self.target = None
         if self.drafter is not None:
-            self.stats.fallback = "the batch was reset after a failure; continued without speculation"
-            self.drafter = None
+            self._guard("reset", _fail, RuntimeError("the batch was reset after a failure"))
 
     def drop(self, rows: list[int]) -> None:
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
@@ -216,6 +280,10 @@ class ServingLoop(SpeculativeLoop):
         keep = (~self.finished).nonzero().squeeze(1)
         self.rows, self.finished = self.rows[keep], self.finished[keep]
         self._shrink(keep)
+
+
+def _fail(error: Exception):
+    raise error
 
 
 class Engine:
