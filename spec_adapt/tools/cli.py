@@ -1,4 +1,4 @@
-"""The `spec-adapt` command: demo (the main job), bench, profile, lab and eval."""
+"""The `spec-adapt` command: demo (the main job), bench, profile, lab, serve-bench, soak, export-vllm and eval."""
 
 from __future__ import annotations
 
@@ -369,6 +369,30 @@ def export_vllm_cmd(args) -> None:
     print(text)
 
 
+def soak_cmd(args) -> None:
+    import json
+    from pathlib import Path
+
+    from spec_adapt.tools import soak
+
+    print(f"CPU: {cpu_name()}")
+    report = soak.run_soak(args.requests, args.max_batch, args.drafter, args.window, args.check_every, args.seed,
+                           policy=args.policy)
+    report["cpu"], report["torch"], report["command"] = cpu_name(), torch.__version__, "spec-adapt " + " ".join(
+        args.argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
+    try:
+        soak.plot(report, out / "soak.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    print(f"served {report['requests']} requests; RSS growth from request {report.get('rss_from')} to the end: "
+          f"{report.get('rss_growth_mb')} MB; time per request, last quarter / first quarter after warm-up: "
+          f"{report.get('time_ratio_last_to_first')}; identical to stock: {report['identical']}/{report['checked']}; "
+          f"drafter restarts: {report['restarts']}. Wrote {out}/soak.json and soak.png")
+
+
 def _draft_options(p) -> None:
     p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
     p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
@@ -470,6 +494,16 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--out", help="write the config here as JSON (it is printed either way)")
     p.set_defaults(func=export_vllm_cmd)
+    p = sub.add_parser("soak", help="the serving engine's thread serves many requests: memory and time per request")
+    p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--drafter", choices=["model", "lookup", "suffix"], default="model")
+    p.add_argument("--policy", default="adaptive", help="adaptive (learns while it serves) or fixed<k>")
+    p.add_argument("--window", type=int, default=500, help="requests per measurement point")
+    p.add_argument("--check-every", type=int, default=100, help="compare every Nth request with stock generate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/soak-tiny")
+    p.set_defaults(func=soak_cmd)
     p = sub.add_parser("eval", help="quality suite: BERTScore, cosine, reward deltas vs target-only and fixed-length")
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "humaneval"])
     p.add_argument("--num-prompts", type=int, default=32, help="per workload")
