@@ -92,6 +92,15 @@ def attention_mask_4d(model, allowed: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
+def _causal_allowed(slots: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, W, P + W] bool: each of the last `width` columns attends to the valid slots up to itself, and always to
+    itself (a padding column attending to nothing would turn into NaN; nothing valid attends to it)."""
+    columns = torch.arange(slots.shape[1], device=slots.device)
+    query = columns[-width:] if width else columns[:0]
+    causal = columns[None, :] <= query[:, None]                                              # [W, P + W]
+    return ((slots >= 0)[:, None, :] & causal[None]) | (columns[None, :] == query[:, None])[None]
+
+
 class KVLedger:
     """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
 
@@ -113,6 +122,10 @@ class KVLedger:
         self.spare = 0                             # cache rows after the B live ones, kept only for the batch shape
         self.tree: tuple | None = None   # pending tree region: (first column, parents [B, T], in use [B, T])
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # A pipeline stage after the first holds no cache for layer 0, from which transformers sizes the masks it
+        # builds from a 2-D mask: such a model gets its full 4-D mask from the ledger on every forward.
+        stage = getattr(model, "_pp_stage", None)
+        self._full_masks = stage is not None and stage.pp_size > 1
 
     @classmethod
     def empty(cls, model, pad, device=None, **kwargs) -> "KVLedger":
@@ -248,6 +261,8 @@ class KVLedger:
         A forward that fails leaves the cache as the ledger accounts for it: the layers it had already run appended
         their columns, and they are cut back to the `past` columns held before (default: the ledger's length)."""
         mask, position_ids = self._inputs(slots, slots if new is None else new)
+        if allowed is None and self._full_masks:
+            allowed = _causal_allowed(slots, tokens.shape[1])
         if allowed is not None:
             mask = allowed
         live = tokens.shape[0]

@@ -18,6 +18,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .accept import committed_tokens
+from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
 from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
 from .acceptor import Acceptor
 from .ledger import KVLedger
@@ -61,6 +62,13 @@ class SpeculativeLoop:
               strict=False):
         """What a loop holds besides its rows: the models' roles, the rules and the counters (shared with serving)."""
         self.model, self.device = model, model.device
+        self.ranks = ranks_of(model)   # a sharded target: the first rank takes every decision (spec_adapt.distributed)
+        if self.ranks.sharded and verifier is not None and type(verifier) is not FullVerifier:
+            raise ValueError(f"{type(verifier).__name__} decides from per-rank timings; on a target sharded over "
+                             "processes use the default FullVerifier.")
+        if not self.ranks.leader:
+            drafter = FollowerDrafter() if drafter is not None else None
+            policy = FollowerPolicy()
         self.sampling, self.process = sampling, processor
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
@@ -129,7 +137,18 @@ class SpeculativeLoop:
         self._retire()
 
     # -- phases --------------------------------------------------------------------------------------------------------
+    # Each decision (the plan, the proposal, the acceptance, the stop, the batch shape) goes through `ranks.decide`:
+    # here, or on a sharded target the leading rank's, broadcast to the others.
     def _choose(self) -> torch.Tensor:
+        self.chosen, gammas, self.depths, self.pooled, self.members = self.ranks.decide(self._plan)
+        return gammas
+
+    def _plan(self):
+        """(whether the drafter is asked, gammas [B], tree depths or None, pooled, chain members) for this step."""
+        gammas = self._plan_gammas()
+        return self.chosen, gammas, self.depths, self.pooled, self.members
+
+    def _plan_gammas(self) -> torch.Tensor:
         batch = len(self.rows)
         lengths = self.lengths[self.rows]
         remaining = self.limits[self.rows] - lengths
@@ -169,6 +188,9 @@ class SpeculativeLoop:
         return torch.where(depths > 0, nodes, 0)
 
     def _propose(self, gammas: torch.Tensor) -> Proposal:
+        return self.ranks.decide(self._draft, gammas)
+
+    def _draft(self, gammas: torch.Tensor) -> Proposal:
         batch = len(self.rows)
         if self.drafter is None or not bool((gammas > 0).any()):
             return Proposal.empty(batch, self.device)
@@ -211,6 +233,9 @@ class SpeculativeLoop:
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal):
         """(accepted [B], next_token [B], path): path [B, S] bool marks a tree's accepted nodes (None: a chain)."""
+        return self.ranks.decide(self._accept_here, scores, proposal)
+
+    def _accept_here(self, scores: torch.Tensor, proposal: Proposal):
         if proposal.parents is not None:
             path, accepted, next_token = self.acceptor.accept_tree(
                 scores, proposal.tokens, proposal.parents, proposal.probs, proposal.lengths, self.sampling)
@@ -232,6 +257,7 @@ class SpeculativeLoop:
         new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
         n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self.limits[rows])
+        n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
         self.finished = finished
         # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
@@ -243,6 +269,17 @@ class SpeculativeLoop:
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : int(n_keep[0])].cpu())
         return n_keep
+
+    def _agree_stop(self, rows, old, new, n_keep, finished):
+        """The stopping criteria's verdict is the leading rank's (a time limit reads each rank's own clock); a rank
+        that wrote another number of tokens rewrites its block: the kept ones, then padding."""
+        agreed, done = self.ranks.decide(lambda: (n_keep, finished))
+        if agreed is n_keep:
+            return n_keep, finished
+        room = torch.minimum(torch.full_like(old, new.shape[1]), self.limits[rows] - old)
+        b, j = (torch.arange(new.shape[1], device=self.device)[None, :] < room[:, None]).nonzero(as_tuple=True)
+        self.buffer[rows[b], old[b] + j] = torch.where(j < agreed[b], new[b, j], self.pad_id)
+        return agreed, done
 
     def _observe(self, gammas, proposal, accepted, committed, step_time, draft_time, verify_time) -> None:
         record = StepRecord(
@@ -273,15 +310,15 @@ class SpeculativeLoop:
         measured the bigger batch to run faster (drafters always compact: their batch shapes vary anyway)."""
         live, held = len(keep), self.target.held_rows
         ask = getattr(self.policy, "batch_rows", None)     # a duck-typed policy without it compacts
-        if live and ask is not None:
-            with self.policy_lock:
-                answer = ask(live, held)
-            rows = check_rows(self.policy, answer, live, held)
-        else:
-            rows = live
+        rows = self.ranks.decide(self._batch_rows, live, held) if live and ask is not None else live
         self.target.select_rows(keep, spare=rows - live)
         if self.drafter is not None:
             self._guard("select_rows", self.drafter.select_rows, keep)
+
+    def _batch_rows(self, live: int, held: int) -> int:
+        with self.policy_lock:
+            answer = self.policy.batch_rows(live, held)
+        return check_rows(self.policy, answer, live, held)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _reserve(self, extra: int) -> None:

@@ -10,7 +10,10 @@ from .head import ShortHead, check_short_head
 
 
 def _vocab_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    """Rows of the model's output head (its logits' width); the config's vocabulary where this process holds no
+    head (a pipeline stage before the last)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    return weight.shape[0] if weight is not None else model.config.get_text_config().vocab_size
 
 
 class ModelDrafter(Drafter):

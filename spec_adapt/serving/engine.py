@@ -36,6 +36,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
                                                     TopPLogitsWarper)
 
 from ..api import as_drafter
+from ..distributed import ranks_of
 from ..acceptor import Acceptor
 from ..ledger import KVLedger
 from ..loop import SpeculativeLoop, Stopper
@@ -296,6 +297,10 @@ class Engine:
                  memory=None, timeline: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}.")
+        if ranks_of(model).sharded:
+            raise ValueError("The Engine serves a model held by one process; a target sharded over processes "
+                             "speculates in model.generate (docs/distributed.md), and serving at scale is vLLM's "
+                             "or SGLang's job (docs/serving.md).")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.max_new_tokens = _check_budget(max_new_tokens)
         drafter = as_drafter(drafter)

