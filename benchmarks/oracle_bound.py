@@ -12,6 +12,7 @@ any policy could gain over stock here.
 
     python benchmarks/oracle_bound.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 \\
         --workload humaneval-chat --num-prompts 8 --new-tokens 32
+    python benchmarks/oracle_bound.py --dtype float32 --prepare --workload humaneval-chat --num-prompts 3 --new-tokens 48
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from spec_adapt import prepare
 from spec_adapt.tools.models import load_model
 from spec_adapt.tools.profiling import profile
 from spec_adapt.recipes import workloads
@@ -73,10 +75,14 @@ def main():
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-gamma", type=int, default=8)
+    p.add_argument("--prepare", action="store_true", help="spec_adapt.prepare target and draft (the cost curve, "
+                   "stock and stock assisted all run prepared)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
     draft, _ = load_model(args.draft, dtype=dtype)
+    if args.prepare:
+        prepare(model), prepare(draft)
     table = profile(model, draft, batch_sizes=(1,), lengths=tuple(range(args.max_gamma + 1)), lags=(32,))
     cost = lambda g: table.step_time(1, g)                                     # noqa: E731
     print("batch-1 step seconds by width:", {g: round(cost(g), 4) for g in range(args.max_gamma + 1)})
@@ -97,7 +103,8 @@ def main():
         rows.append(dict(plain=plain_s, assisted=assisted_s, oracle=prefill_s + oracle_s,
                          plain_model=prefill_s + (len(output) - 1) * cost(0), steps=len(widths), tokens=len(output) - 1, same=same))
     total = {k: sum(r[k] for r in rows) for k in ("plain", "assisted", "oracle", "plain_model")}
-    print(f"\n{args.model} <- {args.draft}, {args.dtype}, {args.workload}, {len(rows)} prompts x "
+    setup = f"{args.dtype}{' prepared' if args.prepare else ''}"
+    print(f"\n{args.model} <- {args.draft}, {setup}, {args.workload}, {len(rows)} prompts x "
           f"{args.new_tokens} new tokens, batch 1")
     print(f"stock generate        {total['plain']:7.2f} s   (the cost model says {total['plain_model']:.2f} s)")
     print(f"stock assisted        {total['assisted']:7.2f} s   {total['plain'] / total['assisted']:.2f}x")

@@ -237,6 +237,33 @@ def test_catch_up_cost_is_a_line_in_the_lag():
     assert again.catchup_time(0, 50) == pytest.approx(policy.catchup_time(0, 50))
 
 
+def test_a_stall_does_not_stand_for_a_plain_step():
+    """One plain step that stalled (a GC pause, the OS preempting the engine's thread) must not make plain decoding
+    look slower than drafting: in a serving soak, two stalled steps of 13 and 23 ms against ~2 ms raised the plain
+    estimate enough that the policy drafted at a loss for the rest of the run (plain steps are not re-measured
+    while it drafts)."""
+    from spec_adapt.metrics import StepRecord
+    from spec_adapt.policies.adaptive import bucket
+    from spec_adapt.policies.base import StepInfo
+
+    def plain(seconds):
+        policy._pending = {"width": 0, "lag": 0, "probing": False, "burst": False}
+        policy.observe(StepRecord(8, list(range(8)), [0] * 8, [0] * 8, [0] * 8, [1] * 8, seconds, 0, seconds))
+
+    policy = Adaptive()
+    policy.begin(8)
+    policy.measured[(bucket(8), 1, False)] = [0.0045, 30]       # width 1 measured at 4.5 ms
+    policy.tried[:, 0], policy.accepted[:, 0] = 100.0, 33.0       # a third of first drafts accepted
+    policy._refresh()
+    for _ in range(50):
+        plain(0.002)
+    plain(0.013)
+    plain(0.0235)
+    assert policy.step_time(8, 0) < 0.003
+    info = StepInfo(8, torch.arange(8), torch.full((8,), 5), torch.full((8,), 50), 60)
+    assert int(torch.as_tensor(policy.choose(info)).max()) == 0   # plain still pays more
+
+
 def test_a_probe_pays_for_its_catch_up():
     """A probe whose draft first caught up on a long lag (a whole prompt) is judged with that time: when the catch-up
     costs more than the probe's drafts saved, the gap to the next probe doubles instead of resetting."""

@@ -67,3 +67,68 @@ def test_cli_writes_the_config(tmp_path):
               "--out", str(tmp_path / "config.json")])
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model"] == "drafts/qwen-0.5b" and check_speculative_config(config) == config
+
+
+def _vllm_config(k=4, table=None, max_len=64, **spec):
+    from types import SimpleNamespace
+
+    speculative = SimpleNamespace(method="custom_class", num_speculative_tokens=k,
+                                  num_speculative_tokens_per_batch_size=table, **spec)
+    return SimpleNamespace(speculative_config=speculative, model_config=SimpleNamespace(max_model_len=max_len),
+                           scheduler_config=SimpleNamespace(max_num_seqs=8))
+
+
+def _batch(rows, width=64):
+    import numpy as np
+
+    tokens = np.zeros((len(rows), width), dtype=np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+    return tokens, np.array([len(r) for r in rows], dtype=np.int32)
+
+
+def test_lookup_proposer_follows_the_custom_class_interface():
+    from spec_adapt.drafters.lookup import lookup_continuation
+    from spec_adapt.tools.vllm import LookupProposer
+
+    proposer = LookupProposer(_vllm_config(k=3, prompt_lookup_max=2, prompt_lookup_min=1))
+    proposer.load_model()
+    rows = [[5, 8, 3, 9, 4, 5, 8], [1, 2, 3], [7, 7, 7, 7]]
+    tokens, lengths = _batch(rows)
+    drafts = proposer.propose([[8], [], [7]], lengths, tokens)
+    assert drafts[0] == [3, 9, 4]
+    assert drafts[1] == []                                    # sampled nothing this step: no drafts
+    assert drafts[2] == lookup_continuation(torch.tensor(rows[2]), 3, 2, 1).tolist()
+    assert all(isinstance(t, int) for d in drafts for t in d)
+
+
+def test_proposers_honour_the_batch_size_table_and_the_model_length():
+    from spec_adapt.tools.vllm import LookupProposer
+
+    table = [[1, 1, 4], [2, 3, 1], [4, 8, 0]]
+    proposer = LookupProposer(_vllm_config(k=4, table=table, max_len=9))
+    row = [5, 8, 3, 9, 4, 5, 8]
+    tokens, lengths = _batch([row] * 4)
+    assert [len(d) for d in proposer.propose([[8]], lengths[:1], tokens[:1])] == [2]      # K=4, 2 left before 9
+    assert [len(d) for d in proposer.propose([[8]] * 2, lengths[:2], tokens[:2])] == [1, 1]
+    assert proposer.propose([[8]] * 4, lengths, tokens) == [[], [], [], []]               # K=0 at 4 requests
+    with pytest.raises(ValueError, match="K must lie"):
+        LookupProposer(_vllm_config(k=2, table=[[1, 4, 3]]))
+
+
+def test_suffix_proposer_learns_across_requests_and_forgets_a_row_another_request_takes():
+    from spec_adapt.tools.vllm import SuffixProposer
+
+    proposer = SuffixProposer(_vllm_config(k=4))
+    first = [11, 12, 13, 14, 15, 16, 17]
+    tokens, lengths = _batch([first])
+    proposer.propose([[17]], lengths, tokens)                 # row 0 indexes its request
+    other = [30, 11, 12, 13]                                  # a new request in row 1 continues like the first
+    tokens, lengths = _batch([first, other])
+    assert proposer.propose([[17], [13]], lengths, tokens)[1] == [14, 15, 16, 17]
+    second = [50, 40, 41, 42, 43]                             # row 0 now holds another, shorter request
+    tokens, lengths = _batch([second])
+    proposer.propose([[43]], lengths, tokens)
+    assert proposer.rows[0][1] == len(second)
+    tokens, lengths = _batch([[99, 40, 41]])                  # its text was indexed from its first token
+    assert proposer.propose([[41]], lengths, tokens)[0] == [42, 43]

@@ -30,6 +30,9 @@ from .fixed import _check_int
 
 USUAL_LAG = 2      # a draft model trails by 1-2 tokens after a normal step; more is catch-up
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (see 1. above)
+# A step time over STALL x its width's estimate (after STALL_AFTER samples) counts as STALL x: one stalled plain step
+# must not make drafting look cheaper, since plain steps are not re-measured while the policy drafts.
+STALL, STALL_AFTER = 3.0, 8
 
 
 class Adaptive(Policy):
@@ -260,6 +263,8 @@ class Adaptive(Policy):
                 self.fits.setdefault(key, LineFit()).add(widest, seconds)
             slot = (key, width, burst and width > 0)
             old = self.measured.get(slot)
+            if old is not None and old[1] >= STALL_AFTER:   # a stall (GC, the OS) is not what this width costs
+                seconds = min(seconds, STALL * old[0])
             self.measured[slot] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
         if width:
             self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)

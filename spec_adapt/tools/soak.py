@@ -152,15 +152,20 @@ def plot(report: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    served = [w["served"] for w in report["windows"]]
-    fig, (mem, speed) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    mem.plot(served, [w["rss_mb"] for w in report["windows"]], marker=".")
+    windows = report["windows"]
+    served = [w["served"] for w in windows]
+    fig, (mem, speed, policy) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    mem.plot(served, [w["rss_mb"] for w in windows], marker=".")
     mem.set_ylabel("resident memory (MB)")
-    speed.plot(served, [w["ms_per_request"] for w in report["windows"]], marker=".", label="ms per request")
-    speed.plot(served, [w["ms_per_step"] for w in report["windows"]], marker=".", label="ms per engine step")
+    speed.plot(served, [w["ms_per_request"] for w in windows], marker=".", label="ms per request")
+    speed.plot(served, [w["ms_per_step"] for w in windows], marker=".", label="ms per engine step")
     speed.set_ylabel("milliseconds")
-    speed.set_xlabel("requests served")
     speed.legend()
+    policy.plot(served, [w["drafted_per_step"] for w in windows], marker=".", label="draft tokens per step")
+    policy.plot(served, [w["tokens_per_step"] for w in windows], marker=".", label="tokens committed per step")
+    policy.set_ylabel("tokens (whole batch)")
+    policy.set_xlabel("requests served")
+    policy.legend()
     fig.suptitle(f"Engine soak: {report['requests']} requests, max_batch {report['max_batch']}, "
                  f"{report['drafter']} drafter, {report['policy']}")
     fig.tight_layout()

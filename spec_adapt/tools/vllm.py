@@ -8,11 +8,23 @@ mean K draft tokens while the running batch size is within [start_bs, end_bs]; K
 never exceeds `num_speculative_tokens`. `check_speculative_config` checks a config against those documented rules
 (the ranges start at 1, are inclusive, ascending and contiguous). It was not checked against vLLM's own config class
 here: vLLM is not a dependency of this library.
+
+`LookupProposer` and `SuffixProposer` serve spec_adapt's prompt lookup and suffix index inside vLLM as a
+`custom_class` proposer (`{"method": "custom_class", "custom_class": "spec_adapt.tools.vllm.SuffixProposer",
+"num_speculative_tokens": 5, ...}`), following the documented interface: `__init__(vllm_config)`, `load_model()`,
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]`. They honour
+`num_speculative_tokens_per_batch_size` themselves. They are tested against that interface with stand-in configs;
+they were not run inside a vLLM engine here.
 """
 
 from __future__ import annotations
 
 import numbers
+
+import torch
+
+from ..drafters.lookup import lookup_continuation
+from ..drafters.suffix import SuffixIndex
 
 
 def speculative_config(policy, method: str, model: str | None = None, max_batch: int = 256, **extra) -> dict:
@@ -56,3 +68,70 @@ def check_speculative_config(config: dict) -> dict:
 
 def _whole(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+class LookupProposer:
+    """vLLM `custom_class` proposer: prompt lookup (the longest n-gram match of each request's context, from
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens, defaults 3 and 1)."""
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        table = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        if table is not None:
+            check_speculative_config({"method": "custom_class", "num_speculative_tokens": self.k,
+                                      "num_speculative_tokens_per_batch_size": [list(e) for e in table]})
+        self.table = [tuple(int(x) for x in e) for e in table] if table else None
+        self.max_ngram = int(getattr(spec, "prompt_lookup_max", None) or 3)
+        self.min_ngram = int(getattr(spec, "prompt_lookup_min", None) or 1)
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"prompt_lookup_min/max must satisfy 1 <= min <= max, got {self.min_ngram}, "
+                             f"{self.max_ngram}.")
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load: the proposer reads the requests' own tokens."""
+
+    def width(self, batch: int) -> int:
+        """Draft tokens per request at this running batch size (the table's K, else num_speculative_tokens)."""
+        if self.table is None:
+            return self.k
+        for start, end, k in self.table:
+            if start <= batch <= end:
+                return k
+        return self.table[-1][2] if batch > self.table[-1][1] else self.k
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        """Drafts per request; a request that sampled nothing this step (still in prefill) gets none, and none
+        runs past max_model_len."""
+        active = [i for i, sampled in enumerate(sampled_token_ids) if len(sampled)]
+        width = self.width(len(active))
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for i in active:
+            length = int(num_tokens_no_spec[i])
+            room = min(width, self.max_model_len - length)
+            if room > 0:
+                drafts[i] = self._draft(i, torch.as_tensor(token_ids_cpu[i, :length]).long(), room)
+        return drafts
+
+    def _draft(self, row: int, context: torch.Tensor, width: int) -> list[int]:
+        return lookup_continuation(context, width, self.max_ngram, self.min_ngram).tolist()
+
+
+class SuffixProposer(LookupProposer):
+    """vLLM `custom_class` proposer: spec_adapt's suffix index, shared by every request the server has seen (the
+    repeated text of agents and templated traffic), each request's own tokens indexed as it goes."""
+
+    def __init__(self, vllm_config, min_share: float = 0.3, depth: int = 8):
+        super().__init__(vllm_config)
+        self.index, self.min_share = SuffixIndex(depth), min_share
+        self.rows: dict[int, tuple] = {}    # batch row -> (its request's first tokens, tokens of it indexed)
+
+    def _draft(self, row: int, context: torch.Tensor, width: int) -> list[int]:
+        tokens = context.tolist()
+        head, indexed = self.rows.get(row, ((), 0))
+        if tuple(tokens[: len(head)]) != head or indexed > len(tokens):     # another request holds this row now
+            head, indexed = (), 0
+        self.index.add(tokens, start=indexed)
+        self.rows[row] = (tuple(tokens[:16]), len(tokens))
+        return self.index.continuation(tokens, width, self.min_share)
