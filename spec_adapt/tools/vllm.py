@@ -6,15 +6,16 @@
 `num_speculative_tokens_per_batch_size` is vLLM's dynamic speculative decoding table: entries [start_bs, end_bs, K]
 mean K draft tokens while the running batch size is within [start_bs, end_bs]; K = 0 turns drafting off there and K
 never exceeds `num_speculative_tokens`. `check_speculative_config` checks a config against those documented rules
-(the ranges start at 1, are inclusive, ascending and contiguous). It was not checked against vLLM's own config class
-here: vLLM is not a dependency of this library.
+(the ranges start at 1, are inclusive, ascending and contiguous). `benchmarks/vllm_config_check.py` checks the
+exported configs against vLLM's own `SpeculativeConfig` in an environment where vLLM is installed (vLLM is not a
+dependency of this library).
 
 `LookupProposer` and `SuffixProposer` serve spec_adapt's prompt lookup and suffix index inside vLLM as a
-`custom_class` proposer (`{"method": "custom_class", "custom_class": "spec_adapt.tools.vllm.SuffixProposer",
-"num_speculative_tokens": 5, ...}`), following the documented interface: `__init__(vllm_config)`, `load_model()`,
+`custom_class` proposer (`{"method": "custom_class", "model": "spec_adapt.tools.vllm.SuffixProposer",
+"num_speculative_tokens": 5, ...}`: vLLM reads the class path from `model`), following the documented interface: `__init__(vllm_config)`, `load_model()`,
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]`. They honour
-`num_speculative_tokens_per_batch_size` themselves. They are tested against that interface with stand-in configs;
-they were not run inside a vLLM engine here.
+`num_speculative_tokens_per_batch_size` themselves. vLLM's own loader loads them (benchmarks/vllm_config_check.py);
+they were not run inside a serving vLLM engine here.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def check_speculative_config(config: dict) -> dict:
     """Raise ValueError naming the first rule `config` breaks; return it unchanged when it keeps them all."""
     if not isinstance(config, dict) or not isinstance(config.get("method"), str):
         raise ValueError("A speculative_config is a dict with a 'method' (e.g. 'draft_model', 'ngram').")
+    if config["method"] == "custom_class" and "." not in str(config.get("model") or ""):
+        raise ValueError("method 'custom_class' takes the proposer's class path in 'model', e.g. "
+                         "'spec_adapt.tools.vllm.SuffixProposer'.")
     top = config.get("num_speculative_tokens")
     if not _whole(top) or top < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {top!r}.")
@@ -79,9 +83,10 @@ class LookupProposer:
         self.k = int(spec.num_speculative_tokens)
         table = getattr(spec, "num_speculative_tokens_per_batch_size", None)
         if table is not None:
-            check_speculative_config({"method": "custom_class", "num_speculative_tokens": self.k,
+            check_speculative_config({"method": "table", "num_speculative_tokens": self.k,
                                       "num_speculative_tokens_per_batch_size": [list(e) for e in table]})
         self.table = [tuple(int(x) for x in e) for e in table] if table else None
+        # vLLM sets prompt_lookup_max/min to 0 for custom_class: 0 or absent means the defaults, 3 and 1.
         self.max_ngram = int(getattr(spec, "prompt_lookup_max", None) or 3)
         self.min_ngram = int(getattr(spec, "prompt_lookup_min", None) or 1)
         if not 1 <= self.min_ngram <= self.max_ngram:
