@@ -24,6 +24,6 @@ for batch in ([prompts[0]], prompts):
                    drafter=PromptLookupDrafter(), assistant_policy=policy)
 
 config = speculative_config(policy, "custom_class", model="spec_adapt.tools.vllm.SuffixProposer", max_batch=64)
-print(json.dumps(config, indent=1))
+print(json.dumps(config))
 with open("vllm_speculative_config.json", "w") as f:
     json.dump(config, f)

@@ -309,15 +309,17 @@ class SpeculativeLoop:
         """The ledgers follow the rows that stay. The target may keep some that left as spare rows, when the policy
         measured the bigger batch to run faster (drafters always compact: their batch shapes vary anyway)."""
         live, held = len(keep), self.target.held_rows
-        ask = getattr(self.policy, "batch_rows", None)     # a duck-typed policy without it compacts
-        rows = self.ranks.decide(self._batch_rows, live, held) if live and ask is not None else live
+        rows = self.ranks.decide(self._batch_rows, live, held) if live else live
         self.target.select_rows(keep, spare=rows - live)
         if self.drafter is not None:
             self._guard("select_rows", self.drafter.select_rows, keep)
 
     def _batch_rows(self, live: int, held: int) -> int:
+        ask = getattr(self.policy, "batch_rows", None)     # a duck-typed policy without it compacts
+        if ask is None:
+            return live
         with self.policy_lock:
-            answer = self.policy.batch_rows(live, held)
+            answer = ask(live, held)
         return check_rows(self.policy, answer, live, held)
 
     # -- helpers -------------------------------------------------------------------------------------------------------

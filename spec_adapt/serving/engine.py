@@ -7,13 +7,15 @@
 One engine iteration:
 1. cancellations: waiting requests are dropped; running rows leave the batch (their tokens so far are kept);
 2. admission (`ServingLoop.admit`): up to `max_batch - running` waiting requests are prefilled together (their own
-   KV ledger, left padded), their first token is committed, and their rows are appended to the running batch: the
-   target's ledger and every draft ledger gain rows (`KVLedger.add_rows`, `Drafter.add_rows`);
+   KV ledger, left padded), take the lowest free slots, their first token is committed, and their rows are appended
+   to the running batch: the target's ledger and every draft ledger gain rows (`KVLedger.add_rows`,
+   `Drafter.add_rows`), and the policy forgets what it kept for those slots (`Policy.admit`);
 3. one speculative step, exactly `SpeculativeLoop.step` (choose, propose, verify, accept, commit, observe, retire);
 4. delivery: new tokens go to each request's handle; finished rows complete their handle.
 
-The loop's step never sees admission: the phases read the active rows, whatever their number, and rows keep their
-user-row number for life (drafters and policies key per-row state by it).
+The loop's step never sees admission: the phases read the active rows, whatever their number. A row's number (its
+slot) is its request's for the request's life; drafters and policies key per-row state by it, and a later request
+may reuse it.
 
 Limits, said plainly: one generation config per engine (greedy, or sampling with temperature / top-k / top-p, one
 set of EOS ids); per request only the prompt and max_new_tokens. Under sampling the engine's schedule (which

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import spec_adapt
-from spec_adapt import Adaptive, FixedLength, FixedTree, ModelDrafter, ScriptedDrafter
+from spec_adapt import Adaptive, EarlyExitVerifier, Engine, FixedLength, FixedTree, ModelDrafter, ScriptedDrafter
 from spec_adapt.distributed import Ranks, ranks_of
 from spec_adapt.policies.base import Policy
 
@@ -105,6 +105,21 @@ def main():
             results[f"{arch} {name}"] = {"identical": bool(torch.equal(out_ids, ref)), "sharded": sharded,
                                          "accepted": stats.accepted, "fallback": stats.fallback,
                                          "output": out_ids.tolist()}
+        torch.manual_seed(100 + rank)          # each rank's own random numbers: the leader's draws must win
+        sampled = target.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=NEW,
+                                  pad_token_id=PAD, eos_token_id=None, custom_generate=spec_adapt.generate,
+                                  drafter=ModelDrafter(twin), assistant_policy=FixedLength(3))
+        results[f"{arch} sampling"] = {"identical": True, "sharded": sharded, "output": sampled.tolist(),
+                                       "accepted": -1, "fallback": None}
+        for refused, make in (("EarlyExitVerifier", lambda: target.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=2, custom_generate=spec_adapt.generate,
+                drafter=ScriptedDrafter(Truth(ref, mask)), verifier=EarlyExitVerifier())),
+                ("Engine", lambda: Engine(target))):
+            try:
+                make()
+                results[f"{arch} {refused} refused"] = {"identical": False}
+            except ValueError as exc:
+                results[f"{arch} {refused} refused"] = {"identical": "sharded" in str(exc)}
         try:                                   # a decision that fails on the leader fails every rank, no hang
             target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, pad_token_id=PAD,
                             eos_token_id=None, custom_generate=spec_adapt.generate,
@@ -117,6 +132,7 @@ def main():
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{plan}.json").write_text(json.dumps(everyone))
+    dist.barrier()                 # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 
