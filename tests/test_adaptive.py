@@ -239,9 +239,9 @@ def test_catch_up_cost_is_a_line_in_the_lag():
 
 def test_a_stall_does_not_stand_for_a_plain_step():
     """One plain step that stalled (a GC pause, the OS preempting the engine's thread) must not make plain decoding
-    look slower than drafting: in a serving soak, two stalled steps of 13 and 23 ms against ~2 ms raised the plain
-    estimate enough that the policy drafted at a loss for the rest of the run (plain steps are not re-measured
-    while it drafts)."""
+    look slower than drafting: two stalled steps of 13 and 23 ms against ~2 ms (as `spec-adapt soak` saw) would
+    otherwise raise the plain estimate enough that the policy drafts at a loss, and plain steps are not re-measured
+    while it drafts."""
     from spec_adapt.metrics import StepRecord
     from spec_adapt.policies.adaptive import bucket
     from spec_adapt.policies.base import StepInfo
