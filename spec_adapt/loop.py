@@ -113,6 +113,7 @@ class SpeculativeLoop:
             self._guard("end", self.drafter.end, self.buffer, self.lengths)
         if self.streamer is not None:
             self.streamer.end()
+        self.stats.fallback = self.ranks.decide(lambda: self.stats.fallback)    # every rank reports the leader's
         self.stats.compactions = self.target.compactions
         compact = {"compact": self.target.compact_path} if self.target.compact_path else {}
         self.stats.kernel_paths = {**self.acceptor.paths, **compact}
