@@ -275,7 +275,7 @@ class SpeculativeLoop:
         """The stopping criteria's verdict is the leading rank's (a time limit reads each rank's own clock); a rank
         that wrote another number of tokens rewrites its block: the kept ones, then padding."""
         agreed, done = self.ranks.decide(lambda: (n_keep, finished))
-        if agreed is n_keep:
+        if self.ranks.leader:
             return n_keep, finished
         room = torch.minimum(torch.full_like(old, new.shape[1]), self.limits[rows] - old)
         b, j = (torch.arange(new.shape[1], device=self.device)[None, :] < room[:, None]).nonzero(as_tuple=True)
@@ -345,16 +345,20 @@ class SpeculativeLoop:
         except Exception as exc:  # noqa: BLE001 - any draft failure must fall back, not abort the user's call
             if self.strict:
                 raise
-            self.stats.fallback = f"draft {what} failed ({type(exc).__name__}: {exc}); continued without speculation"
-            warnings.warn(f"spec_adapt: {self.stats.fallback}", RuntimeWarning, stacklevel=3)
-            drafter, self.drafter = self.drafter, None
-            try:
-                drafter.end()
-            except Exception:  # noqa: BLE001
-                pass
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._drop_drafter(f"draft {what} failed ({type(exc).__name__}: {exc})")
             return None
+
+    def _drop_drafter(self, why: str) -> None:
+        """Continue without speculation (nothing committed is lost), saying why."""
+        self.stats.fallback = f"{why}; continued without speculation"
+        warnings.warn(f"spec_adapt: {self.stats.fallback}", RuntimeWarning, stacklevel=4)
+        drafter, self.drafter = self.drafter, None
+        try:
+            drafter.end()
+        except Exception:  # noqa: BLE001
+            pass
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _record_outputs(self, n_keep, scores, logits) -> None:
         for store, values in ((self.scores, scores), (self.raw_logits, logits)):

@@ -26,7 +26,9 @@ def test_the_verdict_reads_growth_after_warm_up():
 
 
 def test_unknown_soak_options_are_refused():
+    with pytest.raises(ValueError, match="window to be a positive int"):
+        soak.run_soak(requests=4, window=0, progress=False)
     with pytest.raises(ValueError, match="fixed<k>"):
-        soak.make_policy("fastest")
+        soak.run_soak(requests=4, policy="fastest", progress=False)
     with pytest.raises(ValueError, match="model, lookup or suffix"):
         soak.make_drafter("oracle", None)

@@ -233,13 +233,10 @@ class ServingLoop(SpeculativeLoop):
         if self.drafter is not None:
             self.healthy += 1
 
-    def _guard(self, what, fn, *args):
-        had = self.drafter
-        out = super()._guard(what, fn, *args)
-        if had is not None and self.drafter is None:      # it failed: back off, longer if it failed soon again
-            self.restarts.result(won=self.healthy >= self.restarts.max_gap)
-            self.healthy = 0
-        return out
+    def _drop_drafter(self, why: str) -> None:
+        super()._drop_drafter(why)
+        self.restarts.result(won=self.healthy >= self.restarts.max_gap)   # back off, longer if it failed soon again
+        self.healthy = 0
 
     def _restart_drafter(self) -> None:
         """After the back-off, the drafter that failed starts again on the running rows (their tokens so far as its
@@ -269,7 +266,7 @@ class ServingLoop(SpeculativeLoop):
         self.finished = self.finished[:0]
         self.target = None
         if self.drafter is not None:
-            self._guard("reset", _fail, RuntimeError("the batch was reset after a failure"))
+            self._drop_drafter("the batch was reset after a failure")
 
     def drop(self, rows: list[int]) -> None:
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
@@ -283,10 +280,6 @@ class ServingLoop(SpeculativeLoop):
         keep = (~self.finished).nonzero().squeeze(1)
         self.rows, self.finished = self.rows[keep], self.finished[keep]
         self._shrink(keep)
-
-
-def _fail(error: Exception):
-    raise error
 
 
 class Engine:

@@ -1,8 +1,8 @@
 """The soak: a serving engine runs many requests from its background thread, and what it holds must not grow.
 
 `run_soak` serves `requests` requests on a tiny random-weight Llama (a draft model perturbed from it, prompt lookup
-or a suffix index as the drafter; the default Adaptive policy or a fixed width), keeping `2 * max_batch` requests in flight from the
-caller's thread. Every `window` finished requests it records the process's resident memory, the seconds per request
+or a suffix index as the drafter; the default Adaptive policy or a fixed width), keeping `2 * max_batch` requests
+in flight from the caller's thread. Every `window` finished requests it records the process's resident memory, the seconds per request
 and per engine step. Every `check_every`-th request is compared with stock greedy `generate` on its prompt alone,
 after the soak (so the check does not compete with the engine for the CPU). `spec-adapt soak` runs it and plots
 memory and time against requests served.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import random
-import resource
 import statistics
 import time
 from collections import deque
@@ -24,9 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ..drafters.lookup import PromptLookupDrafter
 from ..drafters.model import ModelDrafter
 from ..drafters.suffix import SuffixDrafter
-from ..policies.adaptive import Adaptive
-from ..policies.fixed import FixedLength
 from ..serving.engine import Engine
+from .bench import parse_policy
 from .synthetic import perturbed_copy
 
 PAD, BOS, EOS = 0, 1, 2
@@ -55,15 +53,10 @@ def make_drafter(kind: str, target):
 
 
 def rss_mb() -> float:
-    """The process's resident memory now (Linux /proc), else its peak (getrusage) where /proc is absent."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's resident memory now (psutil, as serve-bench reads it)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def workload(n: int, vocab: int, seed: int):
@@ -75,20 +68,15 @@ def workload(n: int, vocab: int, seed: int):
         yield prompt, rng.randrange(4, 33)
 
 
-def make_policy(name: str):
-    """`adaptive` (the default policy, which keeps learning: its widths move as it learns) or `fixed<k>` (a
-    constant width: what the engine itself costs, with nothing learning)."""
-    if name == "adaptive":
-        return Adaptive()
-    if name.startswith("fixed") and name[5:].isdigit():
-        return FixedLength(int(name[5:]))
-    raise ValueError(f"soak policy is adaptive or fixed<k>, got {name!r}")
-
-
 def run_soak(requests: int = 20000, max_batch: int = 8, drafter: str = "model", window: int = 500,
              check_every: int = 100, seed: int = 0, progress: bool = True, policy: str = "adaptive") -> dict:
+    for name, value in (("requests", requests), ("max_batch", max_batch), ("window", window),
+                        ("check_every", check_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"run_soak needs {name} to be a positive int, got {value!r}.")
     target = tiny_target(seed=seed)
-    engine = Engine(target, drafter=make_drafter(drafter, target), assistant_policy=make_policy(policy),
+    # policy: a bench name; `adaptive` keeps learning while it serves, `fixed<k>` shows what the engine itself costs.
+    engine = Engine(target, drafter=make_drafter(drafter, target), assistant_policy=parse_policy(policy),
                     max_batch=max_batch, eos_token_id=EOS, pad_token_id=PAD).start()
     jobs, flying, samples, windows = workload(requests, target.config.vocab_size, seed), deque(), [], []
     done, mark, counts = 0, time.perf_counter(), (0, 0, 0)

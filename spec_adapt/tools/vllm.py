@@ -52,8 +52,13 @@ def check_speculative_config(config: dict) -> dict:
     if not _whole(top) or top < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {top!r}.")
     table = config.get("num_speculative_tokens_per_batch_size")
-    if table is None:
-        return config
+    if table is not None:
+        check_schedule(table, top)
+    return config
+
+
+def check_schedule(table, top: int) -> None:
+    """A per-batch-size table [[start_bs, end_bs, K], ...]: ranges from 1, inclusive, contiguous; 0 <= K <= top."""
     if not isinstance(table, list) or not table:
         raise ValueError("num_speculative_tokens_per_batch_size must be a non-empty list of [start_bs, end_bs, K].")
     expected_start = 1
@@ -67,7 +72,6 @@ def check_speculative_config(config: dict) -> dict:
         if not 0 <= k <= top:
             raise ValueError(f"K must lie in [0, num_speculative_tokens={top}], got {k} in {entry!r}.")
         expected_start = end + 1
-    return config
 
 
 def _whole(x) -> bool:
@@ -83,8 +87,7 @@ class LookupProposer:
         self.k = int(spec.num_speculative_tokens)
         table = getattr(spec, "num_speculative_tokens_per_batch_size", None)
         if table is not None:
-            check_speculative_config({"method": "table", "num_speculative_tokens": self.k,
-                                      "num_speculative_tokens_per_batch_size": [list(e) for e in table]})
+            check_schedule([list(e) for e in table], self.k)
         self.table = [tuple(int(x) for x in e) for e in table] if table else None
         # vLLM sets prompt_lookup_max/min to 0 for custom_class: 0 or absent means the defaults, 3 and 1.
         self.max_ngram = int(getattr(spec, "prompt_lookup_max", None) or 3)
@@ -104,7 +107,7 @@ class LookupProposer:
         for start, end, k in self.table:
             if start <= batch <= end:
                 return k
-        return self.table[-1][2] if batch > self.table[-1][1] else self.k
+        return self.table[-1][2]          # past the table's last range (it starts at 1 and has no gaps)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         """Drafts per request; a request that sampled nothing this step (still in prefill) gets none, and none
