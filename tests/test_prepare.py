@@ -125,6 +125,44 @@ def test_prepared_identity_with_a_prepared_draft_model_and_lookup():
 
 
 @needs_packing
+def test_a_bfloat16_draft_on_a_float32_target_keeps_the_float32_output():
+    """The draft runs in its own dtype (prepared where this CPU packs bf16): its precision changes what it proposes,
+    never what the float32 target commits. The draft is the target's weights in bf16, so most drafts are accepted."""
+    target = prepared_model("llama")
+    draft = tiny_model("llama").to(torch.bfloat16)
+    if why_not_packed(torch.bfloat16) is None:
+        prepare(draft)
+    ids, mask = ragged_batch(3, seed=21)
+    reference = stock_greedy(target, ids, mask, eos_token_id=None)
+    for policy in (FixedLength(4), spec_adapt.Adaptive()):
+        out, stats = spec_generate(target, ids, mask, draft, policy)
+        assert torch.equal(out, reference)
+        assert stats.fallback is None
+    assert stats.accepted > 0
+
+
+def test_bench_draft_dtype_fastest_times_the_draft(monkeypatch):
+    """`--draft-dtype fastest` loads the draft in float32 and keeps whichever dtype decodes faster here (float32
+    where bf16 is not native); a quantized draft has no dtype to choose and is refused."""
+    import argparse
+
+    import spec_adapt.execution as p
+    from spec_adapt.tools import cli, models
+
+    target, loaded = tiny_model("llama"), []
+    monkeypatch.setattr(models, "load_draft", lambda t, name, dtype=None, quantization=None:
+                        loaded.append(dtype) or tiny_model("llama", seed=1))
+    monkeypatch.setattr(p, "native_bf16", lambda: False)
+    args = argparse.Namespace(draft="tiny", draft_dtype="fastest", draft_quant=None, prepare=True, draft_layers=None)
+    draft = cli._draft(target, args)
+    assert loaded == [torch.float32] and draft.dtype == torch.float32
+    assert (prepared(draft) is not None) == (why_not_packed(torch.float32) is None)
+    args.draft_quant = "int8"
+    with pytest.raises(SystemExit, match="--draft-quant"):
+        cli._draft(target, args)
+
+
+@needs_packing
 def test_prepared_sampling_is_seeded_like_stock_per_configuration():
     """Sampling on a prepared model: the same seed gives the same sample twice (the statistical test of the target's
     distribution runs on the accept rule, which prepare does not touch)."""

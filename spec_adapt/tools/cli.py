@@ -23,7 +23,6 @@ DEMOS = {
 def demo(args) -> None:
     """Stock generate vs stock speculation vs spec_adapt on HumanEval and ShareGPT prompts, through the one bench
     harness (interleaved repeats, identity against stock generate, one way of counting tokens)."""
-    from spec_adapt import prepare
     from spec_adapt.tools import bench as b
     from spec_adapt.tools.models import known, load_model
     from spec_adapt.recipes import workloads
@@ -36,9 +35,11 @@ def demo(args) -> None:
     model, tok = load_model(name, dtype=torch.float32)
     model, dtype, why = choose_dtype(model, args.prepare)
     print(f"dtype: {str(dtype).removeprefix('torch.')}" + (" (prepared)" if args.prepare else "") + f": {why}")
-    draft = load_model(plan["draft"], dtype=dtype)[0] if plan["draft"] else None
-    if args.prepare and draft is not None:
-        prepare(draft)
+    draft = None
+    if plan["draft"]:
+        # Chosen apart from the target's: the draft's precision changes which tokens it proposes, never the output.
+        draft, draft_dtype, draft_why = choose_dtype(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare)
+        print(f"draft dtype: {str(draft_dtype).removeprefix('torch.')}: {draft_why}")
     plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
     summaries = {}
     for label, workload in (("HumanEval", plan["code"]), ("ShareGPT", "sharegpt")):
@@ -212,6 +213,14 @@ def _draft(model, args):
     --draft-layers N: the target's first N layers (a cost stand-in)."""
     from spec_adapt.tools.models import load_draft
 
+    if args.draft and args.draft_dtype == "fastest":
+        if args.draft_quant:
+            raise SystemExit("--draft-dtype fastest times float32 against bfloat16; a quantized draft (--draft-quant) "
+                             "has neither: drop one of the two options.")
+        draft, dtype, why = choose_dtype(load_draft(model, args.draft, dtype=torch.float32),
+                                         getattr(args, "prepare", False))
+        print(f"draft dtype: {str(dtype).removeprefix('torch.')}: {why}")
+        return draft
     if args.draft:
         dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
         return load_draft(model, args.draft, quantization=args.draft_quant, dtype=dtype)
@@ -407,7 +416,9 @@ def soak_cmd(args) -> None:
 
 def _draft_options(p) -> None:
     p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], help="--draft's dtype (default: --dtype)")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"],
+                   help="--draft's dtype (default: --dtype); fastest: the one whose decode step this CPU runs faster "
+                        "(timed; bfloat16 only where native). The draft's dtype never changes the output")
 
 
 def main(argv=None) -> None:
