@@ -29,7 +29,8 @@ test: setup
 	$(PYTHON) -m pytest -q -x
 
 bench: setup
-	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --prepare --workload humaneval-chat \
+	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --draft-dtype fastest --prepare \
+		--workload humaneval-chat \
 		--num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
 		--configs target hf-assisted draft:adaptive draft:fixed3 draft:fixed5
 

@@ -179,16 +179,16 @@ def test_prepared_sampling_is_seeded_like_stock_per_configuration():
 
 def test_the_demo_picks_float32_without_native_bf16_and_times_otherwise(monkeypatch):
     import spec_adapt.execution as p
-    from spec_adapt.tools.cli import choose_dtype
+    from spec_adapt.execution import fastest
 
     model = tiny_model("llama")
     monkeypatch.setattr(p, "native_bf16", lambda: False)
-    chosen, dtype, why = choose_dtype(model, prepared=True)
+    chosen, dtype, why = fastest(model)
     assert chosen is model and dtype == torch.float32 and "no native bfloat16" in why and prepared(model)
     unprepare(model)
     monkeypatch.setattr(p, "native_bf16", lambda: True)
     with torch.no_grad():
-        chosen, dtype, why = choose_dtype(model, prepared=True)
+        chosen, dtype, why = fastest(model)
     assert "decode step" in why and chosen.dtype == dtype and prepared(chosen)["layers"] > 0
     assert (chosen is model) == (dtype == torch.float32)                 # bfloat16: a copy; the float32 model unpacked
     if dtype == torch.bfloat16:

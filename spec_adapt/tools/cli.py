@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from spec_adapt.execution import fastest
 from spec_adapt.tools.synthetic import truncated_copy
 
 
@@ -33,12 +34,12 @@ def demo(args) -> None:
     print(f"CPU: {cpu_name()}")
     print(f"Loading {name}" + (f" with the draft {plan['draft']}" if plan["draft"] else "") + "...")
     model, tok = load_model(name, dtype=torch.float32)
-    model, dtype, why = choose_dtype(model, args.prepare)
+    model, dtype, why = fastest(model, args.prepare)
     print(f"dtype: {str(dtype).removeprefix('torch.')}" + (" (prepared)" if args.prepare else "") + f": {why}")
     draft = None
     if plan["draft"]:
         # Chosen apart from the target's: the draft's precision changes which tokens it proposes, never the output.
-        draft, draft_dtype, draft_why = choose_dtype(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare)
+        draft, draft_dtype, draft_why = fastest(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare)
         print(f"draft dtype: {str(draft_dtype).removeprefix('torch.')}: {draft_why}")
     plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
     summaries = {}
@@ -59,57 +60,6 @@ def demo(args) -> None:
         print("bf16: one-token decoding (stock generate) and any multi-token verification (stock assisted "
               "generation included) can break a tie between two logits 1 bf16 ulp apart differently, so a bf16 run "
               "may differ from stock at such a tie; fp32 runs are token-identical (tests/real).")
-
-
-def choose_dtype(model, prepared: bool):
-    """The float32 `model`, or a bfloat16 copy where this CPU runs bf16 natively and a short timing finds it faster,
-    prepared when asked: (the model to use, its dtype, why)."""
-    import copy
-    import time
-
-    from spec_adapt.execution import native_bf16, prepare
-
-    def ready(m):
-        return prepare(m) if prepared else m
-
-    if model.device.type != "cpu":
-        return ready(model.to(torch.bfloat16)), torch.bfloat16, "a GPU runs bfloat16 natively"
-    if not native_bf16():
-        why = "this CPU has no native bfloat16 (no avx512_bf16 or AMX), where it is emulated"
-        return ready(model), torch.float32, why
-
-    def step_ms(m) -> list[float]:
-        """Decode steps as generate runs them: 1 and 4 new tokens over a 128-token cache, median of 3."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=m.config)
-        top = min(1000, m.config.vocab_size)
-        m(torch.randint(0, top, (1, 128)), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        out = []
-        for width in (1, 4):
-            times = []
-            for _ in range(4):                       # the first is a warm-up
-                start = time.perf_counter()
-                m(torch.randint(0, top, (1, width)), past_key_values=cache, use_cache=True, logits_to_keep=width)
-                times.append(time.perf_counter() - start)
-                cache.crop(-width)
-            out.append(1000 * sorted(times[1:])[1])
-        return out
-
-    from spec_adapt import unprepare
-
-    # One packed copy at a time (the 1.5B target is 6 GB in float32, and packing holds its weights twice): float32
-    # is timed and unpacked first, so the bfloat16 copy, the usual winner, is packed only once.
-    full_ms = step_ms(ready(model))
-    unprepare(model)
-    half = ready(copy.deepcopy(model).to(torch.bfloat16))
-    half_ms = step_ms(half)
-    why = (f"native bfloat16 here; a decode step of 1 / 4 tokens took {half_ms[0]:.0f} / {half_ms[1]:.0f} ms in "
-           f"bfloat16 and {full_ms[0]:.0f} / {full_ms[1]:.0f} ms in float32")
-    if sum(half_ms) < sum(full_ms):
-        return half, torch.bfloat16, why
-    del half
-    return ready(model), torch.float32, why
 
 
 def bench(args) -> None:
@@ -217,7 +167,7 @@ def _draft(model, args):
         if args.draft_quant:
             raise SystemExit("--draft-dtype fastest times float32 against bfloat16; a quantized draft (--draft-quant) "
                              "has neither: drop one of the two options.")
-        draft, dtype, why = choose_dtype(load_draft(model, args.draft, dtype=torch.float32),
+        draft, dtype, why = fastest(load_draft(model, args.draft, dtype=torch.float32),
                                          getattr(args, "prepare", False))
         print(f"draft dtype: {str(dtype).removeprefix('torch.')}: {why}")
         return draft
