@@ -465,3 +465,64 @@ def test_a_slow_batch_of_three_keeps_a_spare_row_in_a_real_loop(monkeypatch):
     finally:
         hook.remove()
     assert held[0] == {3} and held[1] == {4}, sorted(policy.shapes.items())
+
+
+def drive(policy, steps: int, plain_seconds, draft_seconds=0.06, verify_seconds=0.10, accept=0.8, seed=0):
+    """Drive `policy` through `steps` batch-1 steps of a synthetic pair: plain steps take plain_seconds(step), a step
+    drafting s tokens takes verify_seconds + s * draft_seconds, and each draft is accepted with probability `accept`
+    until the first rejection. Returns the widths chosen."""
+    import random
+
+    from spec_adapt.metrics import StepRecord
+    from spec_adapt.policies.base import StepInfo
+
+    rng, widths = random.Random(seed), []
+    policy.begin(1)
+    for step in range(steps):
+        info = StepInfo(1, torch.arange(1), torch.full((1,), step), torch.full((1,), 10**6), step,
+                        draft_lag=torch.ones(1, dtype=torch.long))
+        width = int(torch.as_tensor(policy.choose(info)).max())
+        accepted = 0
+        while accepted < width and rng.random() < accept:
+            accepted += 1
+        seconds = plain_seconds(step) if width == 0 else verify_seconds + width * draft_seconds
+        policy.observe(StepRecord(1, [0], [width], [width], [accepted], [accepted + 1], seconds,
+                                  width * draft_seconds, seconds - width * draft_seconds))
+        widths.append(width)
+    return widths
+
+
+def test_plain_decoding_is_rechecked_while_the_policy_drafts():
+    """While the policy drafts, plain steps are not measured: a plain estimate taken once (the first steps of a cold
+    process, a machine busy at that moment) would stand for the rest of the policy's life. A drafting policy runs a
+    plain step again now and then, and switches to plain decoding once plain measures faster: here plain steps take
+    0.5 s for the first 4 steps (drafting pays), then 0.05 s (plain pays 2.5x more than any width)."""
+    policy = Adaptive(explore=0.0)
+    widths = drive(policy, 1500, plain_seconds=lambda step: 0.5 if step < 4 else 0.05)
+    assert sum(w > 0 for w in widths[2:60]) > 50             # it drafted while plain looked slow
+    assert sum(w == 0 for w in widths[-300:]) > 270          # then found plain decoding faster and kept to it
+
+
+def test_rechecks_back_off_while_plain_stays_slower():
+    """Where drafting keeps paying, the plain steps re-measured cost little: the gap between them doubles after each
+    one that plain loses, up to max_recheck_gap."""
+    policy = Adaptive(explore=0.0, recheck_every=16, max_recheck_gap=256)
+    widths = drive(policy, 2000, plain_seconds=lambda step: 0.5)
+    plain = [i for i, w in enumerate(widths) if w == 0 and i >= 2]
+    assert 3 <= len(plain) <= 12, plain
+    assert plain[-1] - plain[-2] >= 128                       # backed off
+
+
+def test_recheck_settings_are_validated_and_saved():
+    with pytest.raises(ValueError, match="recheck"):
+        Adaptive(recheck_every=0)
+    with pytest.raises(ValueError, match="recheck"):
+        Adaptive(recheck_every=64, max_recheck_gap=32)
+    policy = Adaptive(recheck_every=8, max_recheck_gap=64)
+    drive(policy, 200, plain_seconds=lambda step: 0.5)
+    state = policy.state_dict()
+    copy = Adaptive(recheck_every=8, max_recheck_gap=64)
+    copy.load_state_dict(state)
+    assert (copy.rechecks.gap, copy.rechecks.idle) == (policy.rechecks.gap, policy.rechecks.idle)
+    del state["recheck_gap"], state["recheck_idle"]               # a state saved before rechecks existed loads
+    Adaptive(recheck_every=8, max_recheck_gap=64).load_state_dict(state)

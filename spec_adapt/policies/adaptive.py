@@ -40,7 +40,8 @@ class Adaptive(Policy):
                  explore_margin: float = 0.05, probe_every: int = 16, max_probe_gap: int = 256, horizon: int = 128,
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
                  baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
-                 closed_batches: bool = True, trees: bool | tuple = False):
+                 closed_batches: bool = True, trees: bool | tuple = False, recheck_every: int = 64,
+                 max_recheck_gap: int = 1024):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
@@ -54,6 +55,10 @@ class Adaptive(Policy):
         if not shape_margin >= 0:
             raise ValueError(f"Adaptive needs shape_margin >= 0 (a fraction of a forward's time); got {shape_margin}.")
         self.baseline_steps, self.probe_budget, self.shape_margin = baseline_steps, probe_budget, shape_margin
+        if not 1 <= recheck_every <= max_recheck_gap:
+            raise ValueError(f"Adaptive needs 1 <= recheck_every <= max_recheck_gap (drafting steps between plain "
+                             f"steps that re-measure plain decoding); got {recheck_every}, {max_recheck_gap}.")
+        self.recheck_every, self.max_recheck_gap = recheck_every, max_recheck_gap
         if not isinstance(closed_batches, bool):
             raise ValueError(f"Adaptive(closed_batches) must be True or False, got {closed_batches!r}.")
         self.closed_batches = closed_batches
@@ -81,6 +86,8 @@ class Adaptive(Policy):
         self.shapes: dict[tuple, list] = {}       # (rows the target ran, widest proposal) -> [EMA verify s, samples]
         self.rng = random.Random(self.seed)
         self.probes, self.steps = ProbeBackoff(self.probe_every, self.max_probe_gap), 0
+        # While the policy drafts, plain steps are not measured; a plain step now and then keeps T(B, 0) current.
+        self.rechecks = ProbeBackoff(self.recheck_every, self.max_recheck_gap)
         self._pending: dict | None = None
         self.tree_shapes = TreeShapes(self.tree_factors) if self.trees else None
 
@@ -194,24 +201,29 @@ class Adaptive(Policy):
         remaining = info.remaining.cpu() if closed else None
         values = self.predict(batch, rows, lag, int(info.remaining.max()) if len(info.remaining) else None, remaining)
         width = max(range(len(values)), key=values.__getitem__)
-        probing = False
+        probing, recheck = False, None     # recheck: a plain step re-measuring T(B, 0), and the goodput it must beat
         baseline = self.measured.get((bucket(batch), 0, False))
         if baseline is None or baseline[1] < self.baseline_steps:
             # Measure this bucket's plain step first: without it T(B, 0) is extrapolated from drafting steps, and
             # at B = 16 on the real pair that kept the draft on at 0.79x of plain decoding (bf16 bench).
             width = 0
         elif width == 0:
+            self.rechecks.used()
             self.probes.wait()
             if self._probe_due(batch, lag):
                 width, probing = max(range(1, len(values)), key=values.__getitem__), True
                 self.probes.used()
         else:
             self.probes.used()
-            if self.rng.random() < self.explore:
+            self.rechecks.wait()
+            if self.rechecks.due() and lag <= USUAL_LAG:
+                recheck, width = values[width], 0      # the goodput plain decoding has to beat
+            elif self.rng.random() < self.explore:
                 near = [s for s in (width - 1, width + 1)
                         if 0 <= s < len(values) and values[s] >= (1 - self.explore_margin) * values[width]]
                 width = self.rng.choice(near) if near else width
-        self._pending = {"width": width, "lag": lag, "probing": probing, "burst": self._burst(rows), "factor": 1}
+        self._pending = {"width": width, "lag": lag, "probing": probing, "burst": self._burst(rows), "factor": 1,
+                         "recheck": recheck}
         if width == 0 or probing or batch == 1 or self.steps % self.probe_every == 0:
             return self._shaped(width, batch)
         hopeless = (self.row_expected[rows, width] < 1 + self.row_floor) & (self.row_tried[rows, :, 0].sum(1) > 0)
@@ -268,6 +280,14 @@ class Adaptive(Policy):
             self.measured[slot] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
         if width:
             self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)
+        if pending.get("recheck") is not None:
+            # Plain decoding measured again while drafting: the gap to the next recheck doubles when it lost; when it
+            # won, the estimate is stale, and plain runs again at the next drafting choice until it loses or T(B, 0)
+            # has moved enough for the choice itself to be plain.
+            won = sum(record.committed) / max(record.step_time, 1e-9) > pending["recheck"]
+            self.rechecks.result(won)
+            if won:
+                self.rechecks.idle = self.rechecks.gap
         if pending["probing"]:
             # Judged with its catch-up: a probe whose draft first had to catch up on a long lag (a whole prompt,
             # for a draft model the call has not run yet) has to pay for that too, or it keeps being retried.
@@ -328,7 +348,8 @@ class Adaptive(Policy):
                        "decay": self.decay, "ema": self.ema, "seed": self.seed,
                        "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget,
                        "shape_margin": self.shape_margin, "closed_batches": self.closed_batches,
-                       "trees": list(self.tree_factors) if self.trees else False},
+                       "trees": list(self.tree_factors) if self.trees else False,
+                       "recheck_every": self.recheck_every, "max_recheck_gap": self.max_recheck_gap},
             "tree_shapes": self.tree_shapes.state_dict() if self.tree_shapes is not None else None,
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
@@ -338,6 +359,7 @@ class Adaptive(Policy):
             "shapes": [[list(k), v] for k, v in self.shapes.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
             "probe_gap": self.probes.gap, "idle": self.probes.idle, "steps": self.steps,
+            "recheck_gap": self.rechecks.gap, "recheck_idle": self.rechecks.idle,
             "rng": _listed(self.rng.getstate()),
         }
 
@@ -350,11 +372,12 @@ class Adaptive(Policy):
             problem = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise ValueError(f"Not a valid Adaptive state ({problem}): load a file written by Adaptive.save / "
                              "state_dict of an Adaptive with the same max_gamma.") from exc
-        probes = parsed.pop("_probes")
+        probes, rechecks = parsed.pop("_probes"), parsed.pop("_rechecks")
         self.reset()
         for name, value in parsed.items():
             setattr(self, name, value)
         self.probes.gap, self.probes.idle, self.steps = probes
+        self.rechecks.gap, self.rechecks.idle = rechecks
         self._refresh()
 
     def _parse_state(self, state: dict) -> dict:
@@ -383,13 +406,17 @@ class Adaptive(Policy):
         gap, idle, steps = (int(state[k]) for k in ("probe_gap", "idle", "steps"))
         if gap < 1 or idle < 0 or steps < 0:
             raise ValueError(f"probe_gap {gap}, idle {idle} and steps {steps} must be >= 1, >= 0, >= 0")
+        rechecks = (int(state.get("recheck_gap", self.recheck_every)), int(state.get("recheck_idle", 0)))
+        if rechecks[0] < 1 or rechecks[1] < 0:
+            raise ValueError(f"recheck_gap {rechecks[0]} and recheck_idle {rechecks[1]} must be >= 1 and >= 0")
         rng = random.Random()
         rng.setstate(_tupled(state["rng"]))
         return {"tried": tried, "accepted": accepted, "measured": measured, "fits": fits, "catchup": catchup,
                 "span": {tuple(k): _finite(v, what="span")[0] for k, v in state["span"]},
                 "shapes": {tuple(k): _times(v, "shapes") for k, v in state.get("shapes", [])},
                 "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,
-                "_probes": (gap, idle, steps), "tree_shapes": self._parse_trees(state.get("tree_shapes"))}
+                "_probes": (gap, idle, steps), "_rechecks": rechecks,
+                "tree_shapes": self._parse_trees(state.get("tree_shapes"))}
 
     def _parse_trees(self, saved) -> TreeShapes | None:
         if not self.trees:
