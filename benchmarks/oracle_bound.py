@@ -13,6 +13,8 @@ any policy could gain over stock here.
     python benchmarks/oracle_bound.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 \\
         --workload humaneval-chat --num-prompts 8 --new-tokens 32
     python benchmarks/oracle_bound.py --dtype float32 --prepare --workload humaneval-chat --num-prompts 3 --new-tokens 48
+    python benchmarks/oracle_bound.py --dtype float32 --draft-dtype bfloat16 --prepare --workload humaneval-chat \
+        --num-prompts 3 --new-tokens 48
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main():
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--draft-dtype", help="the draft's dtype (default: --dtype); it changes the draft's cost and "
+                   "agreement, never the output")
     p.add_argument("--workload", default="humaneval-chat")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -80,7 +84,7 @@ def main():
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
-    draft, _ = load_model(args.draft, dtype=dtype)
+    draft, _ = load_model(args.draft, dtype=getattr(torch, args.draft_dtype or args.dtype))
     if args.prepare:
         prepare(model), prepare(draft)
     table = profile(model, draft, batch_sizes=(1,), lengths=tuple(range(args.max_gamma + 1)), lags=(32,))
@@ -103,7 +107,8 @@ def main():
         rows.append(dict(plain=plain_s, assisted=assisted_s, oracle=prefill_s + oracle_s,
                          plain_model=prefill_s + (len(output) - 1) * cost(0), steps=len(widths), tokens=len(output) - 1, same=same))
     total = {k: sum(r[k] for r in rows) for k in ("plain", "assisted", "oracle", "plain_model")}
-    setup = f"{args.dtype}{' prepared' if args.prepare else ''}"
+    drafted_in = f" (draft {args.draft_dtype})" if args.draft_dtype else ""
+    setup = f"{args.dtype}{drafted_in}{' prepared' if args.prepare else ''}"
     print(f"\n{args.model} <- {args.draft}, {setup}, {args.workload}, {len(rows)} prompts x "
           f"{args.new_tokens} new tokens, batch 1")
     print(f"stock generate        {total['plain']:7.2f} s   (the cost model says {total['plain_model']:.2f} s)")
