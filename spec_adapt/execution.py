@@ -130,7 +130,8 @@ def fastest(model: torch.nn.Module, pack: bool = True):
     if model.device.type != "cpu":
         return ready(model.to(torch.bfloat16)), torch.bfloat16, "a GPU runs bfloat16 natively"
     if not native_bf16():
-        return ready(model), torch.float32, "this CPU has no native bfloat16 (no avx512_bf16 or AMX), where it is emulated"
+        why = "this CPU has no native bfloat16 (no avx512_bf16 or AMX), where it is emulated"
+        return ready(model), torch.float32, why
     # One packed copy at a time (the 1.5B target is 6 GB in float32, and packing holds its weights twice): float32
     # is timed and unpacked first, so the bfloat16 copy, the usual winner, is packed only once.
     full_ms = _decode_ms(ready(model))

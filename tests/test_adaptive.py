@@ -518,6 +518,8 @@ def test_recheck_settings_are_validated_and_saved():
         Adaptive(recheck_every=0)
     with pytest.raises(ValueError, match="recheck"):
         Adaptive(recheck_every=64, max_recheck_gap=32)
+    with pytest.raises(ValueError, match="recheck"):
+        Adaptive(recheck_every=1.5)
     policy = Adaptive(recheck_every=8, max_recheck_gap=64)
     drive(policy, 200, plain_seconds=lambda step: 0.5)
     state = policy.state_dict()

@@ -55,9 +55,10 @@ class Adaptive(Policy):
         if not shape_margin >= 0:
             raise ValueError(f"Adaptive needs shape_margin >= 0 (a fraction of a forward's time); got {shape_margin}.")
         self.baseline_steps, self.probe_budget, self.shape_margin = baseline_steps, probe_budget, shape_margin
-        if not 1 <= recheck_every <= max_recheck_gap:
-            raise ValueError(f"Adaptive needs 1 <= recheck_every <= max_recheck_gap (drafting steps between plain "
-                             f"steps that re-measure plain decoding); got {recheck_every}, {max_recheck_gap}.")
+        _check_int("Adaptive(recheck_every)", recheck_every, 1)
+        if not _check_int("Adaptive(max_recheck_gap)", max_recheck_gap, 1) >= recheck_every:
+            raise ValueError(f"Adaptive needs recheck_every <= max_recheck_gap (drafting steps between plain steps "
+                             f"that re-measure plain decoding); got {recheck_every}, {max_recheck_gap}.")
         self.recheck_every, self.max_recheck_gap = recheck_every, max_recheck_gap
         if not isinstance(closed_batches, bool):
             raise ValueError(f"Adaptive(closed_batches) must be True or False, got {closed_batches!r}.")
@@ -287,7 +288,7 @@ class Adaptive(Policy):
             won = sum(record.committed) / max(record.step_time, 1e-9) > pending["recheck"]
             self.rechecks.result(won)
             if won:
-                self.rechecks.idle = self.rechecks.gap
+                self.rechecks.again()
         if pending["probing"]:
             # Judged with its catch-up: a probe whose draft first had to catch up on a long lag (a whole prompt,
             # for a draft model the call has not run yet) has to pay for that too, or it keeps being retried.

@@ -254,6 +254,10 @@ class ProbeBackoff:
         self.idle = 0
         self.gap = self.start if won else min(2 * self.gap, self.max_gap)
 
+    def again(self) -> None:
+        """The option is due again at the next chance (a probe that won and wants confirming)."""
+        self.idle = self.gap
+
 
 def _listed(x):
     """A random.Random state (nested tuples) as JSON-friendly nested lists, and back."""

@@ -36,11 +36,8 @@ def demo(args) -> None:
     model, tok = load_model(name, dtype=torch.float32)
     model, dtype, why = fastest(model, args.prepare)
     print(f"dtype: {str(dtype).removeprefix('torch.')}" + (" (prepared)" if args.prepare else "") + f": {why}")
-    draft = None
-    if plan["draft"]:
-        # Chosen apart from the target's: the draft's precision changes which tokens it proposes, never the output.
-        draft, draft_dtype, draft_why = fastest(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare)
-        print(f"draft dtype: {str(draft_dtype).removeprefix('torch.')}: {draft_why}")
+    # The draft's dtype is chosen apart from the target's: it changes which tokens the draft proposes, never the output.
+    draft = _fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare) if plan["draft"] else None
     plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
     summaries = {}
     for label, workload in (("HumanEval", plan["code"]), ("ShareGPT", "sharegpt")):
@@ -167,16 +164,20 @@ def _draft(model, args):
         if args.draft_quant:
             raise SystemExit("--draft-dtype fastest times float32 against bfloat16; a quantized draft (--draft-quant) "
                              "has neither: drop one of the two options.")
-        draft, dtype, why = fastest(load_draft(model, args.draft, dtype=torch.float32),
-                                         getattr(args, "prepare", False))
-        print(f"draft dtype: {str(dtype).removeprefix('torch.')}: {why}")
-        return draft
+        return _fastest_draft(load_draft(model, args.draft, dtype=torch.float32), getattr(args, "prepare", False))
     if args.draft:
         dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
         return load_draft(model, args.draft, quantization=args.draft_quant, dtype=dtype)
     if args.draft_layers:
         return truncated_copy(model, args.draft_layers)
     return None
+
+
+def _fastest_draft(draft, pack: bool):
+    """The float32 `draft` in the dtype this machine decodes fastest (`spec_adapt.execution.fastest`), saying which."""
+    draft, dtype, why = fastest(draft, pack)
+    print(f"draft dtype: {str(dtype).removeprefix('torch.')}: {why}")
+    return draft
 
 
 def profile_cmd(args) -> None:

@@ -2,10 +2,10 @@
 
 `run_soak` serves `requests` requests on a tiny random-weight Llama (a draft model perturbed from it, prompt lookup
 or a suffix index as the drafter; the default Adaptive policy or a fixed width), keeping `2 * max_batch` requests
-in flight from the caller's thread. Every `window` finished requests it records the process's resident memory, the seconds per request
-and per engine step. Every `check_every`-th request is compared with stock greedy `generate` on its prompt alone,
-after the soak (so the check does not compete with the engine for the CPU). `spec-adapt soak` runs it and plots
-memory and time against requests served.
+in flight from the caller's thread. Every `window` finished requests it records the process's resident memory, the
+seconds per request and per engine step. Every `check_every`-th request is compared with stock greedy `generate` on
+its prompt alone, after the soak (so the check does not compete with the engine for the CPU). `spec-adapt soak` runs
+it and plots memory and time against requests served.
 """
 
 from __future__ import annotations

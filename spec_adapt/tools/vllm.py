@@ -12,7 +12,8 @@ dependency of this library).
 
 `LookupProposer` and `SuffixProposer` serve spec_adapt's prompt lookup and suffix index inside vLLM as a
 `custom_class` proposer (`{"method": "custom_class", "model": "spec_adapt.tools.vllm.SuffixProposer",
-"num_speculative_tokens": 5, ...}`: vLLM reads the class path from `model`), following the documented interface: `__init__(vllm_config)`, `load_model()`,
+"num_speculative_tokens": 5, ...}`: vLLM reads the class path from `model`), following the documented interface:
+`__init__(vllm_config)`, `load_model()`,
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]`. They honour
 `num_speculative_tokens_per_batch_size` themselves. vLLM's own loader loads them (benchmarks/vllm_config_check.py);
 they were not run inside a serving vLLM engine here.
