@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from spec_adapt.compat import output_cache, with_cache
+
 from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
@@ -34,14 +36,14 @@ def median_ms(fn, n=25, warm=5) -> float:
 
 def step_times(model, dtype) -> dict:
     out = model(input_ids=torch.randint(0, 1000, (1, 150)), use_cache=True, logits_to_keep=1)
-    cache, token = out.past_key_values, torch.tensor([[5]])
+    cache, token = output_cache(out), torch.tensor([[5]])
 
     def whole():
-        model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=token, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
         cache.crop(-1)
 
     def body():
-        model.base_model(input_ids=token, past_key_values=cache, use_cache=True)
+        model.base_model(input_ids=token, use_cache=True, **with_cache(model.base_model, cache))
         cache.crop(-1)
 
     weight = model.get_output_embeddings().weight

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from spec_adapt.compat import with_cache
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -29,7 +31,7 @@ from spec_adapt.tools.models import load_model
 def primed(model, batch: int, context: int) -> DynamicCache:
     """A cache holding `context` tokens per row (one prefill per model and batch size; forwards crop back to it)."""
     cache = DynamicCache(config=model.config)
-    model(torch.randint(100, 5000, (batch, context)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(torch.randint(100, 5000, (batch, context)), use_cache=True, **with_cache(model, cache), logits_to_keep=1)
     return cache
 
 
@@ -40,10 +42,10 @@ def forward_ms(model, cache, width: int, repeats: int, packed: bool) -> float:
         tokens = torch.randint(100, 5000, (batch, width))
         start = time.perf_counter()
         if packed:
-            model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=width)
+            model(tokens, use_cache=True, **with_cache(model, cache), logits_to_keep=width)
         else:
             with eager(model):
-                model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=width)
+                model(tokens, use_cache=True, **with_cache(model, cache), logits_to_keep=width)
         if i:                                    # the first is a warm-up
             times.append(time.perf_counter() - start)
         cache.crop(-width)

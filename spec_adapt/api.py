@@ -9,9 +9,12 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import compat
+from .compat import GenerateDecoderOnlyOutput
 from .drafters.base import Drafter
+from .drafters.early_exit import early_exit_model
+from .drafters.lookup import PromptLookupDrafter
 from .drafters.model import ModelDrafter
 from .acceptor import Acceptor
 from .ledger import check_rollback_cache
@@ -30,8 +33,38 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     spec_stats: SpecStats | None = None
 
 
-# Inputs generate prepares that the loop computes itself.
+# The inputs generate hands a custom_generate function, in three kinds:
+# - those it prepares and the loop consumes (the mask and the cache are read; the rest the loop computes itself);
 _PREPARED_INPUTS = ("position_ids", "use_cache", "logits_to_keep", "cache_position")
+# - those refused by name, with the reason (inputs of models the loop does not run yet);
+_REFUSED_INPUTS = {
+    "encoder_outputs": "encoder-decoder models (T5, BART, Whisper, ...) are not supported yet: spec_adapt runs "
+                       "decoder-only models; use stock assisted generation (batch 1) for them",
+    "inputs_embeds": "the loop drafts and verifies token ids: pass input_ids instead of inputs_embeds",
+    "token_type_ids": "token type ids would have to be extended for every drafted token: not supported",
+    "pixel_values": "vision-language models are not supported yet: generate without a drafter for them",
+    "mm_encoder_outputs": "vision-language models are not supported yet: generate without a drafter for them",
+    "mm_token_type_ids": "vision-language models are not supported yet: generate without a drafter for them",
+    "input_features": "speech models are not supported yet: use stock assisted generation (batch 1) for them",
+    "decoder_input_ids": "encoder-decoder models are not supported yet: spec_adapt runs decoder-only models",
+    "decoder_attention_mask": "encoder-decoder models are not supported yet: spec_adapt runs decoder-only models",
+    "output_attentions": "attentions are not available with speculation: drop output_attentions",
+    "output_hidden_states": "hidden states are not available with speculation: drop output_hidden_states",
+}
+# - anything else: refused with the transformers version and the range spec_adapt is tested on (`_unknown_inputs`).
+
+
+def _check_inputs(model_kwargs: dict) -> None:
+    for name in sorted(model_kwargs):
+        if name in _REFUSED_INPUTS:
+            raise ValueError(f"spec_adapt does not support the generate input {name!r}: {_REFUSED_INPUTS[name]}.")
+    if model_kwargs:
+        raise ValueError(
+            f"spec_adapt does not know these generate inputs: {sorted(model_kwargs)}. It consumes input_ids, "
+            f"attention_mask and the cache generate prepares; this is transformers {compat.VERSION}, and spec_adapt "
+            f"is tested on {compat.TESTED_TEXT}. A newer transformers may hand custom_generate functions inputs "
+            "under new names: install a tested version (`make setup`) or report the input."
+        )
 
 
 def generate(
@@ -73,26 +106,23 @@ def generate(
         )
     _check_generation_config(generation_config, synced_gpus)
     attention_mask = model_kwargs.pop("attention_mask", None)
-    cache = model_kwargs.pop("past_key_values", None)
+    cache = compat.pop_cache(model_kwargs)
     for name in _PREPARED_INPUTS:
         model_kwargs.pop(name, None)
-    if model_kwargs:
-        raise ValueError(
-            f"spec_adapt does not support these generate inputs: {sorted(model_kwargs)}. It handles decoder-only "
-            "text models given input_ids and attention_mask."
-        )
+    _check_inputs(model_kwargs)
     _check_cache(cache)
-    # transformers drops an all-ones mask before calling us and records its width in `_mask_length`.
-    width = attention_mask.shape[-1] if attention_mask is not None else getattr(generation_config, "_mask_length", None)
+    # transformers drops an all-ones mask before calling us and records its width (compat.mask_length).
+    width = attention_mask.shape[-1] if attention_mask is not None else compat.mask_length(generation_config)
     if width is not None and (width != input_ids.shape[1] or (attention_mask is not None
                                                                 and attention_mask.shape[0] != input_ids.shape[0])):
         raise ValueError(f"attention_mask is {width} tokens wide but input_ids has {input_ids.shape[1]} (and "
                          f"{input_ids.shape[0]} rows): give one mask entry per token.")
     _check_left_padding(attention_mask)
+    drafter, max_width = _stock_speculation(model, generation_config, drafter)
     drafter = as_drafter(drafter)
     if drafter is not None:
         drafter.validate(model)
-    policy = assistant_policy if assistant_policy is not None else _default_policy(model, drafter)
+    policy = assistant_policy if assistant_policy is not None else _default_policy(model, drafter, max_width)
     check_policy(policy)
     if acceptor is not None and not isinstance(acceptor, Acceptor):
         raise TypeError(f"acceptor must be a spec_adapt.acceptor.Acceptor, got {type(acceptor).__name__}.")
@@ -128,23 +158,25 @@ _DEFAULTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _DEFAULTS_LOCK = threading.Lock()
 
 
-def _default_policy(model, drafter) -> Policy:
+def _default_policy(model, drafter, max_width=None) -> Policy:
     enabled = _ENABLED.get(model)
-    return enabled if enabled is not None else default_policy(model, drafter)
+    return enabled if enabled is not None else default_policy(model, drafter, max_width)
 
 
-def default_policy(model, drafter=None) -> Adaptive:
-    """The process's default `Adaptive` for this target and drafter, in this dtype on this device.
+def default_policy(model, drafter=None, max_width: int | None = None) -> Adaptive:
+    """The process's default `Adaptive` for this target and drafter, in this dtype on this device (drafting at most
+    `max_width` tokens a step where given: stock's `num_assistant_tokens` / `prompt_lookup_num_tokens`).
 
     Made once, seeded from the latency profile `spec-adapt profile` cached for them (if any), then kept: every later
     call without an explicit policy learns on from where the last one stopped. `reset_default_policies()` forgets."""
     draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
     param = next(model.parameters())
-    key = (_drafter_key(drafter), str(param.dtype), str(param.device))
+    key = (_drafter_key(drafter), str(param.dtype), str(param.device), max_width)
     with _DEFAULTS_LOCK:
         per_model = _DEFAULTS.setdefault(model, {})
         if key not in per_model:
-            per_model[key] = Adaptive.for_model(model, draft_model)
+            bound = {} if max_width is None else {"max_gamma": max_width}
+            per_model[key] = Adaptive.for_model(model, draft_model, **bound)
         return per_model[key]
 
 
@@ -194,11 +226,49 @@ _REFUSED = (
     ("token_healing", lambda v: bool(v), "token healing rewrites the prompt's tail: heal the prompt first, then "
      "generate"),
     ("use_mtp", lambda v: bool(v), "multi-token prediction is another speculative method"),
-    ("prompt_lookup_num_tokens", lambda v: v is not None, "that is stock prompt lookup: pass "
-     "drafter=spec_adapt.PromptLookupDrafter() instead"),
-    ("assistant_early_exit", lambda v: v is not None, "that is stock self-speculation: pass a drafter instead"),
     ("prefill_chunk_size", lambda v: v is not None, "the prompt is prefilled in one forward: leave it unset"),
 )
+
+
+def _stock_speculation(model, cfg, drafter):
+    """Stock's speculation settings, honoured: `prompt_lookup_num_tokens=n` drafts by prompt lookup up to n tokens a
+    step, `assistant_early_exit=k` drafts with the target's first k layers (self-speculation), `num_assistant_tokens`
+    bounds the default policy's width and `assistant_confidence_threshold` stops a draft model's row below that top
+    probability (the two are read where they differ from generate's defaults, 20 and 0.4, i.e. where someone set
+    them).
+    Returns (the drafter, the width bound or None)."""
+    lookup, exit_layers = cfg.prompt_lookup_num_tokens, getattr(cfg, "assistant_early_exit", None)
+    if lookup is not None and exit_layers is not None:
+        raise ValueError("Set prompt_lookup_num_tokens or assistant_early_exit, not both: each is a drafter.")
+    if (lookup is not None or exit_layers is not None) and drafter is not None:
+        raise ValueError("prompt_lookup_num_tokens / assistant_early_exit choose the drafter: do not also pass "
+                         "drafter= or assistant_model=.")
+    width = _set_by_user(cfg, "num_assistant_tokens")
+    threshold = _set_by_user(cfg, "assistant_confidence_threshold")
+    if width is not None:
+        _check_count("num_assistant_tokens", width)
+    if lookup is not None:
+        _check_count("prompt_lookup_num_tokens", lookup)
+        ngram = getattr(cfg, "max_matching_ngram_size", None) or 2     # stock prompt lookup's default n-gram size
+        return PromptLookupDrafter(max_ngram=_check_count("max_matching_ngram_size", ngram)), lookup
+    if exit_layers is not None:
+        drafter = early_exit_model(model, exit_layers)
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise ValueError(f"assistant_confidence_threshold must be in [0, 1], got {threshold!r}.")
+    if threshold is not None and isinstance(drafter, torch.nn.Module):
+        drafter = ModelDrafter(drafter, confidence_threshold=threshold)
+    return drafter, width
+
+
+def _set_by_user(cfg, name):
+    value = getattr(cfg, name, None)
+    return None if value == compat.generation_default(name) else value
+
+
+def _check_count(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return value
 
 
 def _check_generation_config(cfg, synced_gpus) -> None:
@@ -225,7 +295,7 @@ def _check_cache(cache) -> None:
     check_rollback_cache(cache)
     if cache.get_seq_length() > 0:
         raise ValueError(
-            "spec_adapt starts from an empty cache: continuing from a filled past_key_values is not supported. "
+            "spec_adapt starts from an empty cache: continuing from a filled cache (past_key_values) is not supported. "
             "Pass the whole sequence as input_ids instead."
         )
 
@@ -239,7 +309,7 @@ def _stock_streamer():
         frame = frame.f_back if frame is not None else None
         if frame is None:
             return None
-        if frame.f_code.co_name == "generate" and "transformers" in frame.f_code.co_filename:
+        if compat.stock_generate_frame(frame):
             return frame.f_locals.get("streamer")
     return None
 
@@ -282,7 +352,8 @@ def enable(model, assistant_policy: Policy | None = None):
         draft = kwargs.pop("assistant_model", None)
         if draft is not None and kwargs.get("drafter") is not None:
             raise ValueError("Pass the draft as assistant_model or as drafter, not both.")
-        if draft is None and kwargs.get("drafter") is None and assistant_policy is None:
+        if draft is None and kwargs.get("drafter") is None and assistant_policy is None and not _stock_drafts(
+                model, kwargs):
             return stock(*args, **kwargs)
         kwargs.setdefault("drafter", draft)
         streamer = kwargs.pop("streamer", None)
@@ -292,6 +363,15 @@ def enable(model, assistant_policy: Policy | None = None):
 
     model.generate = generate_with_policy
     return model
+
+
+def _stock_drafts(model, kwargs) -> bool:
+    """Whether a call asks for stock's own drafting (prompt lookup or early exit), by argument or generation config."""
+    config = kwargs.get("generation_config") or model.generation_config
+    return any(kwargs.get(name, getattr(config, name, None)) is not None for name in _STOCK_DRAFTING)
+
+
+_STOCK_DRAFTING = ("prompt_lookup_num_tokens", "assistant_early_exit")
 
 
 def disable(model):

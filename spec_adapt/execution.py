@@ -116,56 +116,32 @@ def native_bf16() -> bool:
 
 
 def fastest(model: torch.nn.Module, pack: bool = True):
-    """`model` (float32) in the dtype whose decode steps run faster on this machine, prepared when `pack`:
-    (the model to use, its dtype, why). On a CPU with native bf16 (avx512_bf16 or AMX) it times one- and four-token
-    decode steps in both dtypes and returns a bfloat16 copy if that is faster (the float32 model is then left
-    unprepared); without native bf16 it keeps float32 without timing; on a GPU it returns the model in bfloat16.
+    """`model` in the dtype this hardware computes fastest, prepared when `pack`: (the model, its dtype, why).
 
-    For a draft model the choice is free: the draft's precision changes which tokens it proposes, never what the
-    target commits. For a target it changes the output's numerics: greedy identity holds against stock `generate`
-    on the chosen dtype, and bf16 breaks near-ties differently at different widths (docs/execution.md)."""
-    import copy
+    Chosen by capability, never by a timing (two timings a few percent apart flip on a busy machine): bfloat16 on a
+    GPU that supports it and on a CPU where oneDNN runs bf16 natively (avx512_bf16 or AMX, which halves the bytes a
+    decode step reads), float32 elsewhere (where bf16 is emulated and slower). The model is converted in place.
 
+    Meant for a draft model, whose precision changes which tokens it proposes, never what the target commits. For
+    a target it would change the output's numerics: a bf16 target breaks near-ties differently at different
+    widths, so keep a target in float32 where strict identity with one-token decoding matters (docs/execution.md)."""
     ready = prepare if pack else (lambda m: m)
-    if model.device.type != "cpu":
-        return ready(model.to(torch.bfloat16)), torch.bfloat16, "a GPU runs bfloat16 natively"
-    if not native_bf16():
-        why = "this CPU has no native bfloat16 (no avx512_bf16 or AMX), where it is emulated"
-        return ready(model), torch.float32, why
-    # One packed copy at a time (the 1.5B target is 6 GB in float32, and packing holds its weights twice): float32
-    # is timed and unpacked first, so the bfloat16 copy, the usual winner, is packed only once.
-    full_ms = _decode_ms(ready(model))
-    unprepare(model)
-    half = ready(copy.deepcopy(model).to(torch.bfloat16))
-    half_ms = _decode_ms(half)
-    why = (f"native bfloat16 here; a decode step of 1 / 4 tokens took {half_ms[0]:.0f} / {half_ms[1]:.0f} ms in "
-           f"bfloat16 and {full_ms[0]:.0f} / {full_ms[1]:.0f} ms in float32")
-    if sum(half_ms) < sum(full_ms):
-        return half, torch.bfloat16, why
-    del half
-    return ready(model), torch.float32, why
+    dtype, why = bf16_capability(model.device)
+    return ready(model.to(dtype)), dtype, why
 
 
-def _decode_ms(model) -> list[float]:
-    """Decode steps as generate runs them: 1 and 4 new tokens over a 128-token cache, median of 3 after a warm-up."""
-    import time
-
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    top = min(1000, model.config.get_text_config().vocab_size)
-    with torch.no_grad():
-        model(torch.randint(0, top, (1, 128)), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        out = []
-        for width in (1, 4):
-            times = []
-            for _ in range(4):                       # the first is a warm-up
-                start = time.perf_counter()
-                model(torch.randint(0, top, (1, width)), past_key_values=cache, use_cache=True, logits_to_keep=width)
-                times.append(time.perf_counter() - start)
-                cache.crop(-width)
-            out.append(1000 * sorted(times[1:])[1])
-    return out
+def bf16_capability(device) -> tuple[torch.dtype, str]:
+    """(bfloat16 or float32, why): whether `device` computes bf16 natively."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "this GPU computes bfloat16 natively"
+        return torch.float32, "this GPU has no native bfloat16"
+    if device.type != "cpu":
+        return torch.float32, f"no bfloat16 capability check for {device.type}: float32"
+    if native_bf16():
+        return torch.bfloat16, "this CPU computes bfloat16 natively (oneDNN reports avx512_bf16 or AMX)"
+    return torch.float32, "this CPU has no native bfloat16 (no avx512_bf16 or AMX): bf16 would be emulated"
 
 
 # -- one layer --------------------------------------------------------------------------------------------------

@@ -35,8 +35,7 @@ import contextlib
 import inspect
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from .compat import DynamicCache, DynamicLayer, attn_implementation, with_cache
 
 
 class UnsupportedCacheError(ValueError):
@@ -75,7 +74,7 @@ def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tens
 
 def check_tree_attention(model) -> None:
     """Trees need a model that takes a 4-D attention mask: attn_implementation 'sdpa' or 'eager'."""
-    impl = getattr(model.config, "_attn_implementation", None)
+    impl = attn_implementation(model)
     if impl not in ("sdpa", "eager"):
         raise ValueError(
             f"Token trees need attn_implementation 'sdpa' or 'eager' (each node attends to its ancestors only, through "
@@ -86,7 +85,7 @@ def check_tree_attention(model) -> None:
 
 def attention_mask_4d(model, allowed: torch.Tensor) -> torch.Tensor:
     """allowed [B, Q, K] bool -> the 4-D mask the model's attention takes: bool for sdpa, additive for eager."""
-    if getattr(model.config, "_attn_implementation", None) == "eager":
+    if attn_implementation(model) == "eager":
         zero = torch.zeros((), dtype=model.dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.finfo(model.dtype).min)[:, None]
     return allowed[:, None]
@@ -276,7 +275,7 @@ class KVLedger:
         with self._cut_back_on_failure(self.physical_length if past is None else past):
             out = self.model(
                 input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                past_key_values=self.cache, use_cache=True, **kwargs,
+                use_cache=True, **with_cache(self.model, self.cache), **kwargs,
             )
         logits = out.logits[:live]
         if self._keeps_logits:           # the model has already kept only the wanted positions

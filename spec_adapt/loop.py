@@ -15,7 +15,7 @@ import time
 import warnings
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from .compat import EosTokenCriteria, MaxLengthCriteria, pad_token_tensor
 
 from .accept import committed_tokens
 from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
@@ -45,7 +45,7 @@ class SpeculativeLoop:
         self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         batch, self.prompt_length = input_ids.shape
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device)
-        pad = cfg._pad_token_tensor
+        pad = pad_token_tensor(cfg)
         self.pad_id = int(pad) if pad is not None else 0
         width = min(self.stopper.max_length, self.prompt_length + 32)
         buffer = torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device)

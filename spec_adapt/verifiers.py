@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptor import token_rank
+from .compat import attn_implementation, create_causal_mask, with_cache
 from .policies.estimators import ProbeBackoff, bucket
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
@@ -150,7 +151,7 @@ class EarlyExitVerifier(Verifier):
                 f"EarlyExitVerifier runs Llama- and Qwen2-style decoders ({', '.join(SUPPORTED)}), not "
                 f"{kind!r}. Use FullVerifier() (the default) for this model."
             )
-        impl = getattr(model.config, "_attn_implementation", None)
+        impl = attn_implementation(model)
         if impl not in ("sdpa", "eager"):
             raise ValueError(
                 f"EarlyExitVerifier needs attn_implementation 'sdpa' or 'eager' (it narrows the attention mask "
@@ -199,20 +200,17 @@ class EarlyExitVerifier(Verifier):
             self._observe(*last, record.step_time / max(1, sum(record.committed)))
 
     def _run(self, model, tokens, n_valid, mask2d, position_ids, cache, past):
-        from transformers.masking_utils import create_causal_mask
-
         base = model.model
         hidden = base.embed_tokens(tokens)
         if mask2d is None:      # an explicit mask, so that narrowing can slice it (q > 1 never skips the mask)
             mask2d = torch.ones(tokens.shape[0], past + tokens.shape[1], dtype=torch.long, device=tokens.device)
-        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=mask2d,
-                                  past_key_values=cache, position_ids=position_ids)
+        mask = create_causal_mask(base.config, hidden, mask2d, cache, position_ids=position_ids)
         cos, sin = base.rotary_emb(hidden, position_ids)
         alive = n_valid                                   # positions each row still carries
         width = tokens.shape[1]
         for index, layer in enumerate(base.layers):
             hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=position_ids,
-                           past_key_values=cache, use_cache=True)
+                           use_cache=True, **with_cache(layer, cache))
             if index not in self._checkpoints or width < 2:
                 continue
             alive = self._test(model, index, hidden, tokens, alive)

@@ -31,7 +31,7 @@ class Fault:
 
 
 def cached_length(kwargs) -> int:
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     return cache.get_seq_length() if cache is not None else 0
 
 

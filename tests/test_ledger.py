@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from spec_adapt.compat import with_cache
 from spec_adapt.ledger import KVLedger
 
 from conftest import VOCAB, cached_model
@@ -145,7 +146,7 @@ class _NoLogitsToKeep(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=past_key_values, use_cache=use_cache)
+                          use_cache=use_cache, **with_cache(self.inner, past_key_values))
 
 
 def test_columns_read_the_same_logits_with_or_without_logits_to_keep():

@@ -141,8 +141,8 @@ def test_a_bfloat16_draft_on_a_float32_target_keeps_the_float32_output():
 
 
 def test_bench_draft_dtype_fastest_times_the_draft(monkeypatch):
-    """`--draft-dtype fastest` loads the draft in float32 and keeps whichever dtype decodes faster here (float32
-    where bf16 is not native); a quantized draft has no dtype to choose and is refused."""
+    """`--draft-dtype fastest` loads the draft in float32 and converts it to the dtype this CPU computes natively
+    (float32 where bf16 is not native); a quantized draft has no dtype to choose and is refused."""
     import argparse
 
     import spec_adapt.execution as p
@@ -176,19 +176,20 @@ def test_prepared_sampling_is_seeded_like_stock_per_configuration():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_the_demo_picks_float32_without_native_bf16_and_times_otherwise(monkeypatch):
+def test_the_draft_dtype_is_chosen_by_capability_not_by_timing(monkeypatch):
+    """bfloat16 exactly where the CPU computes it natively, float32 elsewhere; nothing is timed (a timing flips on a
+    busy machine), so the choice is the same however slow a forward is."""
     import spec_adapt.execution as p
     from spec_adapt.execution import fastest
 
+    def timed(*args, **kwargs):
+        raise AssertionError("the dtype choice must not time forwards")
+
     model = tiny_model("llama")
+    monkeypatch.setattr(torch.nn.Module, "__call__", timed)
     monkeypatch.setattr(p, "native_bf16", lambda: False)
-    chosen, dtype, why = fastest(model)
-    assert chosen is model and dtype == torch.float32 and "no native bfloat16" in why and prepared(model)
-    unprepare(model)
+    chosen, dtype, why = fastest(model, pack=False)
+    assert chosen is model and dtype == torch.float32 and model.dtype == torch.float32 and "no native" in why
     monkeypatch.setattr(p, "native_bf16", lambda: True)
-    with torch.no_grad():
-        chosen, dtype, why = fastest(model)
-    assert "decode step" in why and chosen.dtype == dtype and prepared(chosen)["layers"] > 0
-    assert (chosen is model) == (dtype == torch.float32)                 # bfloat16: a copy; the float32 model unpacked
-    if dtype == torch.bfloat16:
-        assert prepared(model) is None and model.dtype == torch.float32
+    chosen, dtype, why = fastest(model, pack=False)
+    assert chosen is model and dtype == torch.bfloat16 and model.dtype == torch.bfloat16 and "natively" in why

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from ..compat import output_cache, with_cache
 from ..ledger import select_positions
 
 
@@ -74,16 +75,17 @@ class ShortHead(nn.Module):
             self._bias = self.head.bias.index_select(0, self._ids) if self.head.bias is not None else None
         return self._ids, self._weight, self._bias
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True,
                 logits_to_keep=0):
-        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    past_key_values=past_key_values, use_cache=use_cache)
+        body = self.model.base_model
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=use_cache, **with_cache(body, cache))
         hidden = select_positions(out.last_hidden_state, logits_to_keep)
         ids, weight, bias = self._projection()
         scores = nn.functional.linear(hidden, weight, bias)
         logits = hidden.new_full((*hidden.shape[:-1], len(self.keep)), float("-inf"))
         logits.index_copy_(-1, ids, scores)
-        return SimpleNamespace(logits=logits, past_key_values=out.past_key_values)
+        return SimpleNamespace(logits=logits, cache=output_cache(out))
 
 
 def check_short_head(short: ShortHead) -> None:

@@ -49,6 +49,8 @@ class Cell:
     step_tokens: int = 0
     per_position: list[list[int]] = field(default_factory=list)   # [drafted, accepted] per position
     identical: bool | None = True     # None: a configuration identity is not judged against (target-eager)
+    checks: int = 0                   # outputs compared with the reference's, and how many of them differed
+    differing: int = 0
     trace: list[dict] = field(default_factory=list)
     choices: list[tuple] = field(default_factory=list)     # a ChainScheduler's (batch size, chain, W) per step
     draft_seconds: float = 0.0     # drafting time of the steps that drafted
@@ -324,8 +326,11 @@ def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, cou
                     pass
                 elif reference is None:
                     reference = out
-                elif not torch.equal(out, reference):
-                    cells[name].identical = False
+                else:
+                    cells[name].checks += 1
+                    if not torch.equal(out, reference):
+                        cells[name].identical = False
+                        cells[name].differing += 1
                 if stats is not None:
                     cells[name].add_stats(stats)
         for name in fns:
@@ -372,7 +377,7 @@ def summarize(cells: list[Cell]) -> list[dict]:
                 "pruned_step_share": c.verifier["pruned_steps"] / max(1, c.verifier["pruned_steps"]
                                                                     + c.verifier["full_steps"])}
                if c.verifier else {}),
-            "identical": c.identical, "repeats": len(c.times),
+            "identical": c.identical, "checks": c.checks, "differing": c.differing, "repeats": len(c.times),
             **({"chains_chosen": chain_windows(c.choices)} if c.choices else {}),
         })
     return out

@@ -34,8 +34,15 @@ def demo(args) -> None:
     print(f"CPU: {cpu_name()}")
     print(f"Loading {name}" + (f" with the draft {plan['draft']}" if plan["draft"] else "") + "...")
     model, tok = load_model(name, dtype=torch.float32)
-    model, dtype, why = fastest(model, args.prepare)
-    print(f"dtype: {str(dtype).removeprefix('torch.')}" + (" (prepared)" if args.prepare else "") + f": {why}")
+    dtype = getattr(torch, args.dtype)
+    model = model.to(dtype)
+    if args.prepare:
+        from spec_adapt import prepare
+
+        prepare(model)
+    print(f"target dtype: {args.dtype}" + (" (prepared)" if args.prepare else "") + (
+        ": float32 keeps every one-token and multi-token forward's argmax equal" if dtype == torch.float32 else
+        ": chosen with --dtype"))
     # The draft's dtype is chosen apart from the target's: it changes which tokens the draft proposes, never the output.
     draft = _fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare) if plan["draft"] else None
     plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
@@ -46,6 +53,11 @@ def demo(args) -> None:
         cells = b.run_bench(model, tok, list(ds["input_text"]), plan["configs"], plan["batch_sizes"],
                             plan["new_tokens"], plan["repeats"], draft, rows=plan["prompts"])
         summaries[label] = b.summarize(cells)
+    if dtype == torch.bfloat16:
+        print("\nThe target runs in bfloat16 (--dtype bfloat16): the 'identical' column compares two bf16 execution "
+              "orders, one-token decoding against multi-token verification, which can break a tie between two "
+              "logits 1 bf16 ulp apart differently (stock assisted generation included). float32 (the default) "
+              "is token-identical.")
     for label, summary in summaries.items():
         print(f"\n--- {label} ---")
         b.print_table(summary)
@@ -53,10 +65,12 @@ def demo(args) -> None:
           + ("; 'vs eager' = against stock generate on the model before spec_adapt.prepare" if args.prepare else "")
           + f"; 'identical' = token-for-token equal to stock generate on the same model. Configurations: "
           f"{', '.join(plan['configs'])} (spec_adapt/tools/bench.py names them).")
-    if dtype == torch.bfloat16:
-        print("bf16: one-token decoding (stock generate) and any multi-token verification (stock assisted "
-              "generation included) can break a tie between two logits 1 bf16 ulp apart differently, so a bf16 run "
-              "may differ from stock at such a tie; fp32 runs are token-identical (tests/real).")
+    print("\nIdentity checks (each call's output against stock generate's, same model and batch):")
+    for label, summary in summaries.items():
+        for s in summary:
+            if s["identical"] is not None and s["checks"]:
+                verdict = "identical" if not s["differing"] else f"{s['differing']} DIFFERENT"
+                print(f"  {label:<10} {s['config']:<16} B={s['batch_size']}: {s['checks']} calls, {verdict}")
 
 
 def bench(args) -> None:
@@ -162,7 +176,7 @@ def _draft(model, args):
 
     if args.draft and args.draft_dtype == "fastest":
         if args.draft_quant:
-            raise SystemExit("--draft-dtype fastest times float32 against bfloat16; a quantized draft (--draft-quant) "
+            raise SystemExit("--draft-dtype fastest chooses between float32 and bfloat16; a quantized draft (--draft-quant) "
                              "has neither: drop one of the two options.")
         return _fastest_draft(load_draft(model, args.draft, dtype=torch.float32), getattr(args, "prepare", False))
     if args.draft:
@@ -174,7 +188,7 @@ def _draft(model, args):
 
 
 def _fastest_draft(draft, pack: bool):
-    """The float32 `draft` in the dtype this machine decodes fastest (`spec_adapt.execution.fastest`), saying which."""
+    """The float32 `draft` in the dtype this hardware computes natively (`spec_adapt.execution.fastest`), saying which."""
     draft, dtype, why = fastest(draft, pack)
     print(f"draft dtype: {str(dtype).removeprefix('torch.')}: {why}")
     return draft
@@ -368,8 +382,8 @@ def soak_cmd(args) -> None:
 def _draft_options(p) -> None:
     p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
     p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"],
-                   help="--draft's dtype (default: --dtype); fastest: the one whose decode step this CPU runs faster "
-                        "(timed; bfloat16 only where native). The draft's dtype never changes the output")
+                   help="--draft's dtype (default: --dtype); fastest: bfloat16 where this CPU computes it natively "
+                        "(avx512_bf16 or AMX), else float32. The draft's dtype never changes the output")
 
 
 def main(argv=None) -> None:
@@ -380,6 +394,8 @@ def main(argv=None) -> None:
                    "smollm2-135m (the fast demo)")
     p.add_argument("--no-prepare", dest="prepare", action="store_false",
                    help="run the models eagerly (default: spec_adapt.prepare on target and draft)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the target's dtype (the draft's is chosen by this CPU's bf16 capability)")
     p.set_defaults(func=demo)
     p = sub.add_parser("bench", help="configurations side by side on a workload (see spec_adapt/tools/bench.py)")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat (HumanEval as a user message, for instruct models) or mixed")

@@ -1,0 +1,101 @@
+"""Every transformers internal spec_adapt relies on, named in one place.
+
+transformers renames things between releases: 5.24 calls the generation cache `cache` where 5.20-5.23 called it
+`past_key_values` (the old name warns and goes away in 5.40). When a release renames something else, the change is
+made here, once. Public, documented API (AutoModel, GenerationConfig, LogitsProcessorList, the logits processors)
+is imported where it is used; what is listed here is either private or has been renamed within the tested range.
+
+The tested range is `TESTED` (pyproject.toml declares the same; `constraints.txt` pins the newest end, and
+`make test` also runs the identity, contract and entry-point suites on the oldest end).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+
+import transformers
+from transformers import DynamicCache, GenerationConfig                                 # noqa: F401 (re-exported)
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer          # noqa: F401 (re-exported)
+from transformers.generation.candidate_generator import (                              # noqa: F401 (re-exported)
+    AssistedCandidateGenerator, PromptLookupCandidateGenerator,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria   # noqa: F401
+from transformers.generation.utils import GenerateDecoderOnlyOutput                    # noqa: F401 (re-exported)
+from transformers.masking_utils import create_causal_mask as _create_causal_mask
+
+TESTED = (">=5.20", "<5.25")            # the declared range: both ends run the identity suites
+TESTED_TEXT = "transformers 5.20 to 5.24"
+VERSION = transformers.__version__
+
+# The names generate hands a custom_generate function the cache under (newest first).
+CACHE_INPUTS = ("cache", "past_key_values")
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(forward_type, forward) -> str:
+    parameters = inspect.signature(forward).parameters
+    if "cache" in parameters:
+        return "cache"
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    # A forward that takes **kwargs only (a wrapper): the name this transformers' own models take.
+    return "cache" if "cache" in inspect.signature(_create_causal_mask).parameters else "past_key_values"
+
+
+def cache_argument(model) -> str:
+    """The keyword `model.forward` takes its cache under: `cache` on transformers >= 5.24, else `past_key_values`."""
+    forward = getattr(type(model), "forward", None) or model.forward
+    return _cache_argument(type(model), forward)
+
+
+def with_cache(model, cache) -> dict:
+    """The forward keyword arguments that hand `model` this cache, under the name it expects."""
+    return {cache_argument(model): cache}
+
+
+def pop_cache(model_kwargs: dict):
+    """The cache generate prepared for a custom_generate function, under whichever name this release uses."""
+    found = [model_kwargs.pop(name) for name in CACHE_INPUTS if name in model_kwargs]
+    found = [cache for cache in found if cache is not None]
+    return found[0] if found else None
+
+
+def output_cache(output):
+    """The cache a model forward returned (`cache` on >= 5.24, `past_key_values` before)."""
+    # Only the fields the output holds: reading the old name's alias logs a deprecation notice.
+    fields = list(output.keys()) if isinstance(output, Mapping) else list(vars(output))
+    return next((getattr(output, name) for name in CACHE_INPUTS if name in fields), None)
+
+
+def create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids=None):
+    """transformers.masking_utils.create_causal_mask (its cache argument was renamed: passed by position)."""
+    return _create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+
+
+# -- private fields ---------------------------------------------------------------------------------------------------
+def pad_token_tensor(generation_config):
+    """The pad token generate resolved for this call (a private field of the prepared GenerationConfig)."""
+    return getattr(generation_config, "_pad_token_tensor", None)
+
+
+def mask_length(generation_config):
+    """The width of the attention mask generate dropped because it was all ones (private, set by generate)."""
+    return getattr(generation_config, "_mask_length", None)
+
+
+def attn_implementation(model) -> str | None:
+    """The attention implementation a model runs (`config._attn_implementation`)."""
+    return getattr(model.config, "_attn_implementation", None)
+
+
+def generation_default(name: str):
+    """The value generate fills into a GenerationConfig field left unset (e.g. num_assistant_tokens = 20): a setting
+    equal to it may not have been chosen by the user."""
+    return GenerationConfig._get_default_generation_params().get(name, getattr(GenerationConfig(), name, None))
+
+
+def stock_generate_frame(frame) -> bool:
+    """Whether a Python frame is transformers' own `generate` (where a user's `streamer=` lives)."""
+    return frame.f_code.co_name == "generate" and "transformers" in frame.f_code.co_filename
