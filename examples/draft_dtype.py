@@ -1,6 +1,6 @@
-"""The draft in the dtype this CPU decodes fastest, beside a float32 target. The target verifies every drafted token,
-so the draft's precision changes what it proposes, never the output: the result is token-identical to stock greedy
-`generate` on the same (prepared, float32) target.
+"""The draft in the dtype this CPU computes natively (bf16 where native), beside a float32 target. The target verifies
+every drafted token, so the draft's precision changes what it proposes, never the output: the result is
+token-identical to stock greedy `generate` on the same (prepared, float32) target.
 
     python examples/draft_dtype.py
 """
@@ -13,7 +13,7 @@ from spec_adapt.tools.models import load_model
 
 target, tok = load_model("qwen2.5-coder-1.5b")              # float32: where greedy identity is exact
 spec_adapt.prepare(target)
-draft, dtype, why = fastest(load_model("qwen2.5-coder-0.5b")[0])   # prepared; bf16 where that decodes faster here
+draft, dtype, why = fastest(load_model("qwen2.5-coder-0.5b")[0])   # prepared; bf16 where this CPU computes it natively
 print(f"draft dtype: {dtype} ({why})")
 
 messages = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]

@@ -7,7 +7,7 @@ or, after `spec_adapt.enable(model)`:
     out = model.generate(**inputs, assistant_model=draft)
 
 Layout: the speculative core is this package's flat modules (api, loop, ledger, accept, acceptor, verifiers,
-processors, metrics, prepare) plus `drafters/` and `policies/`; `serving/` holds the engine; `kernels/` the Triton
+processors, metrics, execution, compat) plus `drafters/` and `policies/`; `serving/` holds the engine; `kernels/` the Triton
 kernels beside their references; `eval/` and `recipes/` the quality harness and workloads; `tools/` the CLI,
 benchmarks and model loading.
 """
@@ -24,14 +24,16 @@ from .verifiers import EarlyExitVerifier, FullVerifier
 
 __version__ = "0.1.0"
 
+# The names a user starts from (at most 25). Also importable: SpecGenerateOutput (what generate returns with
+# return_dict_in_generate) and ScriptedDrafter (scripted drafts for tests); `spec_adapt.compat` names the transformers
+# internals spec_adapt relies on.
 __all__ = [
     # entry points
-    "generate", "enable", "disable", "reset_default_policies", "prepare", "unprepare", "SpecGenerateOutput",
+    "generate", "enable", "disable", "reset_default_policies", "prepare", "unprepare",
     # statistics
     "SpecStats", "last_stats",
     # drafters
-    "Drafter", "ModelDrafter", "PromptLookupDrafter", "SuffixDrafter", "ChainDrafter", "ScriptedDrafter",
-    "DraftOffload",
+    "Drafter", "ModelDrafter", "PromptLookupDrafter", "SuffixDrafter", "ChainDrafter", "DraftOffload",
     # policies
     "Policy", "Adaptive", "FixedLength", "FixedTree", "ChainScheduler",
     # verify and accept phases

@@ -120,14 +120,18 @@ def fastest(model: torch.nn.Module, pack: bool = True):
 
     Chosen by capability, never by a timing (two timings a few percent apart flip on a busy machine): bfloat16 on a
     GPU that supports it and on a CPU where oneDNN runs bf16 natively (avx512_bf16 or AMX, which halves the bytes a
-    decode step reads), float32 elsewhere (where bf16 is emulated and slower). The model is converted in place.
+    decode step reads), float32 elsewhere (where bf16 is emulated and slower). A bfloat16 choice is a
+    copy (drop the float32 model to free its memory); a float32 choice is the model itself.
 
     Meant for a draft model, whose precision changes which tokens it proposes, never what the target commits. For
     a target it would change the output's numerics: a bf16 target breaks near-ties differently at different
     widths, so keep a target in float32 where strict identity with one-token decoding matters (docs/execution.md)."""
+    import copy
+
     ready = prepare if pack else (lambda m: m)
     dtype, why = bf16_capability(model.device)
-    return ready(model.to(dtype)), dtype, why
+    chosen = model if dtype == model.dtype else copy.deepcopy(model).to(dtype)
+    return ready(chosen), dtype, why
 
 
 def bf16_capability(device) -> tuple[torch.dtype, str]:

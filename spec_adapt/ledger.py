@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 
 import torch
 from .compat import DynamicCache, DynamicLayer, attn_implementation, with_cache
@@ -56,6 +57,44 @@ def check_rollback_cache(cache) -> None:
             "linear-attention layers discard or transform old entries). Use a model/config with full-attention "
             "layers (e.g. `use_sliding_window=False`) or generate without `assistant_policy`."
         )
+
+
+_POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def takes_positions(model) -> bool:
+    """Whether `model.forward` names `position_ids`: stock generate passes padding-aware positions exactly then, and
+    otherwise lets the model number tokens itself (WhisperForCausalLM takes them only through **kwargs)."""
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+def positions_from_cache(model) -> str | None:
+    """Why `model` numbers a token by its physical column in the cache rather than by `position_ids` (None if it
+    reads position_ids). Such a model (the Bart-family standalone decoders, which use cache length + offset; models
+    run without position_ids) sees a shifted position wherever the cache holds a hole before a row's tokens, so
+    its rows must keep their columns in step (KVLedger.lockstep). Decided once per model by a probe: two forwards
+    of three tokens at different position_ids."""
+    known = _POSITIONS.get(model, False)
+    if known is not False:
+        return known
+    if not takes_positions(model):
+        reason = f"{type(model).__name__}.forward takes no position_ids (stock numbers its tokens by cache column)"
+    elif getattr(model, "_pp_stage", None) is not None:      # a pipeline stage cannot be probed alone
+        reason = None
+    else:
+        reason = None if _reads_positions(model) else (
+            f"{type(model).__name__} numbers tokens by their cache column and ignores position_ids")
+    _POSITIONS[model] = reason
+    return reason
+
+
+def _reads_positions(model) -> bool:
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.tensor([[1, 2, 3]], device=model.device) % vocab
+    with torch.no_grad():
+        near, far = (model(input_ids=ids, position_ids=torch.arange(start, start + 3, device=model.device)[None],
+                           use_cache=False).logits for start in (0, 7))
+    return not torch.equal(near, far)
 
 
 def select_positions(x: torch.Tensor, keep) -> torch.Tensor:
@@ -121,6 +160,10 @@ class KVLedger:
         self.spare = 0                             # cache rows after the B live ones, kept only for the batch shape
         self.tree: tuple | None = None   # pending tree region: (first column, parents [B, T], in use [B, T])
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._takes_positions = takes_positions(model)
+        # Lockstep (a model numbering tokens by cache column, see positions_from_cache): the owner commits the same
+        # count in every row, so no hole opens before a row's tokens, and nothing is compacted (that moves columns).
+        self.lockstep = False
         # A pipeline stage after the first holds no cache for layer 0, from which transformers sizes the masks it
         # builds from a 2-D mask: such a model gets its full 4-D mask from the ledger on every forward.
         stage = getattr(model, "_pp_stage", None)
@@ -272,11 +315,11 @@ class KVLedger:
         if allowed is not None:
             mask = attention_mask_4d(self.model, mask)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        if self._takes_positions:
+            kwargs["position_ids"] = position_ids
         with self._cut_back_on_failure(self.physical_length if past is None else past):
-            out = self.model(
-                input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                use_cache=True, **with_cache(self.model, self.cache), **kwargs,
-            )
+            out = self.model(input_ids=tokens, attention_mask=mask, use_cache=True,
+                             **with_cache(self.model, self.cache), **kwargs)
         logits = out.logits[:live]
         if self._keeps_logits:           # the model has already kept only the wanted positions
             return logits
@@ -303,7 +346,7 @@ class KVLedger:
         self.n_cached = torch.minimum(self.n_cached, keep_len)
         self._trim()
         free = self.reclaimable()
-        if free >= self.compact_min and free > self.compact_threshold * self.physical_length:
+        if not self.lockstep and free >= self.compact_min and free > self.compact_threshold * self.physical_length:
             self.compact()
 
     def select_rows(self, index: torch.Tensor, spare: int = 0) -> None:

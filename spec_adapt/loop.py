@@ -17,11 +17,11 @@ import warnings
 import torch
 from .compat import EosTokenCriteria, MaxLengthCriteria, pad_token_tensor
 
-from .accept import committed_tokens
+from .accept import committed_tokens, lockstep
 from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
 from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
 from .acceptor import Acceptor
-from .ledger import KVLedger
+from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
 from .processors import ScoreProcessor, tree_positions
@@ -55,6 +55,7 @@ class SpeculativeLoop:
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
+        self.target.lockstep = positions_from_cache(model) is not None
         self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
 
@@ -243,6 +244,8 @@ class SpeculativeLoop:
             return accepted, next_token, path
         accepted, next_token = self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths,
                                                     self.sampling)
+        if self.target.lockstep:
+            accepted, next_token = lockstep(accepted, next_token, proposal.tokens)
         return accepted, next_token, None
 
     def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path) -> torch.Tensor:

@@ -78,7 +78,17 @@ class ScoreProcessor:
 
 
 def _for_rows(processor, rows: torch.Tensor):
-    """A view of a processor that keeps per-row state, restricted to `rows` of the user's batch."""
+    """A view of a processor that keeps per-row state, restricted to `rows` of the user's batch. The processors
+    transformers builds from a generation config that hold per-row state are these four; the others read only
+    input_ids and the scores (tests/test_processors.py runs each at batch 3)."""
+    if isinstance(processor, lp.EncoderNoRepeatNGramLogitsProcessor):
+        view = copy.copy(processor)
+        view.batch_size, view.generated_ngrams = len(rows), [processor.generated_ngrams[r] for r in rows.tolist()]
+        return view
+    if isinstance(processor, lp.EncoderRepetitionPenaltyLogitsProcessor):
+        view = copy.copy(processor)
+        view.encoder_input_ids = processor.encoder_input_ids[rows.to(processor.encoder_input_ids.device)]
+        return view
     ignore = getattr(processor, "prompt_ignore_length", None)
     if isinstance(processor, lp.RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor):
         view = copy.copy(processor)

@@ -98,6 +98,12 @@ def check_trees(model, verifier) -> None:
         raise ValueError(f"The policy plans token trees, but {verifier!r} verifies chains only: use FullVerifier(), "
                          "or a policy without depth (FixedLength, Adaptive).")
     check_tree_attention(model)
+    from .ledger import positions_from_cache
+
+    reason = positions_from_cache(model)
+    if reason is not None:
+        raise ValueError(f"Token trees give sibling nodes one position and different cache columns, but {reason}: "
+                         "draft chains (a policy without depth) for this model.")
 
 
 @dataclass

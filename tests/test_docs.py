@@ -50,3 +50,18 @@ def test_snippets_run(path, smollm2, monkeypatch, tmp_path):
         spec_adapt.unprepare(model)
         spec_adapt.disable(model)
         spec_adapt.reset_default_policies()
+
+
+def test_results_are_at_most_twenty_sets_each_cited_by_the_docs():
+    entries = sorted(p.name for p in (ROOT / "results").iterdir() if not p.name.startswith("."))
+    prose = "\n".join(p.read_text() for p in FILES)
+    for head, options, tail in re.findall(r"results/([\w.-]*)\{([^}]*)\}([\w.-]*)", prose):    # results/a-{b,c}/
+        prose += "".join(f"\nresults/{head}{option}{tail}" for option in options.split(","))
+    assert len(entries) <= 20, entries
+    uncited = [name for name in entries if f"results/{name}" not in prose]
+    assert not uncited, f"result sets no doc cites: {uncited}"
+
+
+def test_the_public_names_are_few():
+    assert len(spec_adapt.__all__) <= 25
+    assert all(hasattr(spec_adapt, name) for name in spec_adapt.__all__)

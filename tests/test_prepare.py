@@ -192,4 +192,4 @@ def test_the_draft_dtype_is_chosen_by_capability_not_by_timing(monkeypatch):
     assert chosen is model and dtype == torch.float32 and model.dtype == torch.float32 and "no native" in why
     monkeypatch.setattr(p, "native_bf16", lambda: True)
     chosen, dtype, why = fastest(model, pack=False)
-    assert chosen is model and dtype == torch.bfloat16 and model.dtype == torch.bfloat16 and "natively" in why
+    assert dtype == chosen.dtype == torch.bfloat16 and model.dtype == torch.float32 and "natively" in why

@@ -40,7 +40,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 from ..api import as_drafter
 from ..distributed import ranks_of
 from ..acceptor import Acceptor
-from ..ledger import KVLedger
+from ..ledger import KVLedger, positions_from_cache
 from ..loop import SpeculativeLoop, Stopper
 from ..metrics import SpecStats
 from ..policies.base import check_policy
@@ -296,6 +296,10 @@ class Engine:
             raise ValueError("The Engine serves a model held by one process; a target sharded over processes "
                              "speculates in model.generate (docs/distributed.md), and serving at scale is vLLM's "
                              "or SGLang's job (docs/serving.md).")
+        reason = positions_from_cache(model)
+        if reason is not None:
+            raise ValueError(f"The Engine places requests that join at different cache columns, but {reason}: "
+                             "serve this model with model.generate (batches run in lockstep there).")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.max_new_tokens = _check_budget(max_new_tokens)
         drafter = as_drafter(drafter)

@@ -1,0 +1,107 @@
+"""Greedy identity beyond Llama-style decoders: tiny models of other cache and position families, built from their
+transformers configs as transformers' own model testers build them, at batch 1 and batched (ragged), with scripted
+drafts that are right for some rows and wrong for others (so the rows accept different numbers of tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spec_adapt
+from spec_adapt import FixedLength, FixedTree, PromptLookupDrafter
+from spec_adapt.ledger import positions_from_cache
+
+from conftest import BOS, EOS, PAD, VOCAB, Oracle, ragged_batch, stock_greedy
+
+SMALL = dict(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def bart_decoder():
+    from transformers import BartConfig, BartForCausalLM
+
+    config = BartConfig(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=2,
+                        encoder_attention_heads=4, encoder_ffn_dim=64, max_position_embeddings=128,
+                        is_decoder=True, is_encoder_decoder=False, decoder_start_token_id=BOS, **SMALL)
+    return BartForCausalLM(config)
+
+
+def whisper_decoder():
+    from transformers import WhisperConfig, WhisperForCausalLM
+
+    config = WhisperConfig(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+                           encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, max_target_positions=128,
+                           max_source_positions=32, num_mel_bins=8, is_encoder_decoder=False,
+                           decoder_start_token_id=BOS, suppress_tokens=None, begin_suppress_tokens=None, **SMALL)
+    return WhisperForCausalLM(config)
+
+
+FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
+_MADE: dict = {}
+
+
+def family(name):
+    if name not in _MADE:
+        torch.manual_seed(0)
+        model = FAMILIES[name]().eval()
+        with torch.no_grad():              # clear-cut greedy choices, as in conftest.tiny_model
+            model.get_output_embeddings().weight.mul_(8.0)
+            for module_name, module in model.named_modules():     # positions that decide tokens: a shift shows
+                if module_name.endswith("embed_positions"):
+                    module.weight.mul_(30.0)
+        _MADE[name] = model
+    return _MADE[name]
+
+
+def spec(model, ids, mask, drafter, policy, **kw):
+    stats = spec_adapt.SpecStats()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                         max_new_tokens=16, custom_generate=spec_adapt.generate, drafter=drafter,
+                         assistant_policy=policy, spec_stats=stats, **kw)
+    return out, stats
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cache_column_positions_are_detected(name):
+    assert positions_from_cache(family(name)) is not None
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("modes", [["right", 2, 1], [1, "right", 3], ["right", "wrong", 2]])
+def test_rows_that_accept_differently_keep_their_positions(name, batch, modes):
+    model = family(name)
+    ids, mask = ragged_batch(batch, seed=11)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    out, stats = spec(model, ids, mask, Oracle(reference, mask, modes).drafter(), FixedLength(3))
+    assert torch.equal(out, reference)
+    assert stats.accepted > 0 or "wrong" in modes[:batch]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_prompt_lookup_and_the_default_policy_batched(name):
+    model = family(name)
+    ids, mask = ragged_batch(3, seed=12)
+    ids[:, -4:] = ids[:, -8:-4].clone()          # repeats for prompt lookup to find
+    ids[mask == 0] = PAD
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    for policy in (FixedLength(4), None):
+        out, _ = spec(model, ids, mask, PromptLookupDrafter(2, 1), policy)
+        assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_no_drafter_matches_stock_on_left_padded_rows(name):
+    model = family(name)
+    ids, mask = ragged_batch(3, seed=13)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=16)
+    out, _ = spec(model, ids, mask, None, FixedLength(0))
+    assert torch.equal(out, reference)
+
+
+def test_trees_and_the_engine_refuse_cache_column_positions():
+    model = family("bart")
+    ids, mask = ragged_batch(2, seed=14)
+    with pytest.raises(ValueError, match="cache column"):
+        spec(model, ids, mask, PromptLookupDrafter(2, 1), FixedTree(4, 2))
+    with pytest.raises(ValueError, match="cache column"):
+        spec_adapt.Engine(model, drafter=PromptLookupDrafter(2, 1))
