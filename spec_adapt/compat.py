@@ -17,7 +17,9 @@ from collections.abc import Mapping
 
 import transformers
 from transformers import DynamicCache, GenerationConfig                                 # noqa: F401 (re-exported)
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer          # noqa: F401 (re-exported)
+from transformers.cache_utils import (                                                  # noqa: F401 (re-exported)
+    DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs,
+)
 from transformers.generation.candidate_generator import (                              # noqa: F401 (re-exported)
     AssistedCandidateGenerator, PromptLookupCandidateGenerator,
 )
@@ -67,6 +69,13 @@ def output_cache(output):
     # Only the fields the output holds: reading the old name's alias logs a deprecation notice.
     fields = list(output.keys()) if isinstance(output, Mapping) else list(vars(output))
     return next((getattr(output, name) for name in CACHE_INPUTS if name in fields), None)
+
+
+def layer_types(model) -> list[tuple[str, dict]]:
+    """(layer type, its cache kwargs, e.g. {"sliding_window": 8}) per decoder layer, as DynamicCache reads them."""
+    config = model.config.get_text_config(decoder=True)
+    types, kwargs = get_layer_types_and_kwargs(config)
+    return list(zip(types, kwargs))
 
 
 def create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids=None):

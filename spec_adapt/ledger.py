@@ -36,7 +36,7 @@ import inspect
 import weakref
 
 import torch
-from .compat import DynamicCache, DynamicLayer, attn_implementation, with_cache
+from .compat import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, attn_implementation, layer_types, with_cache
 
 
 class UnsupportedCacheError(ValueError):
@@ -44,13 +44,15 @@ class UnsupportedCacheError(ValueError):
 
 
 def check_rollback_cache(cache) -> None:
-    """Raise a clear error for caches whose entries cannot be invalidated per row."""
+    """Raise a clear error for caches whose entries cannot be invalidated per row. An empty cache of sliding-window
+    layers is accepted: the ledger runs such a model on full layers and enforces the window in its masks."""
     if not isinstance(cache, DynamicCache):
         raise UnsupportedCacheError(
             f"spec_adapt needs a DynamicCache to roll back rejected tokens per row, got {type(cache).__name__}. "
             "Drop `cache_implementation=...` / the `past_key_values` you passed, and generate will create one."
         )
-    bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
+    bad = [type(layer).__name__ for layer in cache.layers if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)
+           or type(layer) is DynamicSlidingWindowLayer and layer.is_initialized]
     if bad:
         raise UnsupportedCacheError(
             f"spec_adapt cannot roll back cache layers of type {sorted(set(bad))} (sliding-window, quantized or "
@@ -73,7 +75,7 @@ def positions_from_cache(model) -> str | None:
     reads position_ids). Such a model (the Bart-family standalone decoders, which use cache length + offset; models
     run without position_ids) sees a shifted position wherever the cache holds a hole before a row's tokens, so
     its rows must keep their columns in step (KVLedger.lockstep). Decided once per model by a probe: two forwards
-    of three tokens at different position_ids."""
+    of three tokens at position_ids with different gaps."""
     known = _POSITIONS.get(model, False)
     if known is not False:
         return known
@@ -91,10 +93,42 @@ def positions_from_cache(model) -> str | None:
 def _reads_positions(model) -> bool:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.tensor([[1, 2, 3]], device=model.device) % vocab
+    outputs = []
     with torch.no_grad():
-        near, far = (model(input_ids=ids, position_ids=torch.arange(start, start + 3, device=model.device)[None],
-                           use_cache=False).logits for start in (0, 7))
-    return not torch.equal(near, far)
+        for positions in ([0, 1, 2], [0, 3, 7]):     # other gaps: rotary embeddings see only relative positions
+            out = model(input_ids=ids, position_ids=torch.tensor([positions], device=model.device),
+                        use_cache=False, output_hidden_states=True)
+            # Hidden states, where a model has them: soft-capped logits can saturate to the same values.
+            outputs.append(out.hidden_states[-1] if getattr(out, "hidden_states", None) else out.logits)
+    return not torch.equal(*outputs)
+
+
+# Layer types whose cache entries the ledger keeps and masks (a window is enforced by the mask, never by dropping).
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_windows(model) -> dict[str, int | None] | None:
+    """{layer type: its window (None: full attention)} for a model with sliding-window layers; None when every layer
+    attends fully. Layer types whose state cannot be rolled back per row are refused with the reason."""
+    types = layer_types(model)
+    bad = sorted({kind for kind, _ in types if kind not in _ROLLBACK_TYPES})
+    if bad:
+        raise UnsupportedCacheError(
+            f"spec_adapt cannot roll back the {bad} layers of {type(model).__name__} per row (their cache transforms "
+            "or shares state instead of keeping one entry per token). Generate without a drafter for this model.")
+    windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types}
+    if all(window is None for window in windows.values()):
+        return None
+    if attn_implementation(model) not in ("sdpa", "eager"):
+        raise UnsupportedCacheError(
+            f"{type(model).__name__} has sliding-window layers, which spec_adapt enforces with 4-D attention masks: "
+            f"load it with attn_implementation='sdpa' or 'eager' (it uses {attn_implementation(model)!r}).")
+    return windows
+
+
+def new_cache(model, windows) -> DynamicCache:
+    """The ledger's cache: transformers' own for full attention, plain full layers under sliding windows."""
+    return DynamicCache() if windows else DynamicCache(config=model.config)
 
 
 def select_positions(x: torch.Tensor, keep) -> torch.Tensor:
@@ -103,6 +137,11 @@ def select_positions(x: torch.Tensor, keep) -> torch.Tensor:
     if torch.is_tensor(keep):
         return x.gather(1, keep.reshape(*keep.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
     return x[:, -keep:] if keep else x
+
+
+def _per_type(mask, fn):
+    """fn applied to a mask, or to each mask of a {layer type: mask} mapping."""
+    return {kind: fn(m) for kind, m in mask.items()} if isinstance(mask, dict) else fn(mask)
 
 
 def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tensor:
@@ -152,7 +191,8 @@ class KVLedger:
         self.compact_threshold, self.compact_min = compact_threshold, compact_min
         self.compactions = 0
         self.device = model.device
-        self.cache = cache if cache is not None else DynamicCache(config=model.config)
+        self.windows = sliding_windows(model)
+        self.cache = cache if cache is not None and not self.windows else new_cache(model, self.windows)
         check_rollback_cache(self.cache)
         self.slots: torch.Tensor | None = None     # [B, P] long
         self.pad: torch.Tensor | None = None       # [B] long, left padding of each row
@@ -303,17 +343,17 @@ class KVLedger:
         A forward that fails leaves the cache as the ledger accounts for it: the layers it had already run appended
         their columns, and they are cut back to the `past` columns held before (default: the ledger's length)."""
         mask, position_ids = self._inputs(slots, slots if new is None else new)
-        if allowed is None and self._full_masks:
+        if allowed is None and (self._full_masks or self.windows):
             allowed = _causal_allowed(slots, tokens.shape[1])
         if allowed is not None:
-            mask = allowed
+            mask = self._windowed(allowed, slots, position_ids) if self.windows else allowed
         live = tokens.shape[0]
         if self.spare:
             tokens, mask, position_ids = self._with_spares(tokens, mask, position_ids)
             if torch.is_tensor(keep):
                 keep = torch.cat([keep, keep.new_zeros((self.spare, keep.shape[1]))])
         if allowed is not None:
-            mask = attention_mask_4d(self.model, mask)
+            mask = _per_type(mask, lambda m: attention_mask_4d(self.model, m))
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         if self._takes_positions:
             kwargs["position_ids"] = position_ids
@@ -325,6 +365,18 @@ class KVLedger:
             return logits
         return select_positions(logits, keep[:live] if torch.is_tensor(keep) else keep)
 
+    def _windowed(self, allowed, slots, position_ids):
+        """The allowed matrix [B, W, P + W] per layer type: a sliding layer's token also sees only the tokens less
+        than its window before it (positions, not columns: holes do not count), as transformers' sliding masks do.
+        One tensor where every layer is of one type (the model takes a single mask), else {layer type: tensor}."""
+        keys = slots - self.pad[:, None]                                             # [B, P + W] positions
+        distance = position_ids[:, :, None] - keys[:, None, :]                       # [B, W, P + W]
+        columns = torch.arange(slots.shape[1], device=slots.device)
+        own = columns[None, :] == columns[-position_ids.shape[1]:, None]             # each token's own column
+        masks = {kind: allowed if window is None else allowed & ((distance < window) | own[None])
+                 for kind, window in self.windows.items()}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
     def _with_spares(self, tokens, mask, position_ids):
         """The forward's inputs with the spare rows after the live ones: token 0 at position 0, attending to every
         slot of their own row (what they attend to is never read; an all-masked row could turn into NaN)."""
@@ -332,7 +384,7 @@ class KVLedger:
         if mask is None:
             mask = tokens.new_ones((live, self.physical_length + width))
         tokens = torch.cat([tokens, tokens.new_zeros((self.spare, width))])
-        mask = torch.cat([mask, mask.new_ones((self.spare,) + tuple(mask.shape[1:]))])
+        mask = _per_type(mask, lambda m: torch.cat([m, m.new_ones((self.spare,) + tuple(m.shape[1:]))]))
         position_ids = torch.cat([position_ids, position_ids.new_zeros((self.spare, width))])
         return tokens, mask, position_ids
 
@@ -404,7 +456,7 @@ class KVLedger:
     def drop_kv(self) -> None:
         """Free every cached entry and keep the rows: nothing is cached past each row's padding, so the next
         forward starts from the row's first token (an offloaded draft's catch-up)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model, self.windows)
         self.spare = 0
         self.slots = self.slots[:, :0]
         self.n_cached = self.pad.clone()

@@ -35,14 +35,35 @@ def whisper_decoder():
     return WhisperForCausalLM(config)
 
 
+def mistral_sliding():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=WINDOW,
+                           attn_implementation="sdpa", **SMALL)
+    return MistralForCausalLM(config)
+
+
+def gemma2_alternating():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=WINDOW,
+                          attn_implementation="eager", **SMALL)
+    return Gemma2ForCausalLM(config)
+
+
+WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
+SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating}
+_BUILDERS = {**FAMILIES, **SLIDING}
 _MADE: dict = {}
 
 
 def family(name):
     if name not in _MADE:
         torch.manual_seed(0)
-        model = FAMILIES[name]().eval()
+        model = _BUILDERS[name]().eval()
         with torch.no_grad():              # clear-cut greedy choices, as in conftest.tiny_model
             model.get_output_embeddings().weight.mul_(8.0)
             for module_name, module in model.named_modules():     # positions that decide tokens: a shift shows
@@ -52,10 +73,10 @@ def family(name):
     return _MADE[name]
 
 
-def spec(model, ids, mask, drafter, policy, **kw):
+def spec(model, ids, mask, drafter, policy, max_new_tokens=16, **kw):
     stats = spec_adapt.SpecStats()
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
-                         max_new_tokens=16, custom_generate=spec_adapt.generate, drafter=drafter,
+                         max_new_tokens=max_new_tokens, custom_generate=spec_adapt.generate, drafter=drafter,
                          assistant_policy=policy, spec_stats=stats, **kw)
     return out, stats
 
@@ -105,3 +126,40 @@ def test_trees_and_the_engine_refuse_cache_column_positions():
         spec(model, ids, mask, PromptLookupDrafter(2, 1), FixedTree(4, 2))
     with pytest.raises(ValueError, match="cache column"):
         spec_adapt.Engine(model, drafter=PromptLookupDrafter(2, 1))
+
+
+def long_ragged(batch, seed):
+    """Prompts of 12-20 tokens: with 40 new tokens a window of 8 slides well inside the call."""
+    return ragged_batch(batch, seed=seed, max_len=20)
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", [FixedLength(3), FixedTree(6, 3)], ids=["chain", "tree"])
+def test_sliding_windows_scripted(name, batch, policy):
+    model = family(name)
+    ids, mask = long_ragged(batch, seed=21)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    out, stats = spec(model, ids, mask, Oracle(reference, mask, ["right", 2, "wrong"]).drafter(), policy,
+                      max_new_tokens=40)
+    assert torch.equal(out, reference)
+    assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_sliding_windows_with_a_draft_model_and_prompt_lookup(name):
+    model = family(name)
+    ids, mask = long_ragged(3, seed=22)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    for drafter in (model, PromptLookupDrafter(2, 1)):
+        out, stats = spec(model, ids, mask, drafter, FixedLength(4), max_new_tokens=40)
+        assert torch.equal(out, reference)
+    assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "mistral", "gemma2"])
+def test_models_that_read_position_ids_run_freely(name):
+    from conftest import cached_model
+
+    model = family(name) if name in SLIDING else cached_model(name)
+    assert positions_from_cache(model) is None
