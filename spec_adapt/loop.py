@@ -400,7 +400,8 @@ class SpeculativeLoop:
 def _along_path(proposal: Proposal, path, scores, logits):
     """A verified tree as the chain of its accepted path: (proposal, scores, logits) of the root and the path."""
     nodes, counts = path_nodes(path)                                                # [B, A]
-    columns = torch.cat([torch.zeros_like(nodes[:, :1]), nodes + 1], dim=1)        # [B, A+1]
+    root = nodes.new_zeros((nodes.shape[0], 1))                    # column 0 even where no row accepted a node (A = 0)
+    columns = torch.cat([root, nodes + 1], dim=1)                                   # [B, A+1]
     index = columns[..., None].expand(-1, -1, scores.shape[-1])
     chain = Proposal(proposal.tokens.gather(1, nodes), counts, None, proposal.telemetry)
     return chain, scores.gather(1, index), logits.gather(1, index)

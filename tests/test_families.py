@@ -163,3 +163,51 @@ def test_models_that_read_position_ids_run_freely(name):
 
     model = family(name) if name in SLIDING else cached_model(name)
     assert positions_from_cache(model) is None
+
+
+def _small_vocab(builder, **config):
+    """A family's model with a 16-token vocabulary and mild logits: every token has real probability."""
+    import test_sampling
+
+    global VOCAB
+    torch.manual_seed(5)
+    saved, VOCAB = VOCAB, test_sampling.VOCAB_SMALL
+    SMALL["vocab_size"] = VOCAB
+    try:
+        model = builder(**config).eval()
+    finally:
+        VOCAB, SMALL["vocab_size"] = saved, saved
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.3)
+    return model
+
+
+@pytest.mark.parametrize("name", ["mistral", "bart"])
+def test_sampling_follows_the_target_distribution(name):
+    """The enumerated statistical test: the first generated tokens' marginals against the target's exact ones.
+    Mistral with a window of 3 (it slides within the 4 + 3 tokens enumerated), sampled as one batch; Bart (lockstep)
+    in batches of 3 whose rows accept different numbers of drafts, with a point-mass draft."""
+    import test_sampling as ts
+
+    global WINDOW
+    saved, WINDOW = WINDOW, 3
+    try:
+        model = _small_vocab(_BUILDERS[name])
+    finally:
+        WINDOW = saved
+    marginals = ts.exact_marginals(model, [3, 7, 9, 4])
+    guess = int(marginals[1].argmax())
+    drafter = spec_adapt.ScriptedDrafter(lambda row, context, gamma: [guess, 5, 6][:gamma])
+    rows, calls = (3000, 1) if name == "mistral" else (3, 500)
+    tokens = []
+    torch.manual_seed(0)
+    accepted = 0
+    for _ in range(calls):
+        tokens.append(ts.sample(model, drafter, rows, seed=None))
+        accepted += spec_adapt.last_stats().accepted
+    tokens = torch.cat(tokens)
+    assert accepted > 0
+    for position, exact in enumerate(marginals):
+        empirical = torch.bincount(tokens[:, position], minlength=ts.VOCAB_SMALL).float() / len(tokens)
+        tolerance = 5 * (exact * (1 - exact) / len(tokens)).sqrt() + 2e-3
+        assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)

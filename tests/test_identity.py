@@ -172,6 +172,30 @@ def test_custom_stopping_criteria(llama):
     assert torch.equal(out, reference)
 
 
+def test_custom_stopping_criteria_without_eos_pad_the_stopped_row(llama):
+    """No EOS: stock cannot drop a row a custom criterion stopped (it pads finished rows only when it has an EOS), so
+    it keeps writing that row's tokens until every row has stopped. spec_adapt ends the row where it stopped and pads
+    it: the tokens up to and including the stop are stock's, then padding (docs/compatibility.md)."""
+    ids, mask = ragged_batch(3, seed=7)
+    free = stock_greedy(llama, ids, mask, eos_token_id=None)
+    start = ids.shape[1]
+    token = int(free[1, start + 2])
+    stops = [int((free[b, start:] == token).nonzero()[0]) + 1 if bool((free[b, start:] == token).any()) else None
+             for b in range(3)]
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None,
+                             stopping_criteria=StoppingCriteriaList([StopAfterToken(token)]))
+    oracle = Oracle(free, mask, ["right", 2, "wrong"], eos=(token,))
+    out, _ = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(3), eos_token_id=None,
+                      stopping_criteria=StoppingCriteriaList([StopAfterToken(token)]))
+    assert stops[1] == 3
+    for b, stop in enumerate(stops):
+        if stop is None or stop >= out.shape[1] - start:
+            continue
+        assert torch.equal(out[b, : start + stop], reference[b, : start + stop])
+        assert bool((out[b, start + stop:] == PAD).all())
+    assert not bool((reference[1, start + 3:] == PAD).all())        # stock wrote on after row 1 stopped
+
+
 def test_scores_and_dict_output(llama):
     ids, mask = ragged_batch(3, seed=8)
     kw = dict(eos_token_id=None, return_dict_in_generate=True, output_scores=True, output_logits=True)

@@ -50,7 +50,8 @@ def exact_marginals(model, prompt, depth=3):
 
 def sample(model, drafter, n, seed, gamma=3, policy=None, **kw):
     prompt = torch.tensor([[3, 7, 9, 4]]).repeat(n, 1)
-    torch.manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                          temperature=TEMPERATURE, top_k=TOP_K, top_p=None, max_new_tokens=5,
                          eos_token_id=None, pad_token_id=PAD, custom_generate=spec_adapt.generate, drafter=drafter,

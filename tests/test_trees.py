@@ -600,3 +600,27 @@ def test_a_tree_slower_than_plain_decoding_runs_as_the_chain():
         shapes.observe(4, factor, tokens=tokens, seconds=1.0)
     assert shapes.pick(4) == 2                       # the tree measures best ...
     assert shapes.pick(4, floor=2.5) == 1            # ... but plain decoding (2.5 tokens/s per row) is faster
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "scripted"])
+def test_tree_steps_record_scores_and_logits_like_stock(drafter):
+    """output_scores / output_logits through tree steps, those where no row accepts a node included: the same
+    tuples stock greedy returns, position by position."""
+    from spec_adapt import ModelDrafter, PromptLookupDrafter, ScriptedDrafter
+
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=3)
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+              max_new_tokens=12, return_dict_in_generate=True, output_logits=True, output_scores=True)
+    reference = model.generate(**kw)
+    drafters = {"model": lambda: ModelDrafter(cached_model("llama", seed=1)),
+                "lookup": lambda: PromptLookupDrafter(2, 1),
+                "scripted": lambda: ScriptedDrafter(lambda row, context, gamma: [5] * gamma)}
+    out = model.generate(**kw, custom_generate=spec_adapt.generate, drafter=drafters[drafter](),
+                         assistant_policy=FixedTree(8, 3))
+    assert torch.equal(out.sequences, reference.sequences)
+    for name in ("scores", "logits"):
+        ours, theirs = getattr(out, name), getattr(reference, name)
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
