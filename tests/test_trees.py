@@ -624,3 +624,63 @@ def test_tree_steps_record_scores_and_logits_like_stock(drafter):
         assert len(ours) == len(theirs)
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("junk", [99, -7, 2**40])
+def test_parent_slots_past_a_rows_length_are_ignored(junk):
+    """Slots past a row's length are never read, whatever they hold: the tree is accepted as the used slots say."""
+    req = DraftRequest(torch.zeros(2, 8, dtype=torch.long), torch.tensor([4, 4]), torch.tensor([3, 3]),
+                       torch.tensor([0, 1]), False, ScoreProcessor(None), depths=torch.tensor([2, 2]))
+    proposal = Proposal(torch.tensor([[5, 6, 7], [5, 6, 0]]), torch.tensor([3, 2]),
+                        parents=torch.tensor([[-1, -1, 0], [-1, -1, junk]]))
+    checked = check_proposal(proposal, req, VOCAB)
+    assert checked.parents.tolist() == [[-1, -1, 0], [-1, -1, -1]]
+
+
+@pytest.mark.parametrize("make", [lambda: FixedTree(2**64, 2), lambda: FixedTree(2000, 1),
+                                  lambda: FixedTree(4, 2**40), lambda: FixedLength(10**9),
+                                  lambda: spec_adapt.Adaptive(max_gamma=2**31)])
+def test_absurd_sizes_are_refused_where_they_enter(make):
+    from spec_adapt.policies.base import MAX_WIDTH
+
+    with pytest.raises(ValueError, match=rf"in \[\d+, {MAX_WIDTH}\]"):
+        make()
+
+
+def test_an_absurd_plan_from_a_policy_is_refused_before_drafting(llama):
+    from spec_adapt.policies.base import Plan, Policy
+
+    class Huge(Policy):
+        def choose(self, info):
+            return Plan(10**9, depth=1)
+
+    ids, mask = ragged_batch(2)
+    with pytest.raises(ValueError, match="Huge.choose"):
+        spec_generate(llama, ids, mask, ModelDrafter(tiny_model("llama", seed=1, layers=1)), Huge())
+
+
+def test_a_tree_plan_allocates_no_chain_buffers(llama, monkeypatch):
+    """Under a tree plan the gammas are node budgets: the draft model allocates by the tree it grows, never a
+    [rows, budget, vocabulary] chain buffer."""
+    import spec_adapt.drafters.model as model_module
+
+    shapes = []
+    real = torch.zeros
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*size, **kwargs):
+            shapes.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size)
+            return real(*size, **kwargs)
+
+    monkeypatch.setattr(model_module, "torch", Recording())
+    ids, mask = ragged_batch(2)
+    torch.manual_seed(0)
+    llama.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=6, pad_token_id=PAD,
+                   eos_token_id=None, custom_generate=spec_adapt.generate,
+                   drafter=ModelDrafter(tiny_model("llama", seed=1, layers=1)), assistant_policy=FixedTree(300, 2))
+    assert spec_adapt.last_stats().drafted > 0
+    assert not [s for s in shapes if len(s) >= 2 and s[1] == 300]

@@ -211,6 +211,7 @@ def _checked_parents(parents, tokens, lengths, used, request, probs):
             and parents.shape[1] >= width and not parents.dtype.is_floating_point and parents.dtype != torch.bool,
             f"parents must be an integer tensor [B={batch}, S>={width}] or None, got {_describe(parents)}")
     parents = parents.to(tokens.device).long()[:, :width]
+    parents = torch.where(used, parents, -1)       # slots past a row's length are never read: whatever they held
     if is_chain(parents, lengths):
         if request.depths is not None:
             _check_depth(lengths, request)

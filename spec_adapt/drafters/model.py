@@ -105,10 +105,6 @@ class ModelDrafter(Drafter):
         tokens = request.tokens.to(device)
         lengths, gammas = request.lengths.to(device), request.gammas.to(device)
         batch, most = tokens.shape[0], int(gammas.max())
-        context = tokens.clone()                                          # committed tokens + drafts so far
-        drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
-        probs = torch.zeros(batch, most, self.vocab, device=device) if request.sampling else None
-
         # Catch up on committed tokens the draft has not cached yet (rows that draft nothing skip it).
         pending = torch.where(gammas > 0, lengths - self.ledger.n_cached, 0)             # [B]
         last = self._catch_up(tokens, pending)                                           # [B, V']
@@ -118,6 +114,10 @@ class ModelDrafter(Drafter):
             from .model_tree import draft_tree
 
             return draft_tree(self, request, tokens, lengths, gammas, last)
+        # A chain's buffers, sized by its plan (a tree plan's gammas are node budgets, never allocated here).
+        context = tokens.clone()                                          # committed tokens + drafts so far
+        drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
+        probs = torch.zeros(batch, most, self.vocab, device=device) if request.sampling else None
         drafted = torch.zeros_like(gammas)            # per row: tokens drafted so far
         for k in range(most):
             scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))

@@ -25,7 +25,7 @@ import torch
 
 from ..metrics import StepRecord
 from .estimators import LatencyTable, LineFit, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile
-from .base import Plan, Policy, StepInfo
+from .base import MAX_WIDTH, Plan, Policy, StepInfo
 from .fixed import _check_int
 
 USUAL_LAG = 2      # a draft model trails by 1-2 tokens after a normal step; more is catch-up
@@ -42,7 +42,7 @@ class Adaptive(Policy):
                  baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
                  closed_batches: bool = True, trees: bool | tuple = False, recheck_every: int = 64,
                  max_recheck_gap: int = 1024):
-        self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1)
+        self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1, MAX_WIDTH)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
                              f"max_probe_gap; got {explore}, {explore_margin}, {probe_every}, {max_probe_gap}.")

@@ -93,15 +93,21 @@ def check_rows(policy, value, live: int, held: int) -> int:
     )
 
 
+# The most draft tokens (chain length or tree nodes) one row may carry in a step, and the deepest tree: a verification
+# wider than this is no speculation any more, and drafters size their buffers by the plan.
+MAX_WIDTH = 1024
+
+
 def check_plan(policy, value, batch_size: int) -> Plan:
     """A policy's answer -> a Plan with gammas [B] long, or an error naming the policy and the fix."""
     if not isinstance(value, Plan):
         return Plan(check_gammas(policy, value, batch_size))
     members = None if value.members is None else tuple(int(m) for m in value.members)
     depth = value.depth
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1):
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, numbers.Integral)
+                              or not 1 <= depth <= MAX_WIDTH):
         raise ValueError(f"{type(policy).__name__}.choose returned a Plan with depth={depth!r}; expected None "
-                         "(chains) or an int >= 1.")
+                         f"(chains) or an int in [1, {MAX_WIDTH}].")
     if not isinstance(value.pooled, bool) or (value.pooled and depth is None):
         raise ValueError(f"{type(policy).__name__}.choose returned a Plan with pooled={value.pooled!r}; pooled is "
                          "True or False, and True only for a tree plan (with a depth).")
@@ -112,7 +118,7 @@ def check_plan(policy, value, batch_size: int) -> Plan:
 def check_gammas(policy, value, batch_size: int) -> torch.Tensor:
     """Turn a policy's answer into a [B] long tensor, or raise an error naming the policy and the fix. Python and
     NumPy integers and 0-d integer tensors mean the same gamma for every row."""
-    expected = f"a non-negative int or {batch_size} non-negative ints (one per active row)"
+    expected = f"an int in [0, {MAX_WIDTH}] or {batch_size} such ints (one per active row)"
     gammas = None
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         gammas = torch.full((batch_size,), int(value), dtype=torch.long)
@@ -130,6 +136,7 @@ def check_gammas(policy, value, batch_size: int) -> torch.Tensor:
         or gammas.dim() != 1
         or gammas.numel() != batch_size
         or bool((gammas < 0).any())
+        or bool((gammas > MAX_WIDTH).any())
     ):
         raise ValueError(f"{type(policy).__name__}.choose returned {value!r}; expected {expected}.")
     return gammas.long()
