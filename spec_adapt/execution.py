@@ -16,8 +16,11 @@ embedding, a LoRA or `state_dict` still read it), so a prepared model holds its 
   and slower than float32, and prepare leaves the model as it is, with a warning that says so.
 - Layers it leaves alone: subclasses of Linear (quantized layers such as bitsandbytes'), layers with accelerate hooks
   (offloaded weights move per forward), weights on another device than the CPU, other dtypes.
-- Safe by construction: a weight changed in place after prepare (`load_state_dict`, an optimizer step) is packed
-  again on the next forward; with autograd on and a weight that requires grad, the layer runs eagerly.
+- Safe by construction: a weight changed in place after prepare (`load_state_dict`, an optimizer step, a write
+  through `.data`, which a prepared weight notices whenever `.data` is handed out) is packed again on the next
+  forward; a weight converted to a dtype that does not pack here (`model.double()`) runs eagerly; a deep copy or an
+  unpickled prepared model packs again at its first forward; with autograd on and a weight that requires grad, the
+  layer runs eagerly. A prepared weight is a Parameter subclass until `unprepare`.
 On CUDA, prepare changes nothing: cuBLAS reads weights in their plain layout at every width (no repack to remove).
 
 Logits change in their last bits (oneDNN sums in another order): judge greedy identity against stock `generate` on
@@ -27,13 +30,13 @@ the same prepared model, never across prepared and unprepared.
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-_PACKED = "_spec_adapt_packed"          # (packed weight, weight version, weight data pointer) on a prepared layer
+_PACKED = "_spec_adapt_packed"          # a _Packed on a prepared layer
 _PREPARED = "_spec_adapt_prepared"      # what prepare did, on the model
 _SWITCH = "_spec_adapt_switch"          # {"on": bool}, shared by a model's packed layers (see `eager`)
 
@@ -53,13 +56,15 @@ def prepare(model: torch.nn.Module, dtype_check: bool = True) -> torch.nn.Module
         warnings.warn(f"spec_adapt.prepare: {reason}; the model runs unchanged.", RuntimeWarning, stacklevel=2)
         _mark(model, 0, reason)
         return model
-    count, switch = 0, {"on": True}
+    # "dtypes": what this machine packs, for a weight converted after prepare (model.double() runs eagerly).
+    count, switch = 0, {"on": True, "dtypes": {d for d in (torch.float32, torch.bfloat16) if why_not_packed(d) is None}}
     with torch.no_grad():
         for module in model.modules():
             if _packable(module, param.dtype):
                 _pack(module)
+                _watch(module.weight)
                 module.__dict__[_SWITCH] = switch
-                module.forward = types.MethodType(_packed_forward, module)
+                module.forward = functools.partial(_packed_forward, module)    # picklable, deep-copyable
                 count += 1
     _mark(model, count, f"{count} linear layers packed for oneDNN ({str(param.dtype).removeprefix('torch.')})")
     model.__dict__[_PREPARED]["switch"] = switch
@@ -86,6 +91,7 @@ def unprepare(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if hasattr(module, _PACKED):
             delattr(module, _PACKED)
+            _unwatch(module.weight)
             module.__dict__.pop("forward", None)
             module.__dict__.pop(_SWITCH, None)
     model.__dict__.pop(_PREPARED, None)
@@ -156,21 +162,81 @@ def _packable(module, dtype) -> bool:
     return weight.device.type == "cpu" and weight.dtype == dtype and weight.dim() == 2
 
 
+class _Packed:
+    """A layer's packed weight and what it was packed from. Never copied or pickled: a deep copy or an unpickled
+    model holds an empty one and packs again at its first forward (oneDNN's packed tensors have no storage)."""
+
+    def __init__(self, packed=None, version=None, pointer=None, dtype=None):
+        self.packed, self.version, self.pointer, self.dtype = packed, version, pointer, dtype
+
+    def current(self, weight) -> bool:
+        return (self.packed is not None and not weight.__dict__.get(_WRITTEN) and weight.dtype == self.dtype
+                and weight.data_ptr() == self.pointer and _version(weight) == self.version)
+
+    def __deepcopy__(self, memo):
+        return _Packed()
+
+    def __reduce__(self):
+        return _Packed, ()
+
+
+def _version(tensor):
+    """The tensor's version counter (None for an inference-mode tensor, which has none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+_WRITTEN = "_spec_adapt_data_read"     # set on a watched weight whose `.data` was handed out since it was packed
+
+
+class _WatchedParameter(torch.nn.Parameter):
+    """A prepared layer's weight. `.data` is a tensor with a version counter of its own, so an in-place write through
+    it (`w.data.mul_(...)`, `w.data.copy_(...)`: EMA, weight averaging, older init code) changes neither the
+    parameter's version nor its pointer: every hand-out of `.data` marks the packed copy stale instead."""
+
+    @property
+    def data(self):
+        self.__dict__[_WRITTEN] = True
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        self.__dict__[_WRITTEN] = True
+        torch.Tensor.data.__set__(self, value)
+
+
+def _watch(weight) -> None:
+    if type(weight) is torch.nn.Parameter:
+        weight.__class__ = _WatchedParameter
+
+
+def _unwatch(weight) -> None:
+    if type(weight) is _WatchedParameter:
+        weight.__class__ = torch.nn.Parameter
+        weight.__dict__.pop(_WRITTEN, None)
+
+
 def _pack(module) -> None:
     weight = module.weight
+    weight.__dict__.pop(_WRITTEN, None)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    setattr(module, _PACKED, (packed, weight._version, weight.data_ptr()))
+    setattr(module, _PACKED, _Packed(packed, _version(weight), weight.data_ptr(), weight.dtype))
 
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     if not self.__dict__[_SWITCH]["on"] or torch.is_grad_enabled() and weight.requires_grad \
-            or x.dtype != weight.dtype or x.device.type != "cpu":
-        return F.linear(x, weight, self.bias)          # training, or an input the packed weight does not fit
-    packed, version, pointer = getattr(self, _PACKED)
-    if weight._version != version or weight.data_ptr() != pointer:     # changed since prepare: pack again
+            or x.dtype != weight.dtype or x.device.type != "cpu" or weight.device.type != "cpu" \
+            or weight.dtype not in self.__dict__[_SWITCH]["dtypes"]:
+        # training, an input or a weight (moved, converted with model.double()) the packed path does not fit
+        return F.linear(x, weight, self.bias)
+    state = getattr(self, _PACKED)
+    if not state.current(weight):                    # changed since it was packed (or a copy): pack again
         _pack(self)
-        packed = getattr(self, _PACKED)[0]
+        state = getattr(self, _PACKED)
+    packed = state.packed
     bias = None if self.bias is None else self.bias.detach()
     out = _packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])

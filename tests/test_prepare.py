@@ -73,6 +73,53 @@ def test_weight_changed_after_prepare_is_packed_again():
 
 
 @needs_packing
+@pytest.mark.parametrize("change", ["data.mul_", "data.copy_", "data assignment", "detach().add_", "no_grad mul_"])
+def test_any_in_place_weight_change_after_prepare_is_packed_again(change):
+    """`.data` has a version counter of its own: a write through it changes neither the parameter's version nor its
+    pointer, and the prepared model (stock generate included) must still compute with the new weights."""
+    model, twin = prepare(tiny_model("llama")), tiny_model("llama")
+    ids = torch.randint(3, 90, (2, 6))
+    with torch.no_grad():
+        model(ids)                                     # packed before the change
+        for m in (model, twin):
+            weight = m.model.layers[0].mlp.down_proj.weight
+            if change == "data.mul_":
+                weight.data.mul_(3.0)
+            elif change == "data.copy_":
+                weight.data.copy_(torch.ones_like(weight) * 0.05)
+            elif change == "data assignment":
+                weight.data = weight.detach() * 2.0
+            elif change == "detach().add_":
+                weight.detach().add_(0.5)
+            else:
+                weight.mul_(-1.0)
+        torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-4, atol=1e-4)
+    reference = stock_greedy(twin, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=8)
+    assert torch.equal(stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=8), reference)
+
+
+@needs_packing
+def test_a_prepared_model_survives_dtype_changes_copies_pickling_and_inference_mode(tmp_path):
+    import copy
+
+    ids = torch.randint(3, 90, (1, 6))
+    model = prepare(tiny_model("llama"))
+    with torch.no_grad():
+        expected = model(ids).logits
+        twin = copy.deepcopy(model)                     # packs again on its first forward
+        torch.testing.assert_close(twin(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(model.double()(ids).logits, tiny_model("llama").double()(ids).logits)
+    with torch.inference_mode():
+        frozen = tiny_model("llama")
+    prepare(frozen)
+    with torch.inference_mode():
+        torch.testing.assert_close(frozen(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_packing
 def test_training_runs_eagerly_with_gradients():
     model = prepare(tiny_model("llama")).train()
     loss = model(torch.randint(3, 90, (1, 5))).logits.sum()
