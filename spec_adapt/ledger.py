@@ -55,9 +55,9 @@ def check_rollback_cache(cache) -> None:
            or type(layer) is DynamicSlidingWindowLayer and layer.is_initialized]
     if bad:
         raise UnsupportedCacheError(
-            f"spec_adapt cannot roll back cache layers of type {sorted(set(bad))} (sliding-window, quantized or "
-            "linear-attention layers discard or transform old entries). Use a model/config with full-attention "
-            "layers (e.g. `use_sliding_window=False`) or generate without `assistant_policy`."
+            f"spec_adapt cannot roll back cache layers of type {sorted(set(bad))} per row (linear-attention, "
+            "convolution and recurrent layers transform their state, quantized and static layers keep no plain "
+            "per-token entries). Generate without a drafter for this model."
         )
 
 

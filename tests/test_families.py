@@ -211,3 +211,63 @@ def test_sampling_follows_the_target_distribution(name):
         empirical = torch.bincount(tokens[:, position], minlength=ts.VOCAB_SMALL).float() / len(tokens)
         tolerance = 5 * (exact * (1 - exact) / len(tokens)).sqrt() + 2e-3
         assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
+
+
+# More decoder families, each a tiny model from its transformers config: (config class, model class, settings). The
+# sliding-window ones get a window of 8, which slides inside a 20-token prompt and 30 new tokens.
+ZOO = {
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(sliding_window=WINDOW)),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(sliding_window=WINDOW)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(sliding_window=WINDOW, num_local_experts=4,
+                                                         num_experts_per_tok=2, attn_implementation="eager")),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=WINDOW)),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=WINDOW)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=WINDOW, attn_implementation="eager")),
+    "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM", dict(sliding_window=WINDOW, use_sliding_window=True,
+                                                             max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+}
+
+
+def zoo_model(name):
+    import transformers
+
+    config_class, model_class, settings = ZOO[name]
+    config = getattr(transformers, config_class)(**{
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256, "attn_implementation": "sdpa",
+        **settings, **SMALL})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_decoder_zoo_batched_chains_and_trees(name):
+    model = zoo_model(name)
+    for batch in (1, 3):
+        ids, mask = long_ragged(batch, seed=23)
+        reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
+        for policy in (FixedLength(3), FixedTree(6, 3)):
+            drafter = Oracle(reference, mask, ["right", 2, "wrong"]).drafter()
+            out, stats = spec(model, ids, mask, drafter, policy, max_new_tokens=30)
+            assert torch.equal(out, reference), (batch, policy)
+            assert stats.accepted > 0
+
+
+def test_a_hybrid_linear_attention_model_is_refused_by_its_layer_type():
+    import transformers
+
+    config = transformers.Lfm2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                                     max_position_embeddings=128, **SMALL)
+    model = transformers.Lfm2ForCausalLM(config).eval()
+    ids, mask = ragged_batch(2)
+    with pytest.raises(ValueError, match="cannot roll back .*LinearAttentionLayer.* per row"):
+        spec(model, ids, mask, PromptLookupDrafter(2, 1), FixedLength(2))
