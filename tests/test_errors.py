@@ -46,14 +46,16 @@ def test_static_cache_is_rejected(llama):
         spec(llama, ids, mask, llama, cache_implementation="static")
 
 
-def test_sliding_window_model_is_rejected():
+def test_sliding_windows_need_an_attention_that_takes_4d_masks():
+    """Windows are enforced by 4-D masks: an attention implementation that takes none is refused by name."""
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
                       max_window_layers=0, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
     model = Qwen2ForCausalLM(cfg).eval()
+    model.config._attn_implementation = "flash_attention_2"
     ids, mask = ragged_batch(2)
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="sliding-window layers.*attn_implementation='sdpa'"):
         spec(model, ids, mask, None)
 
 

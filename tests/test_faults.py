@@ -176,8 +176,7 @@ def test_engine_runs_without_autograd_in_its_thread():
 
 
 # -- generate: options, inputs, budgets ------------------------------------------------------------------------------
-@pytest.mark.parametrize("option", [dict(guidance_scale=1.5), dict(dola_layers="high"), dict(penalty_alpha=0.6, top_k=4),
-                                    dict(prompt_lookup_num_tokens=3), dict(assistant_early_exit=1)])
+@pytest.mark.parametrize("option", [dict(guidance_scale=1.5), dict(dola_layers="high"), dict(penalty_alpha=0.6, top_k=4)])
 def test_generate_refuses_options_it_cannot_honour_by_name(option):
     import spec_adapt
 
