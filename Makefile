@@ -5,8 +5,10 @@ STAMP := .setup.stamp
 PIN := -c constraints.txt
 # The oldest transformers the declared range allows (pyproject.toml); `make test` runs the compatibility subset on it.
 TRANSFORMERS_OLDEST := 5.20.0
-# The suites that decide whether a transformers release works: greedy identity, contracts, entry points, compat.
-COMPAT_SUITE := tests/test_identity.py tests/test_contracts.py tests/test_entry_points.py tests/test_compat.py
+# The suites that decide whether a transformers release works: greedy identity (the families and the processors
+# included), contracts, entry points, compat.
+COMPAT_SUITE := tests/test_identity.py tests/test_families.py tests/test_processors.py tests/test_contracts.py \
+	tests/test_entry_points.py tests/test_compat.py
 OLDEST := .venv-oldest
 LATEST := .venv-latest
 

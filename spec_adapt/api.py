@@ -20,7 +20,7 @@ from .acceptor import Acceptor
 from .ledger import check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
-from .policies.base import Policy, check_policy
+from .policies.base import MAX_WIDTH, Policy, check_policy
 from .policies.adaptive import Adaptive
 from .verifiers import Verifier, check_trees, check_verifier
 
@@ -51,7 +51,7 @@ _REFUSED_INPUTS = {
     "output_attentions": "attentions are not available with speculation: drop output_attentions",
     "output_hidden_states": "hidden states are not available with speculation: drop output_hidden_states",
 }
-# - anything else: refused with the transformers version and the range spec_adapt is tested on (`_unknown_inputs`).
+# - anything else: refused with the transformers version and the range spec_adapt is tested on (`_check_inputs`).
 
 
 def _check_inputs(model_kwargs: dict) -> None:
@@ -235,8 +235,7 @@ def _stock_speculation(model, cfg, drafter):
     step, `assistant_early_exit=k` drafts with the target's first k layers (self-speculation), `num_assistant_tokens`
     bounds the default policy's width and `assistant_confidence_threshold` stops a draft model's row below that top
     probability (the two are read where they differ from generate's defaults, 20 and 0.4, i.e. where someone set
-    them).
-    Returns (the drafter, the width bound or None)."""
+    them). Returns (the drafter, the width bound or None)."""
     lookup, exit_layers = cfg.prompt_lookup_num_tokens, getattr(cfg, "assistant_early_exit", None)
     if lookup is not None and exit_layers is not None:
         raise ValueError("Set prompt_lookup_num_tokens or assistant_early_exit, not both: each is a drafter.")
@@ -266,8 +265,8 @@ def _set_by_user(cfg, name):
 
 
 def _check_count(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WIDTH:
+        raise ValueError(f"{name} must be an int in [1, {MAX_WIDTH}], got {value!r}.")
     return value
 
 

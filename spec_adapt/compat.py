@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Mapping
 
 import transformers
+import transformers.modeling_utils
 from transformers import DynamicCache, GenerationConfig                                 # noqa: F401 (re-exported)
 from transformers.cache_utils import (                                                  # noqa: F401 (re-exported)
     DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs,
@@ -81,6 +82,11 @@ def layer_types(model) -> list[tuple[str, dict]]:
 def create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids=None):
     """transformers.masking_utils.create_causal_mask (its cache argument was renamed: passed by position)."""
     return _create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+
+
+# Whether models take a [B, K] tensor of per-row positions as `logits_to_keep` (transformers >= 5.21, through
+# modeling_utils.slice_logits_to_keep); on older releases such a tensor indexes every row with every row's positions.
+PER_ROW_LOGITS_TO_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
 
 
 # -- private fields ---------------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ import inspect
 import weakref
 
 import torch
-from .compat import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, attn_implementation, layer_types, with_cache
+from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, attn_implementation,
+                     layer_types, with_cache)
 
 
 class UnsupportedCacheError(ValueError):
@@ -354,14 +355,16 @@ class KVLedger:
                 keep = torch.cat([keep, keep.new_zeros((self.spare, keep.shape[1]))])
         if allowed is not None:
             mask = _per_type(mask, lambda m: attention_mask_4d(self.model, m))
-        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        # Per-row columns go to the model only where it gathers them per row; otherwise it keeps all, we select.
+        passes = self._keeps_logits and (PER_ROW_LOGITS_TO_KEEP or not torch.is_tensor(keep))
+        kwargs = {"logits_to_keep": keep} if passes else {}
         if self._takes_positions:
             kwargs["position_ids"] = position_ids
         with self._cut_back_on_failure(self.physical_length if past is None else past):
             out = self.model(input_ids=tokens, attention_mask=mask, use_cache=True,
                              **with_cache(self.model, self.cache), **kwargs)
         logits = out.logits[:live]
-        if self._keeps_logits:           # the model has already kept only the wanted positions
+        if passes:                       # the model has already kept only the wanted positions
             return logits
         return select_positions(logits, keep[:live] if torch.is_tensor(keep) else keep)
 
