@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import threading
@@ -355,6 +356,7 @@ def enable(model, assistant_policy: Policy | None = None):
                 model, kwargs):
             return stock(*args, **kwargs)
         kwargs.setdefault("drafter", draft)
+        kwargs = _stop_strings_as_criteria(model, kwargs)
         streamer = kwargs.pop("streamer", None)
         return stock(
             *args, custom_generate=generate, assistant_policy=assistant_policy, spec_streamer=streamer, **kwargs
@@ -362,6 +364,28 @@ def enable(model, assistant_policy: Policy | None = None):
 
     model.generate = generate_with_policy
     return model
+
+
+def _stop_strings_as_criteria(model, kwargs: dict) -> dict:
+    """`stop_strings=` with `tokenizer=`: transformers does not hand a custom_generate function the tokenizer, so the
+    strings become the StopStringCriteria stock would build from them, passed as a stopping criterion."""
+    config = kwargs.get("generation_config") or model.generation_config
+    strings = kwargs.get("stop_strings", getattr(config, "stop_strings", None))
+    tokenizer = kwargs.get("tokenizer")
+    if not strings or tokenizer is None:
+        return kwargs
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("stop_strings", "tokenizer")}
+    if kwargs.get("generation_config") is not None:
+        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+        kwargs["generation_config"].stop_strings = None
+    elif getattr(model.generation_config, "stop_strings", None):
+        kwargs["stop_strings"] = None
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
+    kwargs["stopping_criteria"] = criteria
+    return kwargs
 
 
 def _stock_drafts(model, kwargs) -> bool:

@@ -528,3 +528,69 @@ def test_recheck_settings_are_validated_and_saved():
     assert (copy.rechecks.gap, copy.rechecks.idle) == (policy.rechecks.gap, policy.rechecks.idle)
     del state["recheck_gap"], state["recheck_idle"]               # a state saved before rechecks existed loads
     Adaptive(recheck_every=8, max_recheck_gap=64).load_state_dict(state)
+
+
+def _learned() -> Adaptive:
+    policy = Adaptive(seed=3)
+    simulate(policy, synthetic_requests(8, 60, 0.8, seed=1), latency(0.15, 0.9), Static(2))
+    return policy
+
+
+def _choices(policy) -> list:
+    out = []
+    for step in range(6):
+        batch = (1, 2, 4)[step % 3]
+        info = spec_adapt.policies.StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long),
+                                            torch.full((batch,), 50), step)
+        out.append(policy.choose(info))
+    return out
+
+
+@pytest.mark.parametrize("poison", ["measured key of two", "measured key of four", "span key of three",
+                                    "shapes key with a bool", "negative tree gap", "tree key of one"])
+def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
+    source = Adaptive(seed=3, trees=True) if "tree" in poison else _learned()
+    state = json.loads(json.dumps(source.state_dict()))
+    if poison.startswith("measured"):
+        key = state["measured"][0][0]
+        state["measured"][0][0] = key[:2] if "two" in poison else key + [1]
+    elif poison.startswith("span"):
+        state["span"].append([[1, True, 3], 1.0])
+    elif poison.startswith("shapes"):
+        state["shapes"].append([[True, 2], [0.1, 3]])
+    elif poison == "negative tree gap":
+        state["tree_shapes"]["gaps"].append([[1, 2], [-5, 0]])
+    else:
+        state["tree_shapes"]["value"].append([[1], [0.5, 2]])
+    target = Adaptive(seed=3, trees=True)
+    before = json.dumps(target.state_dict())
+    with pytest.raises(ValueError, match="Not a valid Adaptive state"):
+        target.load_state_dict(state)
+    assert json.dumps(target.state_dict()) == before          # nothing changed
+    assert _choices(target)                                    # and every later decision still runs
+
+
+def test_a_state_round_trips_and_decides_alike():
+    policy = _learned()
+    loaded = Adaptive(seed=3)
+    loaded.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    assert _choices(loaded) == _choices(policy)
+
+
+@pytest.mark.parametrize("content", ["{\"config\": {\"max_gamma\": 8}, \"pooled\"", "[1, 2, 3]", "{\"steps\": 3}",
+                                     "{\"config\": {\"max_gamma\": \"many\"}}", "{\"config\": {\"max_gamma\": 8}}"])
+def test_loading_a_file_that_is_not_a_state_names_the_file(tmp_path, content):
+    path = tmp_path / "policy.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="policy.json is not an Adaptive state"):
+        Adaptive.load(path)
+
+
+@pytest.mark.parametrize("max_batch", [0, -1, 10**8, 2.5, True])
+def test_an_export_batch_out_of_range_is_refused(max_batch):
+    from spec_adapt.tools.vllm import speculative_config
+
+    with pytest.raises(ValueError, match="max_batch"):
+        speculative_config(_learned(), "ngram", max_batch=max_batch)
+    with pytest.raises(ValueError, match="max_batch"):
+        _learned().to_vllm_schedule(max_batch)

@@ -101,3 +101,22 @@ def test_custom_generate_folder_refuses_two_drafts():
     with pytest.raises(ValueError, match="not both"):
         llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=str(ROOT),
                        trust_remote_code=True, assistant_model=ModelDrafter(llama), drafter=PromptLookupDrafter())
+
+
+@pytest.mark.real
+def test_stop_strings_with_a_tokenizer_work_after_enable(smollm2):
+    """transformers hands a custom_generate function no tokenizer; after `enable`, stop_strings with tokenizer= become
+    the StopStringCriteria stock builds, and the output equals stock's."""
+    model, tok = smollm2
+    batch = tok(["def add(a, b):\n    return a + b\n\ndef sub(a, b):"], return_tensors="pt")
+    free = model.generate(**batch, do_sample=False, max_new_tokens=16)
+    text = tok.decode(free[0, batch["input_ids"].shape[1]:])
+    stop = text.strip().split()[1]                      # a word the answer reaches early
+    kw = dict(**batch, do_sample=False, max_new_tokens=16, stop_strings=[stop], tokenizer=tok)
+    reference = model.generate(**kw)
+    spec_adapt.enable(model)
+    try:
+        out = model.generate(**kw, assistant_model=PromptLookupDrafter(2, 1))
+    finally:
+        spec_adapt.disable(model)
+    assert torch.equal(out, reference) and out.shape[1] < free.shape[1]

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..metrics import StepRecord
-from .estimators import LatencyTable, LineFit, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile
+from .estimators import (LatencyTable, LineFit, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile,
+                         state_key)
 from .base import MAX_WIDTH, Plan, Policy, StepInfo
 from .fixed import _check_int
 
@@ -33,6 +34,10 @@ PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step 
 # A step time over STALL x its width's estimate (after STALL_AFTER samples) counts as STALL x: one stalled plain step
 # must not make drafting look cheaper, since plain steps are not re-measured while the policy drafts.
 STALL, STALL_AFTER = 3.0, 8
+
+
+# The largest batch a vLLM schedule is exported for (the schedule has one entry per power of two up to it).
+MAX_EXPORT_BATCH = 1 << 16
 
 
 class Adaptive(Policy):
@@ -397,7 +402,7 @@ class Adaptive(Policy):
         out_of_range = bool(((row_state < 0) | (row_state >= STATES)).any())
         if not (len(row_tried) == len(row_accepted) == len(row_state)) or out_of_range:
             raise ValueError("row tables of different lengths, or a row state out of range")
-        measured = {tuple(k): _times(v, "measured") for k, v in state["measured"]}
+        measured = {state_key(k, (int, int, bool), "measured"): _times(v, "measured") for k, v in state["measured"]}
         fits, catchup = {}, {}
         for table, key, window, least in ((fits, "fits", 128, 6), (catchup, "catchup", 32, 3)):
             for bucket_key, samples in state[key]:
@@ -413,8 +418,8 @@ class Adaptive(Policy):
         rng = random.Random()
         rng.setstate(_tupled(state["rng"]))
         return {"tried": tried, "accepted": accepted, "measured": measured, "fits": fits, "catchup": catchup,
-                "span": {tuple(k): _finite(v, what="span")[0] for k, v in state["span"]},
-                "shapes": {tuple(k): _times(v, "shapes") for k, v in state.get("shapes", [])},
+                "span": {state_key(k, (int, bool), "span"): _finite(v, what="span")[0] for k, v in state["span"]},
+                "shapes": {state_key(k, (int, int), "shapes"): _times(v, "shapes") for k, v in state.get("shapes", [])},
                 "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,
                 "_probes": (gap, idle, steps), "_rechecks": rechecks,
                 "tree_shapes": self._parse_trees(state.get("tree_shapes"))}
@@ -434,9 +439,15 @@ class Adaptive(Policy):
 
     @classmethod
     def load(cls, path, latency: LatencyTable | None = None) -> "Adaptive":
-        state = json.loads(Path(path).read_text())
-        policy = cls(latency=latency, **state["config"])
-        policy.load_state_dict(state)
+        """An Adaptive from a file `save` wrote; a file that is not one is refused with its name and the problem."""
+        try:
+            state = json.loads(Path(path).read_text())
+            if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+                raise ValueError("expected a JSON object with a 'config' object, as Adaptive.save writes")
+            policy = cls(latency=latency, **state["config"])
+            policy.load_state_dict(state)
+        except (OSError, ValueError, TypeError) as exc:      # json.JSONDecodeError is a ValueError
+            raise ValueError(f"{path} is not an Adaptive state: {exc}") from exc
         return policy
 
     @classmethod
@@ -448,6 +459,7 @@ class Adaptive(Policy):
     def to_vllm_schedule(self, max_batch: int = 256) -> list[tuple[int, int, int]]:
         """What was learned as vLLM's per-batch-size schedule: [(batch_lo, batch_hi, k), ...] over batch sizes
         1..max_batch (the width this policy would choose at each power-of-two bucket, runs of equal k merged)."""
+        _check_int("to_vllm_schedule(max_batch)", max_batch, 1, MAX_EXPORT_BATCH)
         out: list[list[int]] = []
         sizes = [1 << i for i in range(int(math.log2(max_batch)) + 1)]
         for lo in sizes:

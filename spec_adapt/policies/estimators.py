@@ -318,6 +318,17 @@ def cached_profile(model, draft=None) -> LatencyTable | None:
     return LatencyTable.load(path) if path.exists() else None
 
 
+def state_key(values, kinds: tuple, what: str) -> tuple:
+    """A dictionary key read back from a saved state: exactly len(kinds) values, each of its kind (int or bool; an int
+    is never a bool), ints non-negative."""
+    ok = isinstance(values, (list, tuple)) and len(values) == len(kinds) and all(
+        isinstance(v, kind) and (kind is bool or not isinstance(v, bool) and v >= 0) for v, kind in zip(values, kinds))
+    if not ok:
+        names = ", ".join(kind.__name__ for kind in kinds)
+        raise ValueError(f"{what} key {values!r}: expected [{names}] (non-negative ints)")
+    return tuple(values)
+
+
 class TreeShapes:
     """Which tree to grow around the chain a length policy chose: per batch-size bucket, a few shapes, each
     `factor` times the chain's width in nodes at the chain's depth (factor 1 is the chain itself), judged by the
@@ -377,13 +388,18 @@ class TreeShapes:
                 "gaps": [[list(k), [p.gap, p.idle]] for k, p in self.probes.items()]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Checked whole before anything changes: keys (bucket, factor), finite non-negative values, and probe gaps
+        within [1, max_gap] (a gap below 1 would re-probe a losing shape at every chance)."""
         factors = tuple(state["factors"])
-        value = {tuple(k): [float(v[0]), int(v[1])] for k, v in state["value"]}
+        value = {state_key(k, (int, int), "tree shape"): [float(v[0]), int(v[1])] for k, v in state["value"]}
         if factors != self.factors or any(not math.isfinite(v[0]) or v[0] < 0 or v[1] < 0 for v in value.values()):
             raise ValueError(f"tree shapes saved for factors {factors} with bad values, this policy has {self.factors}")
-        self.value = value
-        self.probes = {}
+        probes = {}
         for k, (gap, idle) in state["gaps"]:
+            if not (1 <= int(gap) <= self.max_gap and int(idle) >= 0):
+                raise ValueError(f"tree shape probe gap {gap} / idle {idle}: expected a gap in [1, {self.max_gap}] "
+                                 "and idle >= 0")
             probe = ProbeBackoff(self.start, self.max_gap)
             probe.gap, probe.idle = int(gap), int(idle)
-            self.probes[tuple(k)] = probe
+            probes[state_key(k, (int, int), "tree shape probe")] = probe
+        self.value, self.probes = value, probes

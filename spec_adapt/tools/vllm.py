@@ -35,6 +35,10 @@ def speculative_config(policy, method: str, model: str | None = None, max_batch:
     model-based methods; `extra`: further keys passed through (e.g. prompt_lookup_max for "ngram")."""
     if not hasattr(policy, "to_vllm_schedule"):
         raise TypeError(f"{type(policy).__name__} has no to_vllm_schedule(): export a learned spec_adapt.Adaptive.")
+    from spec_adapt.policies.adaptive import MAX_EXPORT_BATCH
+
+    if not _whole(max_batch) or not 1 <= max_batch <= MAX_EXPORT_BATCH:
+        raise ValueError(f"max_batch must be an int in [1, {MAX_EXPORT_BATCH}], got {max_batch!r}.")
     table = [[int(lo), int(hi), int(k)] for lo, hi, k in policy.to_vllm_schedule(max_batch)]
     config = {"method": method, **({"model": model} if model is not None else {}),
               "num_speculative_tokens": max(1, max(k for _, _, k in table)),
