@@ -129,6 +129,30 @@ def test_result_on_an_undriven_engine_says_so():
     assert len(handle.result()) == 4
 
 
+def test_a_step_longer_than_a_second_still_counts_as_driven():
+    """A caller that drives the engine from its own thread with steps of over a second (a CPU target's verification):
+    another thread's result() waits for the request instead of saying nobody drives the engine."""
+    import threading
+    import time
+
+    from spec_adapt import ScriptedDrafter
+
+    def slow(row, context, gamma):
+        time.sleep(1.3)
+        return [5] * gamma
+
+    engine = Engine(cached_model("llama"), drafter=ScriptedDrafter(slow), assistant_policy=FixedLength(1),
+                    max_batch=2, eos_token_id=None, pad_token_id=PAD)
+    handle = engine.submit([5, 6, 7], max_new_tokens=3)
+    driver = threading.Thread(target=engine.run_until_idle)
+    driver.start()
+    time.sleep(0.2)
+    try:
+        assert len(handle.result(timeout=30)) == 3
+    finally:
+        driver.join()
+
+
 def test_a_dead_engine_thread_fails_every_handle(monkeypatch):
     engine = Engine(cached_model("llama"), max_batch=2, eos_token_id=None, pad_token_id=PAD)
 

@@ -340,3 +340,98 @@ def test_adaptation_predictable_then_not(policy):
     first, second = gammas[: len(gammas) - 600], gammas[-200:]
     assert statistics.median(first[-15:]) >= 4
     assert statistics.median(second) <= 2
+
+
+# -- hostile arguments and states, fuzzed --------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_ANY = st.one_of(st.integers(-3, 2**70), st.floats(allow_nan=True), st.booleans(), st.none(), st.text(max_size=3))
+
+
+def _decides(policy, batch=2) -> None:
+    from spec_adapt.policies.base import StepInfo, check_plan
+
+    info = StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long), torch.full((batch,), 50), 0)
+    check_plan(policy, policy.choose(info), batch)
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=_ANY, depth=_ANY, pooled=_ANY)
+def test_fixed_tree_arguments_are_accepted_and_work_or_refused_by_name(nodes, depth, pooled):
+    from spec_adapt import FixedTree
+
+    try:
+        policy = FixedTree(nodes, depth, pooled)
+    except ValueError as exc:
+        assert "FixedTree" in str(exc)
+        return
+    _decides(policy)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(["max_gamma", "explore", "explore_margin", "probe_every", "max_probe_gap", "horizon",
+                             "row_floor", "shrink", "decay", "ema", "baseline_steps", "probe_budget", "recheck_every",
+                             "max_recheck_gap", "shape_margin"]), value=_ANY)
+def test_adaptive_arguments_are_accepted_and_work_or_refused_by_name(name, value):
+    from spec_adapt import Adaptive
+
+    try:
+        policy = Adaptive(**{name: value})
+    except (ValueError, TypeError) as exc:
+        assert name in str(exc) or "Adaptive" in str(exc), str(exc)
+        return
+    _decides(policy)
+
+
+def _leaves(tree, path=()):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, path + (key,))
+    elif isinstance(tree, list) and tree:
+        for i, value in enumerate(tree):
+            yield from _leaves(value, path + (i,))
+    else:
+        yield path
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_mangled_adaptive_state_is_loaded_and_works_or_refused_whole(data):
+    """Any one value of a saved state replaced by anything: the load either works (and the policy decides) or
+    raises ValueError and leaves the policy as it was."""
+    import json
+
+    from spec_adapt import Adaptive
+
+    state = _fuzz_state()
+    leaves = [p for p in _leaves(state) if p and p[0] != "config"]
+    path = data.draw(st.sampled_from(leaves))
+    node = state
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = data.draw(_ANY)
+    target = Adaptive(seed=1, trees=True)
+    before = json.dumps(target.state_dict())
+    try:
+        target.load_state_dict(state)
+    except ValueError:
+        assert json.dumps(target.state_dict()) == before
+        return
+    _decides(target)
+    _decides(target, batch=5)
+
+
+def _fuzz_state() -> dict:
+    import json
+
+    from spec_adapt import Adaptive
+    from spec_adapt.metrics import StepRecord
+
+    policy = Adaptive(seed=1, trees=True)
+    for step in range(12):
+        from spec_adapt.policies.base import StepInfo
+
+        info = StepInfo(2, torch.arange(2), torch.full((2,), step), torch.full((2,), 50), step)
+        policy.choose(info)
+        policy.observe(StepRecord(2, [0, 1], [2, 2], [2, 2], [1, 2], [2, 3], 0.1, 0.02, 0.08))
+    return json.loads(json.dumps(policy.state_dict()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import random
 from collections import deque
 from pathlib import Path
@@ -48,6 +49,15 @@ class Adaptive(Policy):
                  closed_batches: bool = True, trees: bool | tuple = False, recheck_every: int = 64,
                  max_recheck_gap: int = 1024):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1, MAX_WIDTH)
+        for name, value, low, high in (("explore", explore, 0, 1), ("explore_margin", explore_margin, 0, math.inf),
+                                       ("row_floor", row_floor, 0, 1), ("shrink", shrink, 0, math.inf),
+                                       ("decay", decay, 0, 1), ("ema", ema, 0, 1),
+                                       ("probe_budget", probe_budget, 0, math.inf),
+                                       ("shape_margin", shape_margin, 0, math.inf)):
+            _check_real(f"Adaptive({name})", value, low, high)
+        for name, value, low in (("probe_every", probe_every, 1), ("max_probe_gap", max_probe_gap, 1),
+                                 ("horizon", horizon, 1), ("baseline_steps", baseline_steps, 0)):
+            _check_int(f"Adaptive({name})", value, low)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
                              f"max_probe_gap; got {explore}, {explore_margin}, {probe_every}, {max_probe_gap}.")
@@ -374,7 +384,7 @@ class Adaptive(Policy):
         and times); a state that fails leaves this policy as it was, with an error that names the problem."""
         try:
             parsed = self._parse_state(state)
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError, AttributeError) as exc:
             problem = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise ValueError(f"Not a valid Adaptive state ({problem}): load a file written by Adaptive.save / "
                              "state_dict of an Adaptive with the same max_gamma.") from exc
@@ -499,6 +509,13 @@ def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:
     """Acceptance rates [N, S] -> E[committed | s] [N, S+1] = 1 + sum_{i<=s} prod_{j<=i} p_j."""
     return torch.cat([torch.ones(rates.shape[0], 1), 1 + rates.cumprod(dim=1).cumsum(dim=1)], dim=1)
+
+
+def _check_real(name: str, value, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {value!r}.")
+    return value
 
 
 def _counts(values, shape, what: str) -> torch.Tensor:

@@ -339,6 +339,7 @@ class Engine:
         self._closed: str | None = None             # why the engine takes no more requests (stopped, died)
         self.error: BaseException | None = None     # what killed the engine's thread, if anything did
         self._last_step = -float("inf")             # perf_counter of the last step begun or ended (see `driven`)
+        self._stepping = 0                          # steps running now, in whichever thread drives the engine
         # memory: a MemoryBudget (spec_adapt.serving.memory); admission then also waits for memory, not only max_batch.
         self.memory = memory
         if memory is not None:
@@ -409,9 +410,11 @@ class Engine:
         A failure of the target or the policy fails the requests of that admission or step, with the error on their
         handles; the engine's ledgers are back where they were accounted, and it goes on serving."""
         self._last_step = time.perf_counter()
+        self._stepping += 1
         try:
             return self._step()
         finally:
+            self._stepping -= 1
             self._last_step = time.perf_counter()
 
     def _step(self) -> bool:
@@ -491,9 +494,11 @@ class Engine:
         self._close("the engine was stopped")
 
     def driven(self) -> bool:
-        """Whether anything drives the engine: its thread is alive, or a step ran in the last second."""
+        """Whether anything drives the engine: its thread is alive, a step is running now (however long a target's
+        verification takes), or one ended in the last second (a caller's loop between two steps)."""
         thread = self._thread
-        return (thread is not None and thread.is_alive()) or time.perf_counter() - self._last_step < 1.0
+        return ((thread is not None and thread.is_alive()) or self._stepping > 0
+                or time.perf_counter() - self._last_step < 1.0)
 
     def _close(self, why: str) -> None:
         with self.lock:
