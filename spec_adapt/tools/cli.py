@@ -70,7 +70,8 @@ def demo(args) -> None:
         for s in summary:
             if s["identical"] is not None and s["checks"]:
                 verdict = "identical" if not s["differing"] else f"{s['differing']} DIFFERENT"
-                print(f"  {label:<10} {s['config']:<16} B={s['batch_size']}: {s['checks']} calls, {verdict}")
+                calls = f"{s['checks']} call" + ("s" if s["checks"] != 1 else "")
+                print(f"  {label:<10} {s['config']:<16} B={s['batch_size']}: {calls}, {verdict}")
 
 
 def bench(args) -> None:
