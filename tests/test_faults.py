@@ -393,3 +393,40 @@ def test_a_batch_that_cannot_be_dropped_is_reset_and_serving_goes_on(monkeypatch
     engine.run_until_idle()
     for p, h in later:
         assert h.result() == stock(model, p, 8)
+
+
+def test_stop_with_a_timeout_returns_on_time_while_a_step_blocks():
+    """A drafter blocked in a call holds the engine's step: stop(timeout=...) returns on time, every request fails
+    with an EngineError at once, a new request is refused, and after the step ends the engine starts again."""
+    import time
+
+    from spec_adapt import ScriptedDrafter
+
+    blocked = {"seconds": 3.0}
+
+    def slow(row, context, gamma):
+        time.sleep(blocked["seconds"])
+        return [5] * gamma
+
+    engine = Engine(cached_model("llama"), drafter=ScriptedDrafter(slow), assistant_policy=FixedLength(1),
+                    max_batch=2, eos_token_id=None, pad_token_id=PAD).start()
+    handles = [engine.submit([5, 6, 7], max_new_tokens=8) for _ in range(2)]
+    time.sleep(0.5)                                     # the thread is inside the blocked draft call
+    began = time.perf_counter()
+    engine.stop(timeout=0.3)
+    assert time.perf_counter() - began < 1.5
+    for handle in handles:
+        with pytest.raises(EngineError, match="stopped"):
+            handle.result(timeout=1)
+    with pytest.raises(EngineError, match="no requests"):
+        engine.submit([5, 6], max_new_tokens=2).result(timeout=1)
+    with pytest.raises(EngineError, match="still finishing"):
+        engine.start()
+    engine.stop()                                        # waits for the step; the state is cleaned up
+    assert all(h.state == "failed" for h in handles)
+    blocked["seconds"] = 0.0
+    engine.start()
+    try:
+        assert len(engine.submit([5, 6], max_new_tokens=3).result(timeout=20)) == 3
+    finally:
+        engine.stop()

@@ -109,6 +109,8 @@ class Handle:
         return self._done.is_set()
 
     def _push(self, tokens: list[int]) -> None:
+        if self._done.is_set():           # failed by a stop that did not wait for the step: its end stays
+            return
         if tokens and self.first_token is None:
             self.first_token = time.perf_counter()
         self.tokens.extend(tokens)
@@ -116,6 +118,8 @@ class Handle:
             self._stream.put(t)
 
     def _finish(self, state: str, error: Exception | None = None) -> None:
+        if self._done.is_set():           # the first end a request is given is its end
+            return
         self.state, self.error, self.finished = state, error, time.perf_counter()
         self._stream.put(None)
         self._done.set()
@@ -477,6 +481,9 @@ class Engine:
             except BaseException as exc:  # noqa: BLE001 - a dead engine must fail its handles, not leave them waiting
                 self.error = exc
                 self._close(f"the engine's thread died ({type(exc).__name__}: {exc})")
+        if self._thread is not None and self._thread.is_alive():
+            raise EngineError("the engine's thread is running (or still finishing a step after stop(timeout=...)): "
+                              "call stop() (no timeout) to wait for it, then start() again.")
         with self.lock:
             self._closed = None
         self._stop.clear()
@@ -484,14 +491,28 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Stop serving: the thread ends after its current step, and every request not finished fails with an
-        EngineError (as does any request submitted later, until `start()` again)."""
+        EngineError (as does any request submitted later, until `start()` again).
+
+        `timeout`: return after at most this many seconds even if the current step has not ended (a drafter or a
+        target blocked in a call): the requests fail at once, and the thread exits when its step returns."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():           # the step still runs: fail the handles, leave its state to the thread
+                self._fail_handles("the engine was stopped while a step was still running")
+                return
         self._close("the engine was stopped")
+
+    def _fail_handles(self, why: str) -> None:
+        with self.lock:
+            self._closed = why
+            handles, self.waiting = self.waiting + list(self.running.values()), []
+        for handle in handles:
+            handle._finish("failed", EngineError(f"request not finished: {why}"))
 
     def driven(self) -> bool:
         """Whether anything drives the engine: its thread is alive, a step is running now (however long a target's
