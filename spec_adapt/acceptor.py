@@ -45,6 +45,8 @@ def use_kernel(mode: str, tensor: torch.Tensor) -> bool:
 class Acceptor:
     """Greedy match or lossless rejection sampling, through a kernel or its reference (see the module docstring)."""
 
+    lockstep = False      # rows commit in step (a target that numbers tokens by cache column; set by the loop)
+
     def __init__(self, kernels: str | None = None):
         self.mode = check_mode(kernels or os.environ.get("SPEC_ADAPT_KERNELS", "auto"))
         self.paths: dict[str, str] = {}
@@ -57,12 +59,16 @@ class Acceptor:
 
     def accept(self, scores, draft_tokens, draft_probs, lengths, sampling: bool):
         """scores [B, S+1, V] processed target scores; draft_tokens [B, S]; draft_probs [B, S, V] or None (point
-        mass); lengths [B]. Returns (accepted [B], next_token [B])."""
+        mass); lengths [B]. Returns (accepted [B], next_token [B]); with `lockstep`, every row accepts as many as
+        the row that accepted fewest (`spec_adapt.accept.lockstep`)."""
         if not sampling:
-            return self.greedy(scores, draft_tokens, lengths)
-        batch, width = draft_tokens.shape
-        uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
-        return self.rejection(scores.softmax(dim=-1), draft_tokens, draft_probs, lengths, uniforms, exponentials)
+            accepted, next_token = self.greedy(scores, draft_tokens, lengths)
+        else:
+            batch, width = draft_tokens.shape
+            uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
+            accepted, next_token = self.rejection(scores.softmax(dim=-1), draft_tokens, draft_probs, lengths,
+                                                  uniforms, exponentials)
+        return accept.lockstep(accepted, next_token, draft_tokens) if self.lockstep else (accepted, next_token)
 
     def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool):
         """A token tree (spec_adapt.tree): scores [B, S+1, V] of the root and the nodes; parents [B, S]. Returns

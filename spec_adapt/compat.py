@@ -5,7 +5,7 @@ transformers renames things between releases: 5.24 calls the generation cache `c
 made here, once. Public, documented API (AutoModel, GenerationConfig, LogitsProcessorList, the logits processors)
 is imported where it is used; what is listed here is either private or has been renamed within the tested range.
 
-The tested range is `TESTED` (pyproject.toml declares the same; `constraints.txt` pins the newest end, and
+The tested range is `TESTED_TEXT` (pyproject.toml declares it; `constraints.txt` pins the newest end, and
 `make test` also runs the identity, contract and entry-point suites on the oldest end).
 """
 
@@ -28,8 +28,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput                    # noqa: F401 (re-exported)
 from transformers.masking_utils import create_causal_mask as _create_causal_mask
 
-TESTED = (">=5.20", "<5.25")            # the declared range: both ends run the identity suites
-TESTED_TEXT = "transformers 5.20 to 5.24"
+TESTED_TEXT = "transformers 5.20 to 5.24"     # the declared range (pyproject.toml): both ends run the identity suites
 VERSION = transformers.__version__
 
 # The names generate hands a custom_generate function the cache under (newest first).
@@ -37,7 +36,7 @@ CACHE_INPUTS = ("cache", "past_key_values")
 
 
 @functools.lru_cache(maxsize=None)
-def _cache_argument(forward_type, forward) -> str:
+def _cache_argument(forward) -> str:
     parameters = inspect.signature(forward).parameters
     if "cache" in parameters:
         return "cache"
@@ -49,8 +48,7 @@ def _cache_argument(forward_type, forward) -> str:
 
 def cache_argument(model) -> str:
     """The keyword `model.forward` takes its cache under: `cache` on transformers >= 5.24, else `past_key_values`."""
-    forward = getattr(type(model), "forward", None) or model.forward
-    return _cache_argument(type(model), forward)
+    return _cache_argument(getattr(type(model), "forward", None) or model.forward)
 
 
 def with_cache(model, cache) -> dict:

@@ -17,7 +17,7 @@ import warnings
 import torch
 from .compat import EosTokenCriteria, MaxLengthCriteria, pad_token_tensor
 
-from .accept import committed_tokens, lockstep
+from .accept import committed_tokens
 from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
 from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
 from .acceptor import Acceptor
@@ -55,7 +55,8 @@ class SpeculativeLoop:
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
-        self.target.lockstep = positions_from_cache(model) is not None
+        # A target that numbers tokens by cache column: its rows commit in step, and its cache is never compacted.
+        self.acceptor.lockstep = self.target.lockstep = positions_from_cache(model) is not None
         self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
 
@@ -244,8 +245,6 @@ class SpeculativeLoop:
             return accepted, next_token, path
         accepted, next_token = self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths,
                                                     self.sampling)
-        if self.target.lockstep:
-            accepted, next_token = lockstep(accepted, next_token, proposal.tokens)
         return accepted, next_token, None
 
     def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path) -> torch.Tensor:

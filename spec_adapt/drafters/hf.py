@@ -36,7 +36,7 @@ class CandidateGeneratorDrafter(Drafter):
     @classmethod
     def prompt_lookup(cls, max_matching_ngram_size: int = 2) -> "CandidateGeneratorDrafter":
         """transformers' PromptLookupCandidateGenerator, per row."""
-        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+        from ..compat import PromptLookupCandidateGenerator
 
         return cls(lambda ids: PromptLookupCandidateGenerator(
             max_matching_ngram_size=max_matching_ngram_size, max_length=1 << 30))
@@ -45,7 +45,7 @@ class CandidateGeneratorDrafter(Drafter):
     def assisted(cls, draft_model) -> "CandidateGeneratorDrafter":
         """transformers' AssistedCandidateGenerator with a draft model (greedy drafts), per row."""
         from transformers import GenerationConfig
-        from transformers.generation.candidate_generator import AssistedCandidateGenerator
+        from ..compat import AssistedCandidateGenerator
 
         def make(ids):
             config = GenerationConfig(do_sample=False, max_length=1 << 30, min_length=0, eos_token_id=None)
