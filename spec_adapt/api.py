@@ -14,6 +14,7 @@ import torch
 from . import compat
 from .compat import GenerateDecoderOnlyOutput
 from .drafters.base import Drafter
+from .drafters.cross import CrossTokenizerDrafter
 from .drafters.early_exit import early_exit_model
 from .drafters.lookup import PromptLookupDrafter
 from .drafters.model import ModelDrafter
@@ -187,6 +188,8 @@ def _drafter_key(drafter) -> tuple:
     if isinstance(drafter, ModelDrafter):
         param = next(drafter.model.parameters())
         return (type(drafter).__name__, id(drafter.model), str(param.dtype))
+    if isinstance(drafter, CrossTokenizerDrafter):
+        return (type(drafter).__name__,) + _drafter_key(drafter.inner)
     return (type(drafter).__name__,)
 
 
@@ -355,7 +358,7 @@ def enable(model, assistant_policy: Policy | None = None):
         if draft is None and kwargs.get("drafter") is None and assistant_policy is None and not _stock_drafts(
                 model, kwargs):
             return stock(*args, **kwargs)
-        kwargs.setdefault("drafter", draft)
+        kwargs.setdefault("drafter", _with_tokenizers(draft, kwargs))
         kwargs = _stop_strings_as_criteria(model, kwargs)
         streamer = kwargs.pop("streamer", None)
         return stock(
@@ -364,6 +367,20 @@ def enable(model, assistant_policy: Policy | None = None):
 
     model.generate = generate_with_policy
     return model
+
+
+def _with_tokenizers(draft, kwargs: dict):
+    """Stock's Universal Assisted Generation arguments: `assistant_tokenizer=` (the draft's) with `tokenizer=` (the
+    target's) make the draft a CrossTokenizerDrafter. `tokenizer` stays for stop_strings."""
+    draft_tokenizer = kwargs.pop("assistant_tokenizer", None)
+    if draft_tokenizer is None:
+        return draft
+    if draft is None:
+        raise ValueError("assistant_tokenizer= is the draft's tokenizer: pass the draft as assistant_model= too.")
+    if kwargs.get("tokenizer") is None:
+        raise ValueError("A draft with its own tokenizer needs the target's too: pass tokenizer= with "
+                         "assistant_tokenizer=.")
+    return CrossTokenizerDrafter(draft, draft_tokenizer, kwargs["tokenizer"])
 
 
 def _stop_strings_as_criteria(model, kwargs: dict) -> dict:
