@@ -103,6 +103,12 @@ def attn_implementation(model) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
 
 
+def takes_4d_mask(model) -> bool:
+    """Whether the model's attention takes an arbitrary 4-D mask (sdpa and eager do; flash attention takes padding
+    only): token trees, sliding windows kept by mask and a forward narrowed mid-way all need one."""
+    return attn_implementation(model) in ("sdpa", "eager")
+
+
 def generation_default(name: str):
     """The value generate fills into a GenerationConfig field left unset (e.g. num_assistant_tokens = 20): a setting
     equal to it may not have been chosen by the user."""

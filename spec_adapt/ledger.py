@@ -37,7 +37,7 @@ import weakref
 
 import torch
 from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, attn_implementation,
-                     layer_types, with_cache)
+                     layer_types, takes_4d_mask, with_cache)
 
 
 class UnsupportedCacheError(ValueError):
@@ -120,7 +120,7 @@ def sliding_windows(model) -> dict[str, int | None] | None:
     windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types}
     if all(window is None for window in windows.values()):
         return None
-    if attn_implementation(model) not in ("sdpa", "eager"):
+    if not takes_4d_mask(model):
         raise UnsupportedCacheError(
             f"{type(model).__name__} has sliding-window layers, which spec_adapt enforces with 4-D attention masks: "
             f"load it with attn_implementation='sdpa' or 'eager' (it uses {attn_implementation(model)!r}).")
@@ -153,12 +153,11 @@ def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tens
 
 def check_tree_attention(model) -> None:
     """Trees need a model that takes a 4-D attention mask: attn_implementation 'sdpa' or 'eager'."""
-    impl = attn_implementation(model)
-    if impl not in ("sdpa", "eager"):
+    if not takes_4d_mask(model):
         raise ValueError(
             f"Token trees need attn_implementation 'sdpa' or 'eager' (each node attends to its ancestors only, through "
-            f"a 4-D mask), but {type(model).__name__} uses {impl!r}. Load it with attn_implementation='sdpa', or "
-            "draft chains (a policy without depth)."
+            f"a 4-D mask), but {type(model).__name__} uses {attn_implementation(model)!r}. Load it with "
+            "attn_implementation='sdpa', or draft chains (a policy without depth)."
         )
 
 

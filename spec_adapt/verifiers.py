@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptor import token_rank
-from .compat import attn_implementation, create_causal_mask, with_cache
-from .policies.estimators import ProbeBackoff, bucket
+from .compat import attn_implementation, create_causal_mask, takes_4d_mask, with_cache
+from .estimators import ProbeBackoff, bucket, mean_then_ema
+from .ledger import check_tree_attention, positions_from_cache
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
 
@@ -92,14 +93,10 @@ def check_verifier(verifier) -> "Verifier":
 
 def check_trees(model, verifier) -> None:
     """Token trees need a verifier that takes them and a target that takes a 4-D attention mask."""
-    from .ledger import check_tree_attention
-
     if not getattr(verifier, "trees", False):
         raise ValueError(f"The policy plans token trees, but {verifier!r} verifies chains only: use FullVerifier(), "
                          "or a policy without depth (FixedLength, Adaptive).")
     check_tree_attention(model)
-    from .ledger import positions_from_cache
-
     reason = positions_from_cache(model)
     if reason is not None:
         raise ValueError(f"Token trees give sibling nodes one position and different cache columns, but {reason}: "
@@ -139,7 +136,7 @@ class EarlyExitVerifier(Verifier):
             raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
         self.layers, self.top_k, self.gate = layers, top_k, gate
         self.stats = PruneStats()
-        self.timing: dict = {}         # (bucket, width) -> {"full": [sum, n], "pruned": [sum, n], "probes": ...}
+        self.timing: dict = {}         # (bucket, width) -> {"full": [mean, n], "pruned": [mean, n], "probes": ...}
         self._checkpoints: tuple[int, ...] = ()
         self.kernels = "auto"
         self._full = FullVerifier()        # the path the gate compares against
@@ -157,11 +154,10 @@ class EarlyExitVerifier(Verifier):
                 f"EarlyExitVerifier runs Llama- and Qwen2-style decoders ({', '.join(SUPPORTED)}), not "
                 f"{kind!r}. Use FullVerifier() (the default) for this model."
             )
-        impl = attn_implementation(model)
-        if impl not in ("sdpa", "eager"):
+        if not takes_4d_mask(model):
             raise ValueError(
                 f"EarlyExitVerifier needs attn_implementation 'sdpa' or 'eager' (it narrows the attention mask "
-                f"mid-forward), got {impl!r}. Load the target with attn_implementation='sdpa'."
+                f"mid-forward), got {attn_implementation(model)!r}. Load the target with attn_implementation='sdpa'."
             )
         if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
             raise ValueError("EarlyExitVerifier does not support sliding-window layers; use FullVerifier().")
@@ -258,12 +254,11 @@ class EarlyExitVerifier(Verifier):
     def _choose(self, key) -> str:
         if self.gate != "auto":
             return "pruned" if self.gate == "always" else "full"
-        entry = self.timing.setdefault(key, {"full": [0.0, 0], "pruned": [0.0, 0],
-                                             "probes": ProbeBackoff(8, 1 << 16)})
+        entry = self.timing.setdefault(key, {"full": None, "pruned": None, "probes": ProbeBackoff(8, 1 << 16)})
         for path in ("pruned", "full"):             # two samples of each path first
-            if entry[path][1] < 2:
+            if entry[path] is None or entry[path][1] < 2:
                 return path
-        best = min(("full", "pruned"), key=lambda p: entry[p][0] / entry[p][1])
+        best = min(("full", "pruned"), key=lambda p: entry[p][0])
         entry["probes"].wait()
         if entry["probes"].due():
             entry["probing"] = best
@@ -274,13 +269,10 @@ class EarlyExitVerifier(Verifier):
         if self.gate != "auto":
             return
         entry = self.timing[key]
-        total, n = entry[path]
-        if n >= 32:                                  # a running mean over the recent past
-            total, n = total * 31 / 32, 31
-        entry[path] = [total + seconds, n + 1]
+        entry[path] = mean_then_ema(entry[path], seconds, 1 / 32)     # a mean over the recent past
         best = entry.pop("probing", None)
         if best is not None:                         # the probe wins if it beat the mean of the path it challenged
-            entry["probes"].result(won=seconds < entry[best][0] / entry[best][1])
+            entry["probes"].result(won=seconds < entry[best][0])
 
     def report(self) -> dict:
         s = self.stats

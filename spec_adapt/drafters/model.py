@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..estimators import ema
 from ..ledger import KVLedger
 from .base import Drafter, DraftRequest, Proposal, left_padding
 from .head import ShortHead, check_short_head
@@ -180,7 +181,7 @@ class ModelDrafter(Drafter):
         if expected is not None:
             drafted = expected >= 0
             seen = torch.stack([path.to(expected.device).long().sum(1).float(), expected.clamp(min=1e-3)], dim=1)
-            self.calib = torch.where(drafted[:, None], 0.9 * self.calib + 0.1 * seen, self.calib)
+            self.calib = torch.where(drafted[:, None], ema(self.calib, seen, 0.1), self.calib)
         fed, self.tree_fed = self.tree_fed, None
         if fed is None or self.ledger.tree is None:
             return

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from ..tree import branches_proposal
 from .base import Drafter, DraftRequest, Proposal, left_padding, place
 

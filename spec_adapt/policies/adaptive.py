@@ -19,18 +19,17 @@ import json
 import math
 import numbers
 import random
-from collections import deque
 from pathlib import Path
 
 import torch
 
+from ..estimators import ema, mean_then_ema
 from ..metrics import StepRecord
 from .estimators import (LatencyTable, LineFit, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile,
-                         state_key)
-from .base import MAX_WIDTH, Plan, Policy, StepInfo
+                         decay_counts, reach, state_key)
+from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo
 from .fixed import _check_int
 
-USUAL_LAG = 2      # a draft model trails by 1-2 tokens after a normal step; more is catch-up
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (see 1. above)
 # A step time over STALL x its width's estimate (after STALL_AFTER samples) counts as STALL x: one stalled plain step
 # must not make drafting look cheaper, since plain steps are not re-measured while the policy drafts.
@@ -157,10 +156,7 @@ class Adaptive(Policy):
         fit = self.catchup.get(key)
         if fit is None or not fit.samples:
             return self.table.switch_cost(lag, key) if self.table is not None and self.table.prefill else unknown
-        if fit.ready():
-            return fit(lag)
-        _, sx, sy = fit.sums[:3]
-        return sy / max(sx, 1e-9) * lag
+        return fit(lag) if fit.ready() else fit.proportional(lag)
 
     def expected(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """E[committed | s] for s = 0..max_gamma: [S+1] for a request not yet seen, or [B, S+1] for these rows.
@@ -266,10 +262,8 @@ class Adaptive(Policy):
         pending, self._pending = self._pending, None
         self.steps += 1
         shape = (record.held or record.batch_size, max(record.drafted, default=0))
-        seconds, samples = self.shapes.get(shape, (None, 0))
         # A mean over the first samples, then an EMA: a slow first forward of a new shape must not stand for it.
-        weight = max(self.ema, 1 / (samples + 1))
-        self.shapes[shape] = [_ema(seconds, record.verify_time, weight), samples + 1]
+        self.shapes[shape] = mean_then_ema(self.shapes.get(shape), record.verify_time, self.ema)
         if pending is None:
             return
         factor = pending.get("factor", 1)
@@ -293,9 +287,9 @@ class Adaptive(Policy):
             old = self.measured.get(slot)
             if old is not None and old[1] >= STALL_AFTER:   # a stall (GC, the OS) is not what this width costs
                 seconds = min(seconds, STALL * old[0])
-            self.measured[slot] = [_ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
+            self.measured[slot] = [ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
         if width:
-            self.span[(key, burst)] = _ema(self.span.get((key, burst)), widest / width, self.ema)
+            self.span[(key, burst)] = ema(self.span.get((key, burst)), widest / width, self.ema)
         if pending.get("recheck") is not None:
             # Plain decoding measured again while drafting: the gap to the next recheck doubles when it lost; when it
             # won, the estimate is stale, and plain runs again at the next drafting choice until it loses or T(B, 0)
@@ -340,17 +334,14 @@ class Adaptive(Policy):
         drafted, rows = torch.tensor(record.drafted), torch.tensor(record.rows)
         self._grow(rows)
         state = self.row_state[rows]                                                     # [B] as chosen
-        pos = torch.arange(self.max_gamma)[None, :]
-        reached = (pos < torch.minimum(accepted + 1, gammas)[:, None]).float()           # [B, S]
-        hits = (pos < accepted[:, None]).float() * reached
-        n = torch.zeros(STATES, self.max_gamma).index_add_(0, state, reached)           # [STATES, S]
-        factor = self.decay ** n
-        self.tried = factor * self.tried + n
-        self.accepted = factor * self.accepted + torch.zeros_like(n).index_add_(0, state, hits)
-        own = reached > 0
+        reached, hits = reach(gammas, accepted, self.max_gamma)                          # [B, S]
+        pooled = torch.zeros(STATES, self.max_gamma)                                     # [STATES, S]
+        self.tried, self.accepted = decay_counts(self.tried, self.accepted, pooled.index_add(0, state, reached),
+                                                 pooled.index_add(0, state, hits), self.decay)
         t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
-        self.row_tried[rows, state] = torch.where(own, self.decay * t + 1, t)
-        self.row_accepted[rows, state] = torch.where(own, self.decay * a + hits, a)
+        row_t, row_a = decay_counts(t, a, 1, hits, self.decay)                           # a row is one observation
+        own = reached > 0
+        self.row_tried[rows, state], self.row_accepted[rows, state] = torch.where(own, row_t, t), torch.where(own, row_a, a)
         full = (accepted == drafted) & (drafted > 0)
         self.row_state[rows] = torch.where(gammas > 0, torch.where(full, BURST, MISSED), PLAIN)
         self._refresh()
@@ -539,7 +530,3 @@ def _times(value, what: str) -> list:
     if seconds < 0 or samples < 0:
         raise ValueError(f"{what} holds a negative time or count: {value}")
     return [seconds, samples]
-
-
-def _ema(old, new, weight):
-    return new if old is None else (1 - weight) * old + weight * new

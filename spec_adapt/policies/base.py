@@ -39,6 +39,11 @@ class StepInfo:
     closed: bool = False
 
 
+# A draft model normally trails the committed text by 1 or 2 tokens (the target's new token, and the last draft token
+# when everything was accepted): only a `draft_lag` or `level_lags` beyond that is catch-up.
+USUAL_LAG = 2
+
+
 @dataclass
 class Plan:
     """A policy's answer when it steers more than the length: `gammas` as `choose` would return them, and `members`,

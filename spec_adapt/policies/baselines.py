@@ -11,8 +11,9 @@ import random
 from dataclasses import asdict, dataclass, field
 
 
+from ..estimators import ema
 from ..metrics import StepRecord
-from .estimators import LatencyTable, OnlineLatency, PositionAcceptance, _listed, _tupled, bucket  # noqa: F401
+from .estimators import LatencyTable, OnlineLatency, PositionAcceptance, _listed, _tupled, bucket
 from .base import Policy, StepInfo
 from .fixed import _check_int
 
@@ -282,7 +283,7 @@ class ElasticEWMA(Policy):
         for row, d, a in zip(record.rows, record.drafted, record.accepted):
             if d:
                 old = self.rates.get(row, self.initial)
-                self.rates[row] = (1 - self.alpha) * old + self.alpha * a / d
+                self.rates[row] = ema(old, a / d, self.alpha)
 
     def reset(self):
         self.rates = {}

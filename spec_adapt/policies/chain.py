@@ -35,8 +35,9 @@ import random
 
 from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
+from ..estimators import ema
 from .estimators import OnlineLatency, ProbeBackoff, _listed, _tupled
-from .base import Plan, Policy, StepInfo
+from .base import USUAL_LAG, Plan, Policy, StepInfo
 
 
 class ChainScheduler(Policy):
@@ -169,9 +170,9 @@ class ChainScheduler(Policy):
             if tried:
                 self._count(members[-1], "T", sum(record.accepted), tried)
             # Everything in a step but drafting: verification, acceptance and bookkeeping all grow with steps.
-            self.t_target = self._ema(self.t_target, record.step_time - record.draft_time)
+            self.t_target = ema(self.t_target, record.step_time - record.draft_time, self.ema)
         else:
-            self.t_plain = self._ema(self.t_plain, record.step_time)
+            self.t_plain = ema(self.t_plain, record.step_time, self.ema)
 
     def _back_off(self, record: StepRecord, members: list[int]) -> None:
         """Did the probe beat a target-only step per committed token? Its catch-up is not held against it (it is
@@ -199,15 +200,11 @@ class ChainScheduler(Policy):
     def _count(self, a, b, accepted, tried) -> None:
         """alpha is a ratio of moving averages (EMA accepted / EMA decided): an EMA of per-step ratios is biased low
         when runs are long (a step that stops after 1 of 8 reads 0.5, one that stops at once reads 0)."""
-        old = self.alpha.get((a, b))
-        self.alpha[(a, b)] = [accepted, tried] if old is None else [
-            (1 - self.ema) * old[0] + self.ema * accepted, (1 - self.ema) * old[1] + self.ema * tried]
-
-    def _ema(self, old, new):
-        return new if old is None else (1 - self.ema) * old + self.ema * new
+        old_accepted, old_tried = self.alpha.get((a, b), (None, None))
+        self.alpha[(a, b)] = [ema(old_accepted, accepted, self.ema), ema(old_tried, tried, self.ema)]
 
     def _update(self, table, key, value):
-        table[key] = self._ema(table.get(key), value)
+        table[key] = ema(table.get(key), value, self.ema)
 
     # The tables are keyed by tuples; JSON has lists, so keys are written as lists and read back as tuples.
     _TABLES = ("alpha", "sim", "t_draft", "t_verify", "catchup", "span")
@@ -228,11 +225,6 @@ class ChainScheduler(Policy):
         self.current = _tupled(state["current"])
         self.probes.idle, self.probes.gap = state["idle"], state["probe_gap"]
         self.rng.setstate(_tupled(state["rng"]))
-
-
-# A model level normally trails the committed text by 1 or 2 tokens (the target's new token, and the last draft
-# token when everything was accepted): only what is beyond that is catch-up.
-USUAL_LAG = 2
 
 
 def _behind(lags, level) -> int:

@@ -1,13 +1,15 @@
-"""Estimators shared by the policies and the early-exit gate: what a step costs and what a draft is worth.
+"""Estimators of what a step costs and what a draft is worth, as the policies keep them.
 
-- `LatencyTable`: a measured profile T(B, s), the draft's per-token time and catch-up cost c_prefill(L, B)
-  (`spec-adapt profile` writes one per model, draft, dtype and device; `cached_profile` finds it).
-- `OnlineLatency`: T(B, s) = a + b*B + c*B*s + d*s by least squares over the step times a loop observes.
-- `LineFit`: y = a + d x over a sliding window (one batch-size bucket's step time against width, or catch-up time
-  against lag).
-- `PositionAcceptance`: decayed per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted).
-- `ProbeBackoff`: when a switched-off option is tried again: after `gap` idle steps; a lost probe doubles the gap.
-- `bucket`: the batch-size context (powers of two) every per-batch-size estimate is kept under.
+- Step time: `LatencyTable`, a measured profile T(B, s), the draft's per-token time and catch-up cost c_prefill(L, B)
+  (`spec-adapt profile` writes one per model, draft, dtype and device; `cached_profile` finds it); and least squares
+  over a sliding window of observed steps (`WindowFit`), in two forms: `OnlineLatency`, T(B, s) = a + b*B + c*B*s + d*s
+  over every batch size, which falls back to a profile until it is ready, and `LineFit`, y = a + d x (one batch-size
+  bucket's step time against width, or catch-up time against lag).
+- Acceptance: `reach` (which draft positions a step's rows reached and had accepted) and `decay_counts` (counts
+  decayed once per observation), which `PositionAcceptance` and Adaptive's per-state counts both keep.
+- `TreeShapes`: which tree to grow around a chain, from the goodput each shape measured.
+The estimators the core and serving share too (moving averages, `bucket`, `ProbeBackoff`) are in
+`spec_adapt.estimators`.
 """
 
 from __future__ import annotations
@@ -22,10 +24,7 @@ from pathlib import Path
 
 import torch
 
-
-def bucket(batch_size: int) -> int:
-    """Batch-size context: the power of two at or below B (1, 2, 4, 8, ...)."""
-    return 1 << (max(batch_size, 1).bit_length() - 1)
+from ..estimators import ProbeBackoff, bucket, mean_then_ema
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -81,57 +80,86 @@ class LatencyTable:
         return cls(ints(data["step"]), ints(data["draft_token"]), ints(data["prefill"]), data.get("meta", {}))
 
 
-class OnlineLatency:
-    """Step-time model fitted online: T(B, s) = a + b*B + c*B*s + d*s, least squares over a sliding window."""
+class WindowFit:
+    """Least squares over the last `window` samples, kept as running sums of the features' products, so adding or
+    dropping a sample costs the same at any window size. Ready once it holds `min_samples` samples at two or more
+    distinct values of the variable the fit must see vary (`varying`). A form names its `features` and solves."""
+
+    def __init__(self, size: int, window: int, min_samples: int):
+        self.window, self.min_samples = window, min_samples
+        self.samples: deque = deque()               # (inputs..., y), oldest first
+        self.gram = [[0.0] * size for _ in range(size)]   # sum over the window of f_i f_j
+        self.moments = [0.0] * size                 # sum over the window of f_i y
+        self.values: dict = {}                      # value of the varying input -> samples in the window
+
+    def features(self, *inputs) -> list[float]:
+        raise NotImplementedError
+
+    def varying(self, *inputs):
+        raise NotImplementedError
+
+    def add(self, *sample) -> None:
+        """One sample: the inputs, then y."""
+        self.samples.append(sample)
+        self._apply(sample, 1.0)
+        while len(self.samples) > self.window:
+            self._apply(self.samples.popleft(), -1.0)
+
+    def _apply(self, sample, sign: float) -> None:
+        *inputs, y = sample
+        f = self.features(*inputs)
+        for i in range(len(f)):
+            self.moments[i] += sign * f[i] * y
+            for j in range(len(f)):
+                self.gram[i][j] += sign * f[i] * f[j]
+        x = self.varying(*inputs)
+        self.values[x] = self.values.get(x, 0) + int(sign)
+        if not self.values[x]:
+            del self.values[x]
+
+    def ready(self) -> bool:
+        return len(self.samples) >= self.min_samples and len(self.values) >= 2
+
+
+class OnlineLatency(WindowFit):
+    """Step-time model fitted online: T(B, s) = a + b*B + c*B*s + d*s over a sliding window of (B, s, seconds),
+    refitted every `refit_every` samples; a profiled `table`, then a flat prior, until it is ready."""
 
     def __init__(self, table: LatencyTable | None = None, window: int = 512, min_samples: int = 12,
                  refit_every: int = 16):
-        self.table, self.window, self.min_samples, self.refit_every = table, window, min_samples, refit_every
-        self.samples: list[tuple[int, int, float]] = []
-        self.coef: torch.Tensor | None = None
+        super().__init__(4, window, min_samples)
+        self.table, self.refit_every = table, refit_every
+        self.coef: list[float] | None = None
         self._since_fit = 0
         self._floor = math.inf
         self._fitted: bool | None = None      # None: unknown since the last sample
-        self._xtx = [[0.0] * 4 for _ in range(4)]   # running sums over the window: refits are a 4x4 solve
-        self._xty = [0.0] * 4
-        self._lengths: dict[int, int] = {}          # draft length -> samples in the window
 
-    def _accumulate(self, sample, sign: float) -> None:
-        batch, s, seconds = sample
-        f = self._features(batch, s)
-        for i in range(4):
-            self._xty[i] += sign * f[i] * seconds
-            for j in range(4):
-                self._xtx[i][j] += sign * f[i] * f[j]
-        self._lengths[s] = self._lengths.get(s, 0) + int(sign)
-        if not self._lengths[s]:
-            del self._lengths[s]
+    def features(self, batch, s):
+        return [1.0, float(batch), float(batch * s), float(s)]
+
+    def varying(self, batch, s):
+        return s                              # all samples at one draft length leave s unidentifiable
 
     def add(self, batch: int, s: int, seconds: float) -> None:
-        self.samples.append((batch, s, seconds))
-        self._accumulate(self.samples[-1], 1.0)
-        while len(self.samples) > self.window:
-            self._accumulate(self.samples.pop(0), -1.0)
+        super().add(batch, s, seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:   # refitting every step would cost more than the decision budget
             self.coef = None
         if self.coef is None:
             self._fitted = None
 
-    def _features(self, batch, s):
-        return [1.0, float(batch), float(batch * s), float(s)]
-
     def _fit(self) -> bool:
-        """Fit when due; False while there are too few samples, or all at one draft length (s unidentifiable)."""
+        """Fit when due; False while there are too few samples, or all at one draft length."""
         if self._fitted is not None:
             return self._fitted
         self._fitted = False
         if self.coef is None:
-            if len(self.samples) < self.min_samples or len(self._lengths) < 2:
+            if not super().ready():
                 return False
-            # Normal equations with a tiny ridge: four coefficients (lstsq/gelsd took ~40 ms here).
-            gram = torch.tensor(self._xtx, dtype=torch.float64) + 1e-9 * torch.eye(4, dtype=torch.float64)
-            self.coef = torch.linalg.solve(gram, torch.tensor(self._xty, dtype=torch.float64)).tolist()
+            # Normal equations with a tiny ridge: a 4x4 solve from the running sums, far cheaper than a
+            # least-squares driver over the samples, within a step's decision budget.
+            gram = torch.tensor(self.gram, dtype=torch.float64) + 1e-9 * torch.eye(4, dtype=torch.float64)
+            self.coef = torch.linalg.solve(gram, torch.tensor(self.moments, dtype=torch.float64)).tolist()
             self._floor = 0.5 * min(t for _, _, t in self.samples)
             self._since_fit = 0
         self._fitted = True
@@ -143,7 +171,7 @@ class OnlineLatency:
 
     def step_time(self, batch: int, s: int) -> float:
         if self._fit():
-            value = sum(c * f for c, f in zip(self.coef, self._features(batch, s)))
+            value = sum(c * f for c, f in zip(self.coef, self.features(batch, s)))
             return max(value, self._floor)
         if self.table is not None and self.table.step:
             return self.table.step_time(batch, s)
@@ -165,41 +193,47 @@ class OnlineLatency:
         self._fitted = None
 
 
-class LineFit:
-    """y = a + d x by least squares over the last `window` samples (running sums: O(1) per sample and query).
-    Ready once it has `min_samples` at two or more distinct x; d is kept >= 0 (a wider step never costs less)."""
+class LineFit(WindowFit):
+    """y = a + d x over the last `window` samples, ready once it has `min_samples` at two or more distinct x; d is
+    kept >= 0 (a wider step never costs less)."""
 
     def __init__(self, window: int = 128, min_samples: int = 6):
-        self.window, self.min_samples = window, min_samples
-        self.samples: deque = deque()
-        self.sums = [0.0] * 5            # n, sum x, sum y, sum x^2, sum x y
-        self.xs: dict[float, int] = {}
+        super().__init__(2, window, min_samples)
 
-    def add(self, x: float, y: float) -> None:
-        self._apply(x, y, 1.0)
-        self.samples.append((x, y))
-        if len(self.samples) > self.window:
-            self._apply(*self.samples.popleft(), -1.0)
+    def features(self, x):
+        return [1.0, x]
 
-    def _apply(self, x, y, sign) -> None:
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            self.sums[i] += sign * v
-        self.xs[x] = self.xs.get(x, 0) + int(sign)
-        if not self.xs[x]:
-            del self.xs[x]
-
-    def ready(self) -> bool:
-        return len(self.samples) >= self.min_samples and len(self.xs) >= 2
+    def varying(self, x):
+        return x
 
     def __call__(self, x: float) -> float:
-        n, sx, sy, sxx, sxy = self.sums
+        (n, sx), (_, sxx) = self.gram
+        sy, sxy = self.moments
         d = max(0.0, (n * sxy - sx * sy) / max(n * sxx - sx * sx, 1e-12))
         return (sy - d * sx) / n + d * x
 
+    def proportional(self, x: float) -> float:
+        """y in proportion to x (sum y / sum x): what the samples say before two distinct x are in."""
+        return self.moments[0] / max(self.gram[0][1], 1e-9) * x
+
+
+def reach(asked: torch.Tensor, accepted: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and draft position i < size: whether the row reached position i + 1 (it asked for more than i drafts
+    and had i accepted) and whether that draft was accepted. asked, accepted [B] -> (reached, hits) [B, size] float."""
+    pos = torch.arange(size)[None, :]
+    reached = (pos < torch.minimum(accepted + 1, asked)[:, None]).float()
+    return reached, (pos < accepted[:, None]).float() * reached
+
+
+def decay_counts(tried, accepted, reached, hits, decay: float):
+    """Acceptance counts after one step (floats or tensors): decayed once per row that reached the position
+    (decay ** reached), so memory is counted in rows, then the step's rows and hits added."""
+    factor = decay ** reached
+    return factor * tried + reached, factor * accepted + hits
+
 
 class PositionAcceptance:
-    """Per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted), counts decayed once per
-    observation (a position reached by n rows in a step decays by decay**n), so memory is counted in rows."""
+    """Per-position acceptance p_i = P(d_i accepted | d_1..d_{i-1} accepted) from decayed counts (`decay_counts`)."""
 
     def __init__(self, size: int, decay: float = 0.98, prior: float = 0.5, prior_weight: float = 1.0):
         self.tried = [prior_weight] * size
@@ -210,53 +244,13 @@ class PositionAcceptance:
         self.update_many([drafted], [accepted])
 
     def update_many(self, drafted: list[int], accepted: list[int]) -> None:
-        """One step's rows: position i+1 was reached by rows with min(a + 1, d) > i and accepted if a > i."""
-        reached = [0] * len(self.tried)
-        hits = [0] * len(self.tried)
-        for d, a in zip(drafted, accepted):
-            for i in range(min(a + 1, d, len(reached))):
-                reached[i] += 1
-                hits[i] += i < a
-        for i, n in enumerate(reached):
-            if n:
-                factor = self.decay ** n
-                self.tried[i] = factor * self.tried[i] + n
-                self.accepted[i] = factor * self.accepted[i] + hits[i]
+        """One step's rows, each counted up to what it drafted."""
+        reached, hits = reach(torch.tensor(drafted), torch.tensor(accepted), len(self.tried))
+        for i, (n, h) in enumerate(zip(reached.sum(0).long().tolist(), hits.sum(0).long().tolist())):
+            self.tried[i], self.accepted[i] = decay_counts(self.tried[i], self.accepted[i], n, h, self.decay)
 
     def rates(self) -> list[float]:
         return [a / t for a, t in zip(self.accepted, self.tried)]
-
-
-class ProbeBackoff:
-    """When to try again an option that lost (speculation switched off, a pruned verification path): after `gap`
-    steps without it. A probe that loses doubles the gap, up to `max_gap`; one that wins resets it to `start`.
-    An always-losing option thus costs a few steps, then one in `max_gap`."""
-
-    def __init__(self, start: int = 16, max_gap: int = 256):
-        if not 1 <= start <= max_gap:
-            raise ValueError(f"ProbeBackoff needs 1 <= start <= max_gap, got {start}, {max_gap}.")
-        self.start, self.max_gap = start, max_gap
-        self.gap, self.idle = start, 0
-
-    def due(self) -> bool:
-        return self.idle >= self.gap
-
-    def wait(self) -> None:
-        """One more step without the option."""
-        self.idle += 1
-
-    def used(self) -> None:
-        """The option runs this step (chosen, or probed): the count of steps without it restarts."""
-        self.idle = 0
-
-    def result(self, won: bool) -> None:
-        """A probe ran (the idle count restarts); it won or lost against the alternative."""
-        self.idle = 0
-        self.gap = self.start if won else min(2 * self.gap, self.max_gap)
-
-    def again(self) -> None:
-        """The option is due again at the next chance (a probe that won and wants confirming)."""
-        self.idle = self.gap
 
 
 def _listed(x):
@@ -375,10 +369,7 @@ class TreeShapes:
     def observe(self, batch: int, factor: int, tokens: float, seconds: float) -> None:
         key = bucket(batch)
         goodput = tokens / max(seconds, 1e-9)
-        old = self.value.get((key, factor))
-        samples = old[1] + 1 if old else 1
-        weight = max(self.ema, 1 / samples)
-        self.value[(key, factor)] = [goodput if old is None else (1 - weight) * old[0] + weight * goodput, samples]
+        self.value[(key, factor)] = mean_then_ema(self.value.get((key, factor)), goodput, self.ema)
         probing, self._probing = self._probing, None
         if probing is not None and probing[1] == factor:
             self.probes[probing[:2]].result(won=goodput > self.value[(key, probing[2])][0])
