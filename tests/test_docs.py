@@ -1,5 +1,6 @@
 """Every Python snippet in the README and in docs/ runs. The snippets of one file share a namespace, in order (a later
-one may use what an earlier one made). Models they load come from the session's cache: SmolLM2 is loaded once."""
+one may use what an earlier one made). Models they load come from the session's cache: SmolLM2 and the Qwen pair are
+loaded once."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ def test_the_docs_have_snippets():
 
 @pytest.mark.real
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_snippets_run(path, smollm2, monkeypatch, tmp_path):
+def test_snippets_run(path, smollm2, qwen_pair, monkeypatch, tmp_path):
     from spec_adapt.tools import models
 
-    loaded = {"smollm2-135m": smollm2, models.SMOLLM2.lower(): smollm2}
+    loaded = {"smollm2-135m": smollm2, models.SMOLLM2.lower(): smollm2,
+              "qwen2.5-coder-0.5b": (qwen_pair[1], qwen_pair[2])}
 
     def load_model(name=models.SMOLLM2, *args, **kwargs):
         if name.lower() in loaded and not args and not kwargs:

@@ -177,3 +177,16 @@ def test_three_level_chain_sampling_follows_target_distribution(small):
         empirical = torch.bincount(tokens[:, position], minlength=VOCAB_SMALL).float() / n
         tolerance = 5 * (exact * (1 - exact) / n).sqrt() + 2e-3
         assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
+
+
+def test_cross_tokenizer_point_mass_drafts_follow_target_distribution(small):
+    """A draft with another tokenizer (byte-level BPE, drafting text) for a character-level target: its proposals
+    are point masses in the target's ids, and the sampled tokens keep the target's exact distribution."""
+    from spec_adapt.drafters.cross import CrossTokenizerDrafter
+    from tiny_tokenizers import bpe_tokenizer, char_tokenizer
+
+    target, _ = small
+    draft_tokenizer = bpe_tokenizer("bytelevel", 420)
+    script = ScriptedDrafter(lambda row, context, gamma: draft_tokenizer.encode("$&#'%", add_special_tokens=False))
+    drafter = CrossTokenizerDrafter(script, draft_tokenizer, char_tokenizer(VOCAB_SMALL))
+    assert_follows_target(target, drafter, 6000)

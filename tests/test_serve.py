@@ -16,10 +16,14 @@ from spec_adapt import Adaptive, FixedLength, ModelDrafter, PromptLookupDrafter,
 from spec_adapt.policies import Nightjar
 from spec_adapt.serving.engine import Engine, RequestError
 
+from spec_adapt.drafters.cross import CrossTokenizerDrafter
+
 from conftest import EOS, PAD, VOCAB, SpareRows, cached_model, tiny_model
+from tiny_tokenizers import bpe_tokenizer, char_tokenizer
 
 MODEL = cached_model("llama")
 DRAFT = tiny_model("llama", seed=7, layers=1)
+CROSS_DRAFT = tiny_model("gpt2", seed=8, vocab=len(bpe_tokenizer("bytelevel", 420)), layers=1)    # its own tokenizer
 
 
 def stock(prompt: list[int], n: int, eos=EOS) -> list[int]:
@@ -73,6 +77,7 @@ DRAFTERS = {
     "lookup": lambda: PromptLookupDrafter(2, 1),
     "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.drafters.SuffixIndex()),
     "chain": lambda: spec_adapt.ChainDrafter([PromptLookupDrafter(2, 1), DRAFT]),
+    "cross": lambda: CrossTokenizerDrafter(CROSS_DRAFT, bpe_tokenizer("bytelevel", 420), char_tokenizer(VOCAB)),
     "none": lambda: None,
 }
 
@@ -81,6 +86,7 @@ DRAFTERS = {
 @given(seed=st.integers(0, 10_000), drafter=st.sampled_from(sorted(DRAFTERS)),
        policy=st.sampled_from(["fixed", "adaptive", "nightjar", "spares"]), max_batch=st.integers(1, 5))
 @example(seed=7, drafter="short-head", policy="fixed", max_batch=3)      # always run: rows join mid-batch
+@example(seed=7, drafter="cross", policy="adaptive", max_batch=3)
 def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch):
     rng = random.Random(seed)
     n = rng.randrange(2, 8)

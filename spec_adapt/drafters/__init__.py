@@ -1,9 +1,10 @@
 from .base import Drafter, DraftRequest, Proposal
 from .chain import ChainDrafter
+from .cross import CrossTokenizerDrafter
 from .hf import CandidateGeneratorDrafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
 from .scripted import ScriptedDrafter
 from .suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]
+__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "CrossTokenizerDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]

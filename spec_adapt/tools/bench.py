@@ -13,13 +13,15 @@ Configuration names:
   none:fixed0                   spec_adapt's loop with no drafter (its overhead over stock generate; use --ignore-eos)
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
+  hf-uag                        stock Universal Assisted Generation with --xdraft (its own tokenizer), batch size 1
   <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, draftpc,
                                 wrong, draftb<k>}, policy in {adaptive, adaptive-tree, fixed<k>, tree<N>x<D>[p],
                                 heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore, ewma,
                                 per-request, chain} ("wrong" drafts tokens that are never right; draftc/draftp/
                                 draftpc: the draft with the 0.4 confidence exit / a 32,768-token short head / both;
                                 draftb<k>: the draft growing trees with branch k; tree<N>x<D>: FixedTree(N, D), "p"
-                                pooled; adaptive-tree: Adaptive(trees=True))
+                                pooled; adaptive-tree: Adaptive(trees=True)); xdraft: --xdraft, a draft with its own
+                                tokenizer (CrossTokenizerDrafter); xchain: [--xdraft -> --draft -> target]
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
@@ -89,9 +91,10 @@ class Cell:
         )
 
 
-def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=None, ignore_eos=False):
+def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=None, ignore_eos=False, xdraft=None):
     """Return fn(encoded batch) -> (sequences, SpecStats | None), or None if the config cannot run. `ignore_eos`:
-    every row generates exactly `new_tokens` (to measure the loop itself, e.g. its overhead at gamma = 0)."""
+    every row generates exactly `new_tokens` (to measure the loop itself, e.g. its overhead at gamma = 0).
+    `xdraft`: (model, tokenizer) of a draft with its own tokenizer."""
     import spec_adapt
 
     common = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -116,10 +119,15 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
         if draft is None:
             return None
         return lambda enc: (model.generate(**enc, **common, assistant_model=draft), None)
+    if name == "hf-uag":
+        if xdraft is None:
+            return None
+        return lambda enc: (model.generate(**enc, **common, assistant_model=xdraft[0], tokenizer=tok,
+                                           assistant_tokenizer=xdraft[1]), None)
     name, _, verify_name = name.partition("+")       # "+ee": EarlyExitVerifier (cost-gated); "+ee-always"
     verifier = parse_verifier(verify_name)
     drafter_name, _, policy_name = name.partition(":")
-    make_drafter = drafter_factory(drafter_name, tok, draft)
+    make_drafter = drafter_factory(drafter_name, tok, draft, xdraft)
     # One policy object per configuration: what it learns carries over from call to call, as in serving.
     if policy_name == "chain":            # the scheduler steers one chain object, kept across calls
         chain = make_drafter()
@@ -155,9 +163,9 @@ def chain_windows(choices: list[tuple], parts: int = 4, names=CHAIN_LEVELS) -> l
     return out
 
 
-def drafter_factory(name: str, tok, draft=None):
+def drafter_factory(name: str, tok, draft=None, xdraft=None):
     """fn() -> a fresh drafter for a config's drafter name (none, lookup, suffix, draft, draftc, draftp, draftpc,
-    offload, wrong, chain). "offload" is the draft inside a DraftOffload (low = 0, persist = 4): under a serve-bench
+    offload, wrong, chain, xdraft, xchain). "offload" is the draft inside a DraftOffload (low = 0, persist = 4): under a serve-bench
     memory budget it leaves when speculation is off and the queue waits for memory."""
     import spec_adapt
 
@@ -180,11 +188,26 @@ def drafter_factory(name: str, tok, draft=None):
         "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
         if draft is not None else None,
     }.get(name)
+    if name in ("xdraft", "xchain") and xdraft is not None:
+        make = _cross_factory(name, tok, draft, xdraft)
     if name.startswith("draftb") and name[6:].isdigit() and draft is not None:
         make = lambda: spec_adapt.ModelDrafter(draft, branch=int(name[6:]))  # noqa: E731
     if make is None:
-        raise ValueError(f"Unknown drafter {name!r} (or --draft missing for 'draft'/'draftc'/'offload'/'chain').")
+        raise ValueError(f"Unknown drafter {name!r} (or --draft missing for 'draft'/'draftc'/'offload'/'chain', "
+                         "--xdraft for 'xdraft', both for 'xchain').")
     return make
+
+
+def _cross_factory(name: str, tok, draft, xdraft):
+    """xdraft: the draft with its own tokenizer alone; xchain: it drafts, --draft verifies, then the target."""
+    import spec_adapt
+    from spec_adapt.drafters.cross import CrossTokenizerDrafter
+
+    if name == "xdraft":
+        return lambda: CrossTokenizerDrafter(xdraft[0], xdraft[1], tok)
+    if draft is None:
+        return None
+    return lambda: spec_adapt.ChainDrafter([CrossTokenizerDrafter(xdraft[0], xdraft[1], tok), draft])
 
 
 def _offload(draft):
@@ -243,7 +266,7 @@ def parse_policy(name: str, latency=None):
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
               repeats: int, draft=None, progress=True, rows: int = 8, latency=None, ignore_eos=False,
-              policy_state=None) -> list[Cell]:
+              policy_state=None, xdraft=None) -> list[Cell]:
     """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU).
     `policy_state`: a folder; each cell's policy starts from what a previous run saved there (warm; none saved:
     cold) and is saved there after the cell."""
@@ -254,7 +277,7 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
         for name in names:
             if name.startswith("hf-") and batch != 1:
                 continue            # stock transformers speculation refuses batches
-            fn = build_config(name, model, tok, new_tokens, draft, latency, ignore_eos)
+            fn = build_config(name, model, tok, new_tokens, draft, latency, ignore_eos, xdraft)
             if fn is not None:
                 runnable[name] = fn
                 if policy_state is not None:

@@ -83,7 +83,7 @@ def bench(args) -> None:
 
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype, **_offload(args))
-    draft = _draft(model, args)
+    draft, xdraft = _draft(model, args), _xdraft(args)
     if args.prepare:
         from spec_adapt import prepare
 
@@ -97,11 +97,12 @@ def bench(args) -> None:
 
     latency = LatencyTable.load(args.latency) if args.latency else None
     cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
-                        rows=args.rows, latency=latency, ignore_eos=args.ignore_eos, policy_state=args.policy_state)
+                        rows=args.rows, latency=latency, ignore_eos=args.ignore_eos, policy_state=args.policy_state,
+                        xdraft=xdraft)
     summary = b.summarize(cells)
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
-    meta = {"workload": name, "model": args.model, "draft": args.draft, "dtype": args.dtype,
+    meta = {"workload": name, "model": args.model, "draft": args.draft, "xdraft": args.xdraft, "dtype": args.dtype,
             "prepared": args.prepare, "cpu": cpu_name(), "target_memory_mb": args.target_memory,
             "device_map": getattr(model, "hf_device_map", None),
             **_draft_meta(draft, args), "policy_state": args.policy_state, "new_tokens": args.new_tokens,
@@ -186,6 +187,23 @@ def _draft(model, args):
     if args.draft_layers:
         return truncated_copy(model, args.draft_layers)
     return None
+
+
+def _xdraft(args):
+    """--xdraft: (model, tokenizer) of a draft with its own tokenizer, in the dtype --draft-dtype picks."""
+    from spec_adapt.tools.models import load_model
+
+    if not args.xdraft:
+        return None
+    if args.draft_dtype == "fastest":
+        model, tokenizer = load_model(args.xdraft, dtype=torch.float32)
+        return _fastest_draft(model, args.prepare), tokenizer
+    model, tokenizer = load_model(args.xdraft, dtype=getattr(torch, args.draft_dtype or args.dtype))
+    if args.prepare:
+        from spec_adapt import prepare
+
+        model = prepare(model)
+    return model, tokenizer
 
 
 def _fastest_draft(draft, pack: bool):
@@ -410,6 +428,8 @@ def main(argv=None) -> None:
     p.add_argument("--configs", nargs="+", default=["target", "hf-lookup", "lookup:fixed3", "suffix:heuristic4"])
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="a draft model path (enables draft:<policy>, chain:<policy> and hf-assisted)")
+    p.add_argument("--xdraft", help="a draft with its own tokenizer (enables xdraft:<policy>, hf-uag, and with "
+                   "--draft xchain:<policy>); its dtype follows --draft-dtype")
     _draft_options(p)
     p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
