@@ -14,6 +14,8 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
+from .tree import node_contexts
+
 # Processors whose output does not depend on input_ids.
 _CONTEXT_FREE = tuple(
     getattr(lp, name)
@@ -106,8 +108,6 @@ def tree_positions(process: ScoreProcessor, scores, buffer, base, tokens, anc, d
     """ScoreProcessor.positions for a token tree: column 0 (the root) conditions on the committed tokens, column
     i + 1 on them and node i's ancestors-or-self (spec_adapt.tree). scores [B, S+1, V]; tokens, depth [B, S];
     anc [B, S, S]; n_nodes [B]."""
-    from .tree import node_contexts
-
     if not process:
         return scores
     batch, width = tokens.shape

@@ -150,24 +150,3 @@ def pack_tree_lists(trees: list[tuple[list[int], list[int]]]):
         parents[b, : len(par)] = torch.tensor(par, dtype=torch.long)
     lengths = torch.tensor([len(t) for t, _ in trees], dtype=torch.long)
     return tokens, parents, lengths
-
-
-def pack_trees(trees: list[tuple[list[int], list[int]]], device):
-    """Per row (tokens, parents) lists -> a point-mass tree Proposal on `device`."""
-    from .drafters.base import Proposal
-
-    tokens, parents, lengths = pack_tree_lists(trees)
-    return Proposal(tokens.to(device), lengths.to(device), parents=parents.to(device))
-
-
-def branches_proposal(branches: list[list[list[int]]], request):
-    """Per row, continuations best first -> a point-mass Proposal for `request` (a DraftRequest): the trie within
-    the plan's node budget and depths, or, when the plan asks for chains, each row's first continuation cut to
-    gamma."""
-    from .drafters.base import Proposal
-
-    gammas, device = request.gammas.tolist(), request.tokens.device
-    if request.depths is None:
-        return Proposal.pack([torch.tensor([int(t) for t in (row[0] if row else [])][:g], dtype=torch.long)
-                              for row, g in zip(branches, gammas)], device)
-    return pack_trees(from_branches(branches, gammas, request.depths.tolist()), device)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..processors import ScoreProcessor
+from ..tree import ancestry, from_branches, is_chain, pack_tree_lists, tree_problems
 
 if TYPE_CHECKING:
     from ..acceptor import Acceptor
@@ -94,6 +95,23 @@ def with_drafts(tokens: torch.Tensor, lengths: torch.Tensor, drafts: torch.Tenso
         index = (lengths[:, None] + torch.arange(drafts.shape[1], device=tokens.device)).clamp(max=tokens.shape[1] - 1)
         out.scatter_(1, index, drafts)
     return out
+
+
+def pack_trees(trees: list[tuple[list[int], list[int]]], device):
+    """Per row (tokens, parents) lists -> a point-mass tree Proposal on `device`."""
+    tokens, parents, lengths = pack_tree_lists(trees)
+    return Proposal(tokens.to(device), lengths.to(device), parents=parents.to(device))
+
+
+def branches_proposal(branches: list[list[list[int]]], request):
+    """Per row, continuations best first -> a point-mass Proposal for `request` (a DraftRequest): the trie within
+    the plan's node budget and depths, or, when the plan asks for chains, each row's first continuation cut to
+    gamma."""
+    gammas, device = request.gammas.tolist(), request.tokens.device
+    if request.depths is None:
+        return Proposal.pack([torch.tensor([int(t) for t in (row[0] if row else [])][:g], dtype=torch.long)
+                              for row, g in zip(branches, gammas)], device)
+    return pack_trees(from_branches(branches, gammas, request.depths.tolist()), device)
 
 
 class Drafter:
@@ -200,8 +218,6 @@ def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
 
 def _checked_parents(parents, tokens, lengths, used, request, probs):
     """A tree's parents, validated (spec_adapt.tree); None for chains (a tree that is a chain becomes one)."""
-    from ..tree import ancestry, is_chain, tree_problems
-
     if parents is None:
         if request.depths is not None:
             _check_depth(lengths, request)

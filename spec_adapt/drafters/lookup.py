@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import branches_proposal
-from .base import Drafter, DraftRequest, Proposal, left_padding, place
+from .base import Drafter, DraftRequest, Proposal, branches_proposal, left_padding, place
 
 
 def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:

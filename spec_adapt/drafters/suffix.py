@@ -20,8 +20,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal, left_padding, place
-from ..tree import pack_trees
+from .base import Drafter, DraftRequest, Proposal, left_padding, pack_trees, place
 
 
 class SuffixIndex:
