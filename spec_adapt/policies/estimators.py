@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..estimators import ProbeBackoff, bucket, mean_then_ema
+from ..loading import cache_dir
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -260,13 +261,6 @@ def _listed(x):
 
 def _tupled(x):
     return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
-
-
-def cache_dir() -> Path:
-    """Where spec_adapt keeps what it makes once (model copies, profiles): $SPEC_ADAPT_CACHE, else
-    $XDG_CACHE_HOME/spec_adapt, else ~/.cache/spec_adapt."""
-    root = os.environ.get("SPEC_ADAPT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return Path(root) / "spec_adapt"
 
 
 # -- profiles cached per model, dtype and device ------------------------------------------------------------------------

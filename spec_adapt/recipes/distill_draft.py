@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from spec_adapt.tools.models import build_draft
+from spec_adapt.loading import build_draft
 
 
 def trainable_state(draft) -> dict:
@@ -116,7 +116,7 @@ def main():
     parser.add_argument("--report-spec", action="store_true", help="also measure acceptance through spec_adapt")
     args = parser.parse_args()
 
-    from spec_adapt.tools.models import load_model
+    from spec_adapt.loading import load_model
 
     out = Path(args.resume or args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ class ModelPool:
         source = entry.source
         if isinstance(source, str):
             if entry.device_map is None:
-                from ..tools.models import load_model
+                from ..loading import load_model
 
                 return load_model(source, dtype=entry.dtype)[0]
             from transformers import AutoModelForCausalLM

@@ -11,6 +11,8 @@ import copy
 
 import torch
 
+from ..loading import layer_subset_copy
+
 
 def perturbed_copy(target, noise: float, seed: int = 0):
     model = copy.deepcopy(target).eval()
@@ -25,25 +27,6 @@ def perturbed_copy(target, noise: float, seed: int = 0):
 
 def truncated_copy(target, layers: int):
     return layer_subset_copy(target, list(range(layers)))
-
-
-def layer_subset_copy(target, keep: list[int]):
-    """A copy of the target with only the decoder layers in `keep` (in that order), plus embeddings, norm, head."""
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = len(keep)
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[i] for i in keep]
-    model = type(target)(config).to(target.dtype).eval()
-    state = {}
-    for name, tensor in target.state_dict().items():
-        parts = name.split(".")
-        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
-            if int(parts[2]) not in keep:
-                continue
-            parts[2] = str(keep.index(int(parts[2])))
-        state[".".join(parts)] = tensor
-    model.load_state_dict(state, strict=False)
-    return model
 
 
 def agreement(target, draft, input_ids, start: int = 0) -> float:
