@@ -78,3 +78,22 @@ def test_prepared_pair_is_identical_to_prepared_stock(qwen_pair, batch):
     finally:
         spec_adapt.unprepare(target)
         spec_adapt.unprepare(draft)
+
+
+def test_smollm2_with_its_own_tokenizer_drafts_for_the_target(smollm2, qwen_pair, batch, reference):
+    from spec_adapt.drafters import CrossTokenizerDrafter
+
+    target, _, tok = qwen_pair
+    out, stats = speculate(target, batch, CrossTokenizerDrafter(smollm2[0], smollm2[1], tok), FixedLength(4))
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.accepted > 0
+
+
+def test_smollm2_as_the_first_level_of_a_chain_before_the_draft(smollm2, qwen_pair, batch, reference):
+    from spec_adapt.drafters import CrossTokenizerDrafter
+
+    target, draft, tok = qwen_pair
+    chain = ChainDrafter([CrossTokenizerDrafter(smollm2[0], smollm2[1], tok), draft])
+    out, stats = speculate(target, batch, chain, FixedLength(4))
+    assert torch.equal(out, reference)
+    assert stats.fallback is None and stats.accepted > 0
