@@ -4,7 +4,8 @@
 - `bucket`: the batch-size context (powers of two) every per-batch-size estimate is kept under.
 - `ProbeBackoff`: when a switched-off option is tried again: after `gap` idle steps; a lost probe doubles the gap.
 
-The estimators only policies use (step-time fits, acceptance counts, tree shapes) are in `spec_adapt.policies.estimators`.
+The estimators only policies use (step-time fits, acceptance counts, tree shapes) are in
+`spec_adapt.policies.estimators`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ forward costs close to what its memory traffic needs. `unprepare(model)` restore
 Why it matters for speculation: on a CPU, eager PyTorch multiplies a [rows, in] input by a plain [out, in] weight. For
 one row that is a matrix-vector product straight from the weight; for two or more rows oneDNN/MKL first repacks the
 weight into the blocked layout its matrix kernels read, on every call. A verification feeds several tokens per row, so
-it pays that repack for every weight of the model on every step: on a 2-core CPU, verifying 4 drafts with the 1.5B
-target costs about twice a one-token step, where reading the weights once would cost about the same.
+it pays that repack for every weight of the model on every step: verifying a few drafts can cost about twice a
+one-token step, where reading the weights once would cost about the same.
 
 What prepare does (CPU): each `torch.nn.Linear` gets its weight reordered once into oneDNN's blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`) and its forward calls oneDNN with it (`torch.ops.mkldnn._linear_pointwise`),

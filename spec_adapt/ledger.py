@@ -19,7 +19,7 @@ the start. Everything else follows from `slots`:
   in the region only (a 4-D mask), and holds slot n_cached + its number of ancestors in the region (siblings share a
   slot value: at most one of them is kept). `keep_tree` turns the other columns into holes.
 - spare rows: rows that left the batch may stay in the cache tensors, after the live rows, so the model keeps running
-  a batch shape the hardware runs faster (on a 2-core CPU a batch of 3 took 1.6x the time of a batch of 4). They are
+  a batch shape the hardware runs faster (on a CPU, some batch sizes run slower than a larger one). They are
   not ledger rows: `slots`, `pad` and `n_cached` describe the live rows only; each forward feeds spares token 0 at
   position 0 and drops their logits. Anything that adds or prunes rows (add_rows, forward_pruned) releases them first.
 
@@ -243,7 +243,7 @@ class KVLedger:
 
         The valid tokens of row b are its buffer tokens n_cached[b] .. n_cached[b] + n_valid[b] - 1.
         `columns` is for drafts and chain levels, which read few positions: the vocabulary projection of the others
-        is work thrown away (a 150-token prompt catch-up x 152k logits is over a third of the Qwen draft's prefill).
+        is work thrown away (for a 150k vocabulary, a large share of a small draft's prompt catch-up).
 
         `parents` [B, W] makes the tokens tree nodes (see the module docstring): each one's parent as an index into
         the pending tree region's columns (numbered from 0 in the order appended, these tokens included), or -1

@@ -1,8 +1,8 @@
 """A draft model's vocabulary projection cut to the tokens it is likely to need (FR-Spec's frequency-ranked draft
 head, with the set learned from the call instead of a corpus).
 
-On the Qwen2.5-Coder 0.5B draft the projection onto 151,936 tokens is 19% of a batch-1 draft step in bf16 (14.9 of
-77.7 ms) and 27% in fp32 (39.7 of 147.3 ms); `benchmarks/draft_head.py` measures both this and the coverage below.
+On the Qwen2.5-Coder 0.5B draft the projection onto 151,936 tokens is a fifth to a quarter of a batch-1 draft step
+(bf16 and fp32); `benchmarks/draft_head.py` measures both this and the coverage below.
 A draft only has to propose what the target will accept, and the target verifies with its own full head, so scoring
 a subset is lossless: greedy drafts are the argmax over the subset, sampled drafts come from the softmax over the
 subset (zero elsewhere, which rejection sampling handles exactly).

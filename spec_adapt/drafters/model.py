@@ -85,8 +85,8 @@ class ModelDrafter(Drafter):
 
     def begin(self, input_ids, attention_mask):
         # Nothing is cached yet: the prompt is fed by the first proposal's catch-up. So a call (or a batch size)
-        # the policy keeps plain never runs the draft at all; an eager prefill of the prompt cost the 0.5B draft
-        # more than its drafts saved at batch 4 on the real pair, even with 90% plain steps.
+        # the policy keeps plain never runs the draft at all; an eager prefill of the prompt can cost more than the
+        # call's drafts save.
         self._learn(input_ids)
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
         self.calib = torch.ones(len(input_ids), 2, device=self.ledger.device)

@@ -8,9 +8,9 @@ Controls (reported beside every result, because scores depend on the backbone):
 Greedy configurations must be exactly identical to target-only. A sampled configuration must be no further from
 target-only (seed B) than target-only under seed A is: per prompt, d = score(ours, B) - score(A, B), and a one-sided
 paired t-test must not show mean(d) < -tolerance at level `alpha` (Bonferroni-split over every check in the suite).
-A fixed margin on the means was flaky with a few prompts: per-prompt scores spread by ~0.1, so the mean of 8 moves by
-~0.04 between machines. The suite also checks its own power: the unrelated control (seed-A outputs paired with another
-prompt's) must be flagged by the same test, or the verdicts mean nothing.
+A fixed margin on the means would be flaky with few prompts: per-prompt scores spread by ~0.1, so the mean of 8 moves
+by ~0.04 between machines. The suite also checks its own power: the unrelated control (seed-A outputs paired with
+another prompt's) must be flagged by the same test, or the verdicts mean nothing.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from .estimators import (LatencyTable, LineFit, ProbeBackoff, TreeShapes, _liste
 from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo
 from .fixed import _check_int
 
-PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (see 1. above)
+PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (docs/policies.md, rule 1)
 # A step time over STALL x its width's estimate (after STALL_AFTER samples) counts as STALL x: one stalled plain step
 # must not make drafting look cheaper, since plain steps are not re-measured while the policy drafts.
 STALL, STALL_AFTER = 3.0, 8
@@ -197,7 +197,7 @@ class Adaptive(Policy):
         if lag <= USUAL_LAG:
             return True
         # Never measured: assume the worst a draft smaller than the target can cost, one plain step per lag token
-        # (a cold probe at batch 32 on the pair caught 32 ShareGPT prompts up and cost the call 13%).
+        # (a cold probe at a large batch catches every row's prompt up at once, a cost a short call never earns back).
         plain = self.step_time(batch, 0)
         budget = self.probe_budget * self.probes.idle * plain
         return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= budget
@@ -216,8 +216,8 @@ class Adaptive(Policy):
         probing, recheck = False, None     # recheck: a plain step re-measuring T(B, 0), and the goodput it must beat
         baseline = self.measured.get((bucket(batch), 0, False))
         if baseline is None or baseline[1] < self.baseline_steps:
-            # Measure this bucket's plain step first: without it T(B, 0) is extrapolated from drafting steps, and
-            # at B = 16 on the real pair that kept the draft on at 0.79x of plain decoding (bf16 bench).
+            # Measure this bucket's plain step first: extrapolated from drafting steps, T(B, 0) can come out high
+            # enough at large batches to keep the draft on where plain decoding is faster.
             width = 0
         elif width == 0:
             self.rechecks.used()
@@ -305,10 +305,11 @@ class Adaptive(Policy):
             self.probes.result(won=not lost)
 
     def batch_rows(self, live: int, held: int) -> int:
-        """Rows the target's batch keeps when rows finish (9. above): the size in [live, held] whose measured forward
-        is fastest for the mix of proposal widths this batch runs, the smallest within shape_margin of the best."""
-        # Each width weighted by how often the batch at its current size ran it: on the CPU 4 rows beat 3 by 18% at
-        # one token and lost by 16-19% at 4-7 tokens, so a batch that mostly drafts wide compacts.
+        """Rows the target's batch keeps when rows finish (docs/policies.md, rule 9): the size in [live, held] whose
+        measured forward is fastest for the mix of proposal widths this batch runs, the smallest within shape_margin
+        of the best."""
+        # Each width weighted by how often the batch at its current size ran it: which size runs faster can flip with
+        # the width (more rows may win at one token and lose at several), so a batch that mostly drafts wide compacts.
         weights = {width: samples for (size, width), (_, samples) in self.shapes.items() if size == held}
         ratios = {live: 1.0}
         for rows in range(live + 1, held + 1):
@@ -341,7 +342,8 @@ class Adaptive(Policy):
         t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
         row_t, row_a = decay_counts(t, a, 1, hits, self.decay)                           # a row is one observation
         own = reached > 0
-        self.row_tried[rows, state], self.row_accepted[rows, state] = torch.where(own, row_t, t), torch.where(own, row_a, a)
+        self.row_tried[rows, state] = torch.where(own, row_t, t)
+        self.row_accepted[rows, state] = torch.where(own, row_a, a)
         full = (accepted == drafted) & (drafted > 0)
         self.row_state[rows] = torch.where(gammas > 0, torch.where(full, BURST, MISSED), PLAIN)
         self._refresh()
@@ -475,7 +477,7 @@ class Adaptive(Policy):
 
     @property
     def probe_gap(self) -> int:
-        """Plain steps before the next probe of speculation (6. above)."""
+        """Plain steps before the next probe of speculation (docs/policies.md, rule 6)."""
         return self.probes.gap
 
     def __repr__(self):
@@ -488,9 +490,9 @@ def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) 
     Open batch (remaining None): the sum over rows, its throughput. Closed batch (one generate call, `remaining` [B]
     the rows' token budgets): it ends with its slowest row, so a width is worth the batch's remaining tokens over the
     steps its slowest row still needs, sum_b r_b / max_b (r_b / E_b(s)). Tokens a step gives a row that finishes
-    early anyway do not shorten the call (measured: SmolLM2 at batch 4 on ShareGPT, lookup steps committed 7 tokens
-    where plain ones committed 4, and the calls still took as many steps as stock generate's, each dearer). At B = 1,
-    and for rows with equal budgets and rates, both are the same."""
+    early anyway do not shorten the call: drafting that commits more tokens per step on the fast rows can leave the
+    call as many steps long as plain decoding, each step dearer. At B = 1, and for rows with equal budgets and
+    rates, both are the same."""
     if remaining is None:
         return expected.sum(dim=0).tolist()
     budget = remaining.clamp(min=1).to(expected.dtype)[:, None]

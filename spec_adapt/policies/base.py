@@ -10,7 +10,7 @@ A policy is an object, never a config string, and keeps its state to itself (nev
 - `reset()`: forget everything learned; `state_dict()` / `load_state_dict()`: save and restore what was learned;
 - `batch_rows(live, held) -> int`: when rows finish, how many rows the target's batch keeps, from `live` (compact:
   the default) to `held` (the rows it runs now); the extra ones stay as spare rows whose outputs are dropped, for a
-  machine that runs the bigger batch faster (a 2-core CPU ran 3 rows in 1.6x the time of 4).
+  machine that runs the bigger batch faster (on a CPU, some batch sizes run slower than a larger one).
 """
 
 from __future__ import annotations

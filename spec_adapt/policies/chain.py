@@ -14,12 +14,13 @@ c_i per catch-up token, measured on the steps that had it, and kept out of d_i a
 drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), T_target(B, s)
 for a step apart from drafting (verification, acceptance, bookkeeping) with s tokens reaching the target (an
 online least-squares fit, as Nightjar's, once two widths have been seen; plain averages before). A batch is
-verified as wide as its longest row, so s is the chain's measured span (largest proposal / W, per B: prompt
-lookup at B = 16 proposes ~0.3 W on average but some row nearly always W), not the average row's, alpha_ij per pair of adjacent members, and
+verified as wide as its longest row, so s is the chain's measured span (largest proposal / W, per B: a prompt
+lookup's average row may propose a fraction of W while some row nearly always proposes W), not the average row's,
+alpha_ij per pair of adjacent members, and
 SimScore_ij = 1 - E[D_TV(p_i, p_j)] (sampling mode) mapped to alpha through a ratio calibrated on pairs observed
 both ways. Pairs never observed start optimistic (0.6), so every chain is tried; afterwards `explore` is the
 chance of trying another candidate among those predicted within `explore_margin` of the best (a uniformly random
-one was often a W = 8 draft-model step at B = 16, several target steps' worth, for nothing). The target-only
+one can be a wide draft-model step at a large batch, several target steps' worth, for nothing). The target-only
 option (W = 0) is always a candidate; since target-only steps observe nothing about the draft, after `probe_every`
 of them in a row the best speculative option runs once (without it a noisy low estimate would switch speculation
 off for good). A probe that loses to a target-only step (catch-up excluded) doubles the wait before the next one,
@@ -73,8 +74,8 @@ class ChainScheduler(Policy):
         self.span: dict[tuple, float] = {}         # (members, B): the batch's longest proposal at the target / W
         self.t_target: float | None = None
         self.t_plain: float | None = None          # a target step with nothing drafted
-        # The target's step grows with the tokens it verifies (on a CPU, 9 tokens cost ~1.7x one): once samples
-        # at two widths are in, T(B, s) comes from an online fit instead of the two averages above.
+        # The target's step grows with the tokens it verifies: once samples at two widths are in, T(B, s) comes from
+        # an online fit instead of the two averages above.
         self.latency = OnlineLatency(window=256, min_samples=8, refit_every=8)
         self.current = (tuple(range(self.levels)), self.widths[-1])
         self.history: list[tuple] = []

@@ -16,7 +16,7 @@ dependency of this library).
 `__init__(vllm_config)`, `load_model()`,
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]`. They honour
 `num_speculative_tokens_per_batch_size` themselves. vLLM's own loader loads them (benchmarks/vllm_config_check.py);
-they were not run inside a serving vLLM engine here.
+this library's tests do not run them inside a serving vLLM engine.
 """
 
 from __future__ import annotations
