@@ -122,16 +122,10 @@ def generate(
     _check_left_padding(attention_mask)
     drafter, max_width = _stock_speculation(model, generation_config, drafter)
     drafter = as_drafter(drafter)
-    if drafter is not None:
-        drafter.validate(model)
     policy = assistant_policy if assistant_policy is not None else _default_policy(model, drafter, max_width)
-    check_policy(policy)
+    drafter, policy, verifier = check_parts(model, drafter, policy, verifier)
     if acceptor is not None and not isinstance(acceptor, Acceptor):
         raise TypeError(f"acceptor must be a spec_adapt.acceptor.Acceptor, got {type(acceptor).__name__}.")
-    verifier = check_verifier(verifier)
-    verifier.check(model)
-    if getattr(policy, "trees", False) and drafter is not None and drafter.trees:
-        check_trees(model, verifier)
     stats = spec_stats if spec_stats is not None else SpecStats()
     stats.policy = repr(policy)
     if spec_streamer is None:
@@ -200,6 +194,21 @@ def reset_default_policies(model=None) -> None:
             _DEFAULTS.clear()
         else:
             _DEFAULTS.pop(model, None)
+
+
+def check_parts(model, drafter, policy, verifier) -> tuple:
+    """A call's or an engine's parts, checked once where they enter: the drafter against the target, the policy's
+    contract, the verifier against the target, and token trees where both the policy and the drafter plan them.
+    Returns (drafter, policy, verifier) as the loop uses them."""
+    drafter = as_drafter(drafter)
+    if drafter is not None:
+        drafter.validate(model)
+    policy = check_policy(policy)
+    verifier = check_verifier(verifier)
+    verifier.check(model)
+    if policy.trees and drafter is not None and drafter.trees:
+        check_trees(model, verifier)
+    return drafter, policy, verifier
 
 
 def as_drafter(drafter) -> Drafter | None:
@@ -342,8 +351,7 @@ def enable(model, assistant_policy: Policy | None = None):
     default `Adaptive`, see `default_policy`). A call with neither a draft nor a policy goes to stock transformers
     unchanged. Calling `enable` again replaces the policy. Undo with `disable(model)`."""
     if assistant_policy is not None:
-        check_policy(assistant_policy)
-        _ENABLED[model] = assistant_policy
+        _ENABLED[model] = check_policy(assistant_policy)
     else:
         _ENABLED.pop(model, None)
     if "generate" in model.__dict__:

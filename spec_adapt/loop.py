@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 from .compat import EosTokenCriteria, MaxLengthCriteria, pad_token_tensor
@@ -27,6 +28,23 @@ from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
 from .processors import ScoreProcessor, tree_positions
 from .tree import ancestry, chunk_tree, path_nodes
 from .verifiers import FullVerifier, Verifier, check_trees
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's decisions, made once (on a sharded target by the leading rank, then broadcast) and handed to the
+    phases that follow: nothing of a step is kept on the loop."""
+    gammas: torch.Tensor                 # [B] per active row: drafts (a chain) or nodes (a tree); 0 = a plain step
+    asked: bool = False                  # whether the policy planned this step (it observes only those)
+    depths: torch.Tensor | None = None   # [B] a tree plan's deepest node per row; None = chains
+    pooled: bool = False                 # a tree budget pooled over the rows
+    members: tuple | None = None         # a chain drafter's levels to run; None = the drafter's own
+
+    @property
+    def deepest(self) -> int:
+        """The most tokens a row may draft in depth this step (its buffer needs one more)."""
+        reach = self.gammas if self.depths is None else self.depths
+        return int(reach.max()) if len(reach) else 0
 
 
 class SpeculativeLoop:
@@ -65,7 +83,7 @@ class SpeculativeLoop:
         """What a loop holds besides its rows: the models' roles, the rules and the counters (shared with serving)."""
         self.model, self.device = model, model.device
         self.ranks = ranks_of(model)   # a sharded target: the first rank takes every decision (spec_adapt.distributed)
-        if self.ranks.sharded and verifier is not None and type(verifier) is not FullVerifier:
+        if self.ranks.sharded and verifier is not None and verifier.rank_local:
             raise ValueError(f"{type(verifier).__name__} decides from per-rank timings; on a target sharded over "
                              "processes use the default FullVerifier.")
         if not self.ranks.leader:
@@ -74,14 +92,11 @@ class SpeculativeLoop:
         self.sampling, self.process = sampling, processor
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
-        self.members = None            # the policy's plan for the drafter this step (chain members), if any
-        self.depths = None             # a tree plan's depth per active row this step (None: chains)
-        self.pooled = False            # whether this step's tree budget is pooled over the rows
         self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
-        self.sync = self.device.type == "cuda" and getattr(policy, "needs_timing", True)
+        self.sync = self.device.type == "cuda" and policy.needs_timing
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
 
     def _hold_rows(self, buffer, lengths, starts, limits) -> None:
@@ -120,86 +135,72 @@ class SpeculativeLoop:
         compact = {"compact": self.target.compact_path} if self.target.compact_path else {}
         self.stats.kernel_paths = {**self.acceptor.paths, **compact}
         self.stats.verifier = self.verifier.report()
-        self.stats.drafter_events = list(getattr(self.given_drafter, "events", []))
+        self.stats.drafter_events = list(self.given_drafter.events) if self.given_drafter is not None else []
         self.stats.time_total = self._now() - start
         return self.buffer[:, : int(self.lengths.max())]
 
     def step(self) -> None:
         t0 = self._now()
-        gammas = self._choose()                                            # 0. lengths, per active row
-        deepest = gammas if self.depths is None else self.depths
-        self._reserve(int(deepest.max()) + 1 if len(gammas) else 1)
-        proposal = self._propose(gammas)                                   # 1. propose
+        plan = self.ranks.decide(self._plan)                               # 0. choose: one StepPlan
+        self._reserve(plan.deepest + 1)
+        proposal = self._propose(plan)                                     # 1. propose
         t1 = self._now()
         proposal, bonus, scores, logits = self._verify(proposal)           # 2. verify: [B, S+1, V]
         t2 = self._now()
         accepted, next_token, path = self._accept(scores, proposal)        # 3. accept (a tree: along `path`)
         committed = self._commit(proposal, accepted, next_token, scores, logits, bonus, path)   # 4. commit
         t3 = self._now()
-        self._observe(gammas, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)  # 5. observe
+        self._observe(plan, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)    # 5. observe
         self._retire()
 
     # -- phases --------------------------------------------------------------------------------------------------------
     # Each decision (the plan, the proposal, the acceptance, the stop, the batch shape) goes through `ranks.decide`:
     # here, or on a sharded target the leading rank's, broadcast to the others.
-    def _choose(self) -> torch.Tensor:
-        self.chosen, gammas, self.depths, self.pooled, self.members = self.ranks.decide(self._plan)
-        return gammas
-
-    def _plan(self):
-        """(whether the drafter is asked, gammas [B], tree depths or None, pooled, chain members) for this step."""
-        gammas = self._plan_gammas()
-        return self.chosen, gammas, self.depths, self.pooled, self.members
-
-    def _plan_gammas(self) -> torch.Tensor:
-        batch = len(self.rows)
+    def _plan(self) -> StepPlan:
+        """This step's plan: the policy's answer, validated and capped by what each row may still generate; a plain
+        step without asking the policy when there is no drafter or it is away."""
         lengths = self.lengths[self.rows]
         remaining = self.limits[self.rows] - lengths
-        self.chosen = self.drafter is not None and bool(self._guard("available", self.drafter.available))
-        self.depths, self.pooled = None, False
-        if not self.chosen:          # no drafter (or it is away): a plain step, the policy is not asked
-            return torch.zeros(batch, dtype=torch.long, device=self.device)
+        plain = StepPlan(torch.zeros(len(self.rows), dtype=torch.long, device=self.device))
+        if self.drafter is None or not self._guard("available", self.drafter.available):
+            return plain
         lag = self._guard("lag", self.drafter.lag, lengths)
         level_lags = self._guard("lag", self.drafter.level_lags, lengths) if self.drafter is not None else None
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
-            self.chosen = False
-            return torch.zeros(batch, dtype=torch.long, device=self.device)
-        info = StepInfo(batch, self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps, lag,
-                        level_lags, self.closed)
+            return plain
+        info = StepInfo(len(self.rows), self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps,
+                        lag, level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
-        plan = check_plan(self.policy, answer, batch)
-        self.members, depth, self.pooled = plan.members, plan.depth, plan.pooled
-        if self.members is not None:
-            self.drafter.check_members(self.members)
+        plan = check_plan(self.policy, answer, len(self.rows))
+        if plan.members is not None:
+            self.drafter.check_members(plan.members)
         gammas = plan.gammas.to(self.device)
-        if depth is None:
-            return torch.minimum(gammas, remaining - 1)          # a step commits up to gamma + 1 tokens
-        return self._tree_budget(gammas, depth, remaining)
+        if plan.depth is None:          # a step commits up to gamma + 1 tokens
+            return StepPlan(torch.minimum(gammas, remaining - 1), True, members=plan.members)
+        return self._tree_plan(gammas, plan, remaining)
 
-    def _tree_budget(self, nodes, depth: int, remaining) -> torch.Tensor:
+    def _tree_plan(self, nodes, plan, remaining) -> StepPlan:
         """A tree plan: each row's depth capped by what it may still generate (a path commits depth + 1 tokens); a
         drafter that cannot branch is asked for the chain of min(nodes, depth)."""
-        depths = torch.minimum(torch.full_like(nodes, depth), remaining - 1)
-        if not getattr(self.drafter, "trees", False):
-            self.pooled = False
-            return torch.minimum(nodes, depths)
+        depths = torch.minimum(torch.full_like(nodes, plan.depth), remaining - 1)
+        if not self.drafter.trees:
+            return StepPlan(torch.minimum(nodes, depths), True, members=plan.members)
         if not self.trees_checked:       # once per call: a policy may plan trees the call did not announce
             check_trees(self.model, self.verifier)
             self.trees_checked = True
-        self.depths = depths
-        return torch.where(depths > 0, nodes, 0)
+        return StepPlan(torch.where(depths > 0, nodes, 0), True, depths, plan.pooled, plan.members)
 
-    def _propose(self, gammas: torch.Tensor) -> Proposal:
-        return self.ranks.decide(self._draft, gammas)
+    def _propose(self, plan: StepPlan) -> Proposal:
+        return self.ranks.decide(self._draft, plan)
 
-    def _draft(self, gammas: torch.Tensor) -> Proposal:
+    def _draft(self, plan: StepPlan) -> Proposal:
         batch = len(self.rows)
-        if self.drafter is None or not bool((gammas > 0).any()):
+        if self.drafter is None or not bool((plan.gammas > 0).any()):
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
-            self.buffer[self.rows], self.lengths[self.rows], gammas, self.rows, self.sampling, self.process,
-            self.acceptor, self.members, self.depths, self.pooled,
+            self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
+            self.acceptor, plan.members, plan.depths, plan.pooled,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)
@@ -284,15 +285,15 @@ class SpeculativeLoop:
         self.buffer[rows[b], old[b] + j] = torch.where(j < agreed[b], new[b, j], self.pad_id)
         return agreed, done
 
-    def _observe(self, gammas, proposal, accepted, committed, step_time, draft_time, verify_time) -> None:
+    def _observe(self, plan: StepPlan, proposal, accepted, committed, step_time, draft_time, verify_time) -> None:
         record = StepRecord(
-            batch_size=len(self.rows), rows=self.rows.tolist(), gammas=gammas.tolist(),
+            batch_size=len(self.rows), rows=self.rows.tolist(), gammas=plan.gammas.tolist(),
             drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
             step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
             held=self.target.held_rows,
         )
         self.stats.record(record)
-        if self.chosen:
+        if plan.asked:
             with self.policy_lock:
                 self.policy.observe(record)
         self.verifier.observe(record)
@@ -318,11 +319,8 @@ class SpeculativeLoop:
             self._guard("select_rows", self.drafter.select_rows, keep)
 
     def _batch_rows(self, live: int, held: int) -> int:
-        ask = getattr(self.policy, "batch_rows", None)     # a duck-typed policy without it compacts
-        if ask is None:
-            return live
         with self.policy_lock:
-            answer = ask(live, held)
+            answer = self.policy.batch_rows(live, held)
         return check_rows(self.policy, answer, live, held)
 
     # -- helpers -------------------------------------------------------------------------------------------------------

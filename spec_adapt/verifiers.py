@@ -50,6 +50,7 @@ class Verifier:
     [B, W] (spec_adapt.tree.chunk_tree), which it hands to the ledger's forward; it keeps every position."""
 
     trees = False
+    rank_local = False   # True: decides from this process's own timings, which ranks of a sharded target disagree on
 
     def check(self, model) -> None:
         pass
@@ -128,6 +129,8 @@ class EarlyExitVerifier(Verifier):
     other path loses again (`ProbeBackoff`), so a change of regime is still seen. `predicted_gain` is the shape-only
     prediction reported beside the measurements.
     """
+
+    rank_local = True
 
     def __init__(self, layers=None, top_k: int = 10, gate: str = "auto"):
         if gate not in ("auto", "always", "never"):

@@ -118,6 +118,8 @@ class Drafter:
     """Base class. Model-free drafters override `propose` only."""
 
     trees = False     # True: given DraftRequest.depths, may propose trees (else the loop asks it for chains)
+    offloaded = False  # True while the draft's weights are away from its device (a DraftOffload)
+    events: tuple = ()  # what went wrong inside the drafter this call (a ChainDrafter's dropped levels)
 
     def validate(self, target) -> None:
         """Raise a clear error if this drafter cannot serve `target` (tokenizer, vocabulary). Called once per call."""

@@ -62,6 +62,7 @@ class Policy:
     # Whether `observe` reads the step times: the loop then synchronizes the device around each phase so that the
     # times are true on a GPU (a policy that only counts tokens sets it False and saves those syncs).
     needs_timing = True
+    trees = False        # True: `choose` may answer with tree plans (the call then checks the target can verify them)
 
     def begin(self, batch_size: int) -> None:
         pass
@@ -147,16 +148,46 @@ def check_gammas(policy, value, batch_size: int) -> torch.Tensor:
     return gammas.long()
 
 
-def check_policy(policy) -> None:
-    """A policy must be an object with choose / observe (never a config string)."""
+def check_policy(policy) -> Policy:
+    """The policy as a `Policy`, checked where it enters: a Policy as it is; an object with begin / choose / observe
+    that does not subclass Policy, wrapped once (the same wrapper for the same object, so calls that share it share
+    its lock) with the contract's defaults for what it lacks; anything else (a config string) refused."""
+    if isinstance(policy, Policy):
+        return policy
     if not all(callable(getattr(policy, name, None)) for name in ("begin", "choose", "observe")):
         raise TypeError(
             f"assistant_policy must be a spec_adapt Policy object (e.g. FixedLength(4), Nightjar()), got "
             f"{type(policy).__name__} {policy!r}."
         )
+    with _LOCKS_GUARD:
+        try:
+            adapted = _ADAPTED.get(policy)
+            if adapted is None:
+                adapted = _ADAPTED[policy] = PolicyAdapter(policy)
+            return adapted
+        except TypeError:           # not weak-referenceable: a wrapper of this call's own
+            return PolicyAdapter(policy)
+
+
+class PolicyAdapter(Policy):
+    """A policy that does not subclass Policy, seen through the contract: its own methods where it has them, the
+    contract's defaults where it does not."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        for name in ("begin", "choose", "observe", "admit", "reset", "state_dict", "load_state_dict", "batch_rows"):
+            method = getattr(policy, name, None)
+            if callable(method):
+                setattr(self, name, method)
+        self.needs_timing = bool(getattr(policy, "needs_timing", True))
+        self.trees = bool(getattr(policy, "trees", False))
+
+    def __repr__(self) -> str:
+        return repr(self.policy)
 
 
 _LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ADAPTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
 

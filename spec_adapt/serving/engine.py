@@ -37,17 +37,15 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from ..api import as_drafter
+from ..api import check_parts
 from ..distributed import ranks_of
 from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
 from ..loop import SpeculativeLoop, Stopper
 from ..metrics import SpecStats
-from ..policies.base import check_policy
 from ..policies.adaptive import Adaptive
-from ..policies.estimators import ProbeBackoff
+from ..estimators import ProbeBackoff
 from ..processors import ScoreProcessor
-from ..verifiers import check_trees, check_verifier
 
 
 class RequestError(ValueError):
@@ -170,10 +168,8 @@ class ServingLoop(SpeculativeLoop):
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
         self._place(new_rows, ids, mask, limits)
         self.stats.admit(new_rows.tolist())
-        admit = getattr(self.policy, "admit", None)          # a duck-typed policy may not have it
-        if admit is not None:
-            with self.policy_lock:
-                admit(new_rows.tolist())
+        with self.policy_lock:
+            self.policy.admit(new_rows.tolist())
         old = self.lengths[new_rows].clone()
         scores = self.process.positions(logits, self.buffer[new_rows], old, torch.ones_like(old), new_rows)
         empty = torch.zeros(n, 0, dtype=torch.long, device=self.device)
@@ -306,15 +302,8 @@ class Engine:
                              "serve this model with model.generate (batches run in lockstep there).")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.max_new_tokens = _check_budget(max_new_tokens)
-        drafter = as_drafter(drafter)
-        if drafter is not None:
-            drafter.validate(model)
         policy = assistant_policy if assistant_policy is not None else Adaptive()
-        check_policy(policy)
-        verifier = check_verifier(verifier)
-        verifier.check(model)
-        if getattr(policy, "trees", False) and drafter is not None and drafter.trees:
-            check_trees(model, verifier)
+        drafter, policy, verifier = check_parts(model, drafter, policy, verifier)
         if seed is not None:
             torch.manual_seed(seed)
         # eos_token_id: "model" = the model's generation config; None = no EOS (every request runs to its budget).
@@ -453,7 +442,7 @@ class Engine:
                 record, drafter = self.loop.stats.trace[-1], self.loop.drafter
                 self.timeline.append({"time": time.perf_counter(), "batch_size": record.batch_size,
                                       "gammas": record.gammas, "waiting": len(self.waiting), "draft_resident":
-                                      drafter is not None and not getattr(drafter, "offloaded", False)})
+                                      drafter is not None and not drafter.offloaded})
             self._deliver()
         with self.lock:
             return bool(self.running or self.waiting)

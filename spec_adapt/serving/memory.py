@@ -17,6 +17,9 @@ from __future__ import annotations
 import math
 import numbers
 
+from ..drafters.model import ModelDrafter
+from ..drafters.offload import DraftOffload
+
 
 def weight_bytes(model) -> int:
     """Bytes of a model's parameters and buffers (tied tensors once): transformers' own footprint count."""
@@ -47,9 +50,6 @@ class MemoryBudget:
         self.weights = self.per_token = self.draft_weights = self.draft_per_token = 0
 
     def bind(self, engine) -> None:
-        from ..drafters.model import ModelDrafter
-        from ..drafters.offload import DraftOffload
-
         self.engine, self.draft = engine, engine.loop.given_drafter
         self.weights, self.per_token = weight_bytes(engine.model), kv_bytes_per_token(engine.model)
         if isinstance(self.draft, (ModelDrafter, DraftOffload)):
@@ -65,7 +65,7 @@ class MemoryBudget:
 
     @property
     def draft_resident(self) -> bool:
-        return self.draft_weights > 0 and not getattr(self.draft, "offloaded", False)
+        return self.draft_weights > 0 and not self.draft.offloaded
 
     def request_bytes(self, tokens: int, with_draft: bool | None = None) -> int:
         with_draft = self.draft_resident if with_draft is None else with_draft
@@ -79,7 +79,7 @@ class MemoryBudget:
     def admissible(self, handles) -> int:
         """How many of `handles` (in order) fit next to the running requests. With nothing running no step would
         ever offload the draft, so a head that fits only without it takes the draft out here."""
-        if handles and not self.engine.running and self.draft_resident and hasattr(self.draft, "offload") \
+        if handles and not self.engine.running and self.draft_resident and isinstance(self.draft, DraftOffload) \
                 and self._count(handles[:1]) == 0:
             self.draft.offload()
         return self._count(handles)
@@ -95,7 +95,7 @@ class MemoryBudget:
 
     def fits_alone(self, tokens: int) -> bool:
         """Whether a request of `tokens` could ever run (with the draft resident, or offloaded if it can be)."""
-        stays = self.draft_weights > 0 and not hasattr(self.draft, "offloaded")     # a draft that cannot leave
+        stays = self.draft_weights > 0 and not isinstance(self.draft, DraftOffload)     # a draft that cannot leave
         floor = self.weights + (self.draft_weights if stays else 0)
         return floor + self.request_bytes(tokens, with_draft=stays) <= self.total
 

@@ -15,7 +15,7 @@ from spec_adapt.tools.synthetic import truncated_copy
 DEMOS = {
     "smollm2-135m": dict(draft=None, configs=["target", "hf-lookup", "suffix:adaptive"], batch_sizes=[1, 4],
                          prompts=4, new_tokens=64, repeats=1, code="humaneval"),
-    # Batch 1 only, to finish in minutes on 2 cores: `spec-adapt bench` measures batches (docs/benchmarks.md).
+    # Batch 1 only, so the demo stays short on a small CPU: `spec-adapt bench` measures batches (docs/benchmarks.md).
     "qwen2.5-coder-1.5b": dict(draft="qwen2.5-coder-0.5b", configs=["target", "hf-assisted", "draft:adaptive"],
                                batch_sizes=[1], prompts=3, new_tokens=32, repeats=1, code="humaneval-chat"),
 }
@@ -63,7 +63,7 @@ def demo(args) -> None:
         b.print_table(summary)
     print(f"\nspeedup = stock generate's time / the configuration's, same prompts, measured now on this machine"
           + ("; 'vs eager' = against stock generate on the model before spec_adapt.prepare" if args.prepare else "")
-          + f"; 'identical' = token-for-token equal to stock generate on the same model. Configurations: "
+          + "; 'identical' = token-for-token equal to stock generate on the same model. Configurations: "
           f"{', '.join(plan['configs'])} (spec_adapt/tools/bench.py names them).")
     print("\nIdentity checks (each call's output against stock generate's, same model and batch):")
     for label, summary in summaries.items():
