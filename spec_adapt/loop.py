@@ -112,12 +112,11 @@ class SpeculativeLoop:
         self.verifier.begin()
         logits = self.target.prefill(self.input_ids, self.attention_mask).float()[:, None]   # [B, 1, V]
         self.vocab = logits.shape[-1]
-        first = Proposal.empty(len(self.rows), self.device)
         self._reserve(1)
-        scores = self.process.positions(logits, self.buffer, self.lengths, first.lengths + 1, self.rows)
-        accepted, next_token, _ = self._accept(scores, first)
-        committed = self._commit(first, accepted, next_token, scores, logits, bonus=None, path=None)
-        self._count_first_token(committed)
+        committed, self.finished, scores = self._commit_first(self.rows, logits)
+        self._record_outputs(committed, scores, logits)
+        if self.streamer is not None:
+            self.streamer.put(self.buffer[0, self.prompt_length : self.prompt_length + int(committed[0])].cpu())
         self.stats.time_prefill = self._now() - start
         if self.drafter is not None:   # begins with the whole batch, then follows the rows that leave it
             self._guard("prefill", self.drafter.begin, self.input_ids, self.attention_mask)
@@ -274,6 +273,21 @@ class SpeculativeLoop:
             self.streamer.put(new[0, : int(n_keep[0])].cpu())
         return n_keep
 
+    def _commit_first(self, rows, logits):
+        """The first token of freshly prefilled rows (`logits` [n, 1, V] after each prompt), as a step without drafts:
+        processed, chosen by the accept phase, written, stopped and counted. A generate call's rows and requests that
+        join a running batch both start here. Returns (tokens kept [n], finished [n], scores [n, 1, V])."""
+        old = self.lengths[rows].clone()
+        scores = self.process.positions(logits, self.buffer[rows], old, torch.ones_like(old), rows)
+        _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device))
+        new = next_token[:, None]
+        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, torch.ones_like(old), self.pad_id,
+                                            self.limits[rows])
+        n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
+        self.lengths[rows] = old + n_keep
+        self._count_first_token(rows, n_keep)
+        return n_keep, finished, scores
+
     def _agree_stop(self, rows, old, new, n_keep, finished):
         """The stopping criteria's verdict is the leading rank's (a time limit reads each rank's own clock); a rank
         that wrote another number of tokens rewrites its block: the kept ones, then padding."""
@@ -301,12 +315,13 @@ class SpeculativeLoop:
             self._guard("observe", self.drafter.observe, record)
 
     def _retire(self) -> None:
+        """Rows that finished leave the batch and every ledger. A batch that takes new rows (serving) follows them
+        down to none and fills again; a generate call ends with its last row."""
         if not bool(self.finished.any()):
             return
         keep = (~self.finished).nonzero().squeeze(1)
-        self.rows = self.rows[keep]
-        self.finished = self.finished[keep]
-        if len(self.rows):
+        self.rows, self.finished = self.rows[keep], self.finished[keep]
+        if len(self.rows) or not self.closed:
             self._shrink(keep)
 
     def _shrink(self, keep: torch.Tensor) -> None:
@@ -367,8 +382,8 @@ class SpeculativeLoop:
             for b, row in enumerate(self.rows.tolist()):
                 store[row].extend(values[b, : int(n_keep[b])].unbind(0))
 
-    def _count_first_token(self, committed) -> None:
-        for row, n in zip(self.rows.tolist(), committed.tolist()):
+    def _count_first_token(self, rows, committed) -> None:
+        for row, n in zip(rows.tolist(), committed.tolist()):
             self.stats.per_row_new_tokens[row] += n
             self.stats.new_tokens += n
 

@@ -116,12 +116,16 @@ class CrossTokenizerDrafter(Drafter):
     target token of a text is often cut short); proposals are point masses, exact under sampling too (see the
     module docstring). The call's logits processors are the target's and are not applied to the draft's scores."""
 
-    def __init__(self, draft, draft_tokenizer, target_tokenizer):
+    def __init__(self, draft, draft_tokenizer, target_tokenizer, confidence_threshold: float | None = None):
+        """`confidence_threshold`: a draft model's row stops drafting once its top probability falls below it
+        (ModelDrafter's early exit; stock assisted generation uses 0.4). None = always draft the full width."""
         self.bridge = TextBridge(draft_tokenizer, target_tokenizer)
         if isinstance(draft, Drafter):
+            if confidence_threshold is not None:
+                raise ValueError("confidence_threshold applies to a draft model; set it on the Drafter you pass.")
             self.inner = draft
         elif isinstance(draft, torch.nn.Module) and hasattr(draft, "get_output_embeddings"):
-            self.inner = ModelDrafter(draft)
+            self.inner = ModelDrafter(draft, confidence_threshold=confidence_threshold)
         else:
             raise TypeError(f"draft must be a causal LM or a Drafter in the draft tokenizer's ids, got "
                             f"{type(draft).__name__}.")

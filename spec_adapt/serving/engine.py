@@ -7,7 +7,8 @@
 One engine iteration:
 1. cancellations: waiting requests are dropped; running rows leave the batch (their tokens so far are kept);
 2. admission (`ServingLoop.admit`): up to `max_batch - running` waiting requests are prefilled together (their own
-   KV ledger, left padded), take the lowest free slots, their first token is committed, and their rows are appended
+   KV ledger, left padded), take the lowest free slots, their first token is committed as a generate call's is
+   (`SpeculativeLoop._commit_first`), and their rows are appended
    to the running batch: the target's ledger and every draft ledger gain rows (`KVLedger.add_rows`,
    `Drafter.add_rows`), and the policy forgets what it kept for those slots (`Policy.admit`);
 3. one speculative step, exactly `SpeculativeLoop.step` (choose, propose, verify, accept, commit, observe, retire);
@@ -170,17 +171,7 @@ class ServingLoop(SpeculativeLoop):
         self.stats.admit(new_rows.tolist())
         with self.policy_lock:
             self.policy.admit(new_rows.tolist())
-        old = self.lengths[new_rows].clone()
-        scores = self.process.positions(logits, self.buffer[new_rows], old, torch.ones_like(old), new_rows)
-        empty = torch.zeros(n, 0, dtype=torch.long, device=self.device)
-        _, first = self.acceptor.accept(scores, empty, None, torch.zeros_like(old), self.sampling)
-        kept, finished = self.stopper.cut(self.buffer, new_rows, old, first[:, None], torch.ones_like(old),
-                                          self.pad_id, limits)
-        self.lengths[new_rows] = old + kept
-        for row, k in zip(new_rows.tolist(), kept.tolist()):
-            self.stats.per_row_new_tokens[row] += k
-            self.stats.new_tokens += k
-
+        _, finished, _ = self._commit_first(new_rows, logits)
         first_rows = self.target is None
         if first_rows:
             self.target = joining
@@ -272,14 +263,6 @@ class ServingLoop(SpeculativeLoop):
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
         self.finished = self.finished | torch.isin(self.rows, torch.tensor(rows, device=self.device))
         self._retire()
-
-    def _retire(self) -> None:
-        # Unlike one generate call, a serving batch may empty and fill again: the ledgers follow it down to 0 rows.
-        if not bool(self.finished.any()):
-            return
-        keep = (~self.finished).nonzero().squeeze(1)
-        self.rows, self.finished = self.rows[keep], self.finished[keep]
-        self._shrink(keep)
 
 
 class Engine:

@@ -15,13 +15,14 @@ Configuration names:
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
   hf-uag                        stock Universal Assisted Generation with --xdraft (its own tokenizer), batch size 1
   <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, draftpc,
-                                wrong, draftb<k>}, policy in {adaptive, adaptive-tree, fixed<k>, tree<N>x<D>[p],
-                                heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore, ewma,
+                                wrong, draftb<k>, xdraft, xdraftc, xchain}, policy in {adaptive, adaptive-tree,
+                                fixed<k>, tree<N>x<D>[p], heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore, ewma,
                                 per-request, chain} ("wrong" drafts tokens that are never right; draftc/draftp/
                                 draftpc: the draft with the 0.4 confidence exit / a 32,768-token short head / both;
                                 draftb<k>: the draft growing trees with branch k; tree<N>x<D>: FixedTree(N, D), "p"
                                 pooled; adaptive-tree: Adaptive(trees=True)); xdraft: --xdraft, a draft with its own
-                                tokenizer (CrossTokenizerDrafter); xchain: [--xdraft -> --draft -> target]
+                                tokenizer (CrossTokenizerDrafter; xdraftc: with the 0.4 confidence exit); xchain:
+                                [--xdraft -> --draft -> target]
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
@@ -188,7 +189,7 @@ def drafter_factory(name: str, tok, draft=None, xdraft=None):
         "chain": (lambda: spec_adapt.ChainDrafter([spec_adapt.PromptLookupDrafter(3, 2), draft]))
         if draft is not None else None,
     }.get(name)
-    if name in ("xdraft", "xchain") and xdraft is not None:
+    if name in ("xdraft", "xdraftc", "xchain") and xdraft is not None:
         make = _cross_factory(name, tok, draft, xdraft)
     if name.startswith("draftb") and name[6:].isdigit() and draft is not None:
         make = lambda: spec_adapt.ModelDrafter(draft, branch=int(name[6:]))  # noqa: E731
@@ -203,8 +204,9 @@ def _cross_factory(name: str, tok, draft, xdraft):
     import spec_adapt
     from spec_adapt.drafters.cross import CrossTokenizerDrafter
 
-    if name == "xdraft":
-        return lambda: CrossTokenizerDrafter(xdraft[0], xdraft[1], tok)
+    if name in ("xdraft", "xdraftc"):
+        threshold = 0.4 if name == "xdraftc" else None
+        return lambda: CrossTokenizerDrafter(xdraft[0], xdraft[1], tok, confidence_threshold=threshold)
     if draft is None:
         return None
     return lambda: spec_adapt.ChainDrafter([CrossTokenizerDrafter(xdraft[0], xdraft[1], tok), draft])
