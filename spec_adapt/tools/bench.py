@@ -21,8 +21,8 @@ Configuration names:
                                 draftpc: the draft with the 0.4 confidence exit / a 32,768-token short head / both;
                                 draftb<k>: the draft growing trees with branch k; tree<N>x<D>: FixedTree(N, D), "p"
                                 pooled; adaptive-tree: Adaptive(trees=True)); xdraft: --xdraft, a draft with its own
-                                tokenizer (CrossTokenizerDrafter; xdraftc: with the 0.4 confidence exit); xchain:
-                                [--xdraft -> --draft -> target]
+                                tokenizer (CrossTokenizerDrafter) drafting the full width, xdraftc: with its default
+                                0.4 confidence exit; xchain: [--xdraft -> --draft -> target]
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
@@ -205,11 +205,12 @@ def _cross_factory(name: str, tok, draft, xdraft):
     from spec_adapt.drafters.cross import CrossTokenizerDrafter
 
     if name in ("xdraft", "xdraftc"):
-        threshold = 0.4 if name == "xdraftc" else None
+        threshold = 0.4 if name == "xdraftc" else None      # xdraft: always the full width
         return lambda: CrossTokenizerDrafter(xdraft[0], xdraft[1], tok, confidence_threshold=threshold)
     if draft is None:
         return None
-    return lambda: spec_adapt.ChainDrafter([CrossTokenizerDrafter(xdraft[0], xdraft[1], tok), draft])
+    return lambda: spec_adapt.ChainDrafter([CrossTokenizerDrafter(xdraft[0], xdraft[1], tok, confidence_threshold=None),
+                                            draft])
 
 
 def _offload(draft):
