@@ -171,7 +171,7 @@ def test_a_draft_model_with_another_tokenizer_is_identical_to_stock(target_kind)
     ids, mask = prompts(target_tok, 3, skip=4)
     reference = stock_greedy(target, ids, mask, max_new_tokens=30, eos_token_id=None)
     for policy in (FixedLength(3), Adaptive()):
-        out, stats = run(target, ids, mask, CrossTokenizerDrafter(draft, draft_tok, target_tok), policy)
+        out, stats = run(target, ids, mask, CrossTokenizerDrafter(draft, draft_tok, target_tok, None), policy)
         assert torch.equal(out, reference) and stats.fallback is None
     assert stats.drafted > 0
 
