@@ -192,8 +192,9 @@ class CrossTokenizerDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         batch = request.tokens.shape[0]
-        committed = [request.tokens[b, int(self.pad[b]):int(request.lengths[b])].tolist() for b in range(batch)]
         gammas = request.gammas.tolist()
+        tokens, lengths = request.tokens.cpu(), request.lengths.tolist()   # one copy; rows that sit out are not read
+        committed = [tokens[b, int(self.pad[b]):lengths[b]].tolist() if gammas[b] > 0 else [] for b in range(batch)]
         asks = [0] * batch
         for b in range(batch):
             if gammas[b] > 0 and self._align(self.rows[b], committed[b]) and self.rows[b].draft:
