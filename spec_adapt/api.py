@@ -35,37 +35,34 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     spec_stats: SpecStats | None = None
 
 
-# The inputs generate hands a custom_generate function, in three kinds:
-# - those it prepares and the loop consumes (the mask and the cache are read; the rest the loop computes itself);
-_PREPARED_INPUTS = ("position_ids", "use_cache", "logits_to_keep", "cache_position")
-# - those refused by name, with the reason (inputs of models the loop does not run yet);
+# The inputs generate hands a custom_generate function, in four kinds:
+# - those it prepares and the loop computes itself per forward (the mask and the cache are read);
+_PREPARED_INPUTS = ("use_cache", "logits_to_keep", "cache_position")
+# - those refused by name, with the reason;
 _REFUSED_INPUTS = {
-    "encoder_outputs": "encoder-decoder models (T5, BART, Whisper, ...) are not supported yet: spec_adapt runs "
-                       "decoder-only models; use stock assisted generation (batch 1) for them",
     "inputs_embeds": "the loop drafts and verifies token ids: pass input_ids instead of inputs_embeds",
-    "token_type_ids": "token type ids would have to be extended for every drafted token: not supported",
-    "pixel_values": "vision-language models are not supported yet: generate without a drafter for them",
-    "mm_encoder_outputs": "vision-language models are not supported yet: generate without a drafter for them",
-    "mm_token_type_ids": "vision-language models are not supported yet: generate without a drafter for them",
-    "input_features": "speech models are not supported yet: use stock assisted generation (batch 1) for them",
-    "decoder_input_ids": "encoder-decoder models are not supported yet: spec_adapt runs decoder-only models",
-    "decoder_attention_mask": "encoder-decoder models are not supported yet: spec_adapt runs decoder-only models",
+    "decoder_inputs_embeds": "the loop drafts and verifies token ids: pass decoder_input_ids instead",
     "output_attentions": "attentions are not available with speculation: drop output_attentions",
     "output_hidden_states": "hidden states are not available with speculation: drop output_hidden_states",
 }
+# - those the model's forward takes (images, token types, encoder outputs, ...): passed on as the model's own
+#   prepare_inputs_for_generation says (spec_adapt.inputs);
 # - anything else: refused with the transformers version and the range spec_adapt is tested on (`_check_inputs`).
 
 
-def _check_inputs(model_kwargs: dict) -> None:
+def _check_inputs(model, model_kwargs: dict) -> None:
     for name in sorted(model_kwargs):
         if name in _REFUSED_INPUTS:
             raise ValueError(f"spec_adapt does not support the generate input {name!r}: {_REFUSED_INPUTS[name]}.")
-    if model_kwargs:
+    parameters = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = sorted(name for name, value in model_kwargs.items() if value is not None and name not in parameters)
+    if unknown and not takes_any:
         raise ValueError(
-            f"spec_adapt does not know these generate inputs: {sorted(model_kwargs)}. It consumes input_ids, "
-            f"attention_mask and the cache generate prepares; this is transformers {compat.VERSION}, and spec_adapt "
-            f"is tested on {compat.TESTED_TEXT}. A newer transformers may hand custom_generate functions inputs "
-            "under new names: install a tested version (`make setup`) or report the input."
+            f"spec_adapt does not know these generate inputs: {unknown}: {type(model).__name__}.forward does not take "
+            f"them. This is transformers {compat.VERSION}, and spec_adapt is tested on {compat.TESTED_TEXT}. A newer "
+            "transformers may hand custom_generate functions inputs under new names: install a tested version "
+            "(`make setup`) or report the input."
         )
 
 
@@ -107,11 +104,14 @@ def generate(
             spec_streamer=spec_streamer, acceptor=acceptor, verifier=verifier, strict=strict, **model_kwargs,
         )
     _check_generation_config(generation_config, synced_gpus)
-    attention_mask = model_kwargs.pop("attention_mask", None)
+    decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    # An encoder-decoder model generates its decoder's tokens: its attention_mask is the encoder's, an input.
+    attention_mask = model_kwargs.pop("decoder_attention_mask" if decoder else "attention_mask", None)
     cache = compat.pop_cache(model_kwargs)
+    positions = model_kwargs.pop("decoder_position_ids" if decoder else "position_ids", None)
     for name in _PREPARED_INPUTS:
         model_kwargs.pop(name, None)
-    _check_inputs(model_kwargs)
+    _check_inputs(model, model_kwargs)
     _check_cache(cache)
     # transformers drops an all-ones mask before calling us and records its width (compat.mask_length).
     width = attention_mask.shape[-1] if attention_mask is not None else compat.mask_length(generation_config)
@@ -137,13 +137,15 @@ def generate(
         model, input_ids, attention_mask, drafter=drafter, policy=policy, logits_processor=logits_processor,
         stopping_criteria=stopping_criteria, generation_config=generation_config, streamer=spec_streamer,
         stats=stats, cache=cache, acceptor=acceptor, verifier=verifier, strict=strict,
+        model_inputs=model_kwargs, positions=positions,
     )
     sequences = loop.run()
     set_last_stats(stats)
     if generation_config.return_dict_in_generate:
-        return SpecGenerateOutput(
-            sequences=sequences, scores=loop.outputs("scores"), logits=loop.outputs("logits"), spec_stats=stats
-        )
+        fields = dict(sequences=sequences, scores=loop.outputs("scores"), logits=loop.outputs("logits"))
+        if decoder:   # stock's own class: Whisper's generate splits every field per row (stats: `spec_stats=`)
+            return compat.GenerateEncoderDecoderOutput(**fields)
+        return SpecGenerateOutput(**fields, spec_stats=stats)
     return sequences
 
 

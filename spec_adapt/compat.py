@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import transformers
 import transformers.modeling_utils
-from transformers import DynamicCache, GenerationConfig                                 # noqa: F401 (re-exported)
+from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig                               # noqa: F401 (re-exported)
 from transformers.cache_utils import (                                                  # noqa: F401 (re-exported)
     DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs,
 )
@@ -25,7 +25,9 @@ from transformers.generation.candidate_generator import (                       
     AssistedCandidateGenerator, PromptLookupCandidateGenerator,
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria   # noqa: F401
-from transformers.generation.utils import GenerateDecoderOnlyOutput                    # noqa: F401 (re-exported)
+from transformers.generation.utils import (                                             # noqa: F401 (re-exported)
+    GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput,
+)
 from transformers.masking_utils import create_causal_mask as _create_causal_mask
 
 TESTED_TEXT = "transformers 5.20 to 5.24"     # the declared range (pyproject.toml): both ends run the identity suites
@@ -61,6 +63,19 @@ def pop_cache(model_kwargs: dict):
     found = [model_kwargs.pop(name) for name in CACHE_INPUTS if name in model_kwargs]
     found = [cache for cache in found if cache is not None]
     return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_cache_argument(prepare) -> str:
+    parameters = inspect.signature(prepare).parameters
+    return "past_key_values" if "past_key_values" in parameters and "cache" not in parameters else "cache"
+
+
+def prepare_inputs(model, input_ids, cache, **kwargs) -> dict:
+    """`model.prepare_inputs_for_generation`: what a forward of this model consumes of a call's inputs (the cache
+    passed under the name this release's function takes)."""
+    prepare = type(model).prepare_inputs_for_generation
+    return model.prepare_inputs_for_generation(input_ids, **{_prepare_cache_argument(prepare): cache}, **kwargs)
 
 
 def output_cache(output):

@@ -36,8 +36,8 @@ import inspect
 import weakref
 
 import torch
-from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, attn_implementation,
-                     layer_types, takes_4d_mask, with_cache)
+from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
+                     EncoderDecoderCache, attn_implementation, layer_types, takes_4d_mask, with_cache)
 
 
 class UnsupportedCacheError(ValueError):
@@ -46,7 +46,10 @@ class UnsupportedCacheError(ValueError):
 
 def check_rollback_cache(cache) -> None:
     """Raise a clear error for caches whose entries cannot be invalidated per row. An empty cache of sliding-window
-    layers is accepted: the ledger runs such a model on full layers and enforces the window in its masks."""
+    layers is accepted: the ledger runs such a model on full layers and enforces the window in its masks. Of an
+    encoder-decoder cache, the self-attention part is checked (the cross-attention part is fixed for the call)."""
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
     if not isinstance(cache, DynamicCache):
         raise UnsupportedCacheError(
             f"spec_adapt needs a DynamicCache to roll back rejected tokens per row, got {type(cache).__name__}. "
@@ -80,7 +83,10 @@ def positions_from_cache(model) -> str | None:
     known = _POSITIONS.get(model, False)
     if known is not False:
         return known
-    if not takes_positions(model):
+    if getattr(model.config, "is_encoder_decoder", False):
+        reason = (f"{type(model).__name__} is an encoder-decoder model, whose decoder stock runs without position ids "
+                  "(it numbers tokens by cache column)")
+    elif not takes_positions(model):
         reason = f"{type(model).__name__}.forward takes no position_ids (stock numbers its tokens by cache column)"
     elif getattr(model, "_pp_stage", None) is not None:      # a pipeline stage cannot be probed alone
         reason = None
@@ -127,8 +133,11 @@ def sliding_windows(model) -> dict[str, int | None] | None:
     return windows
 
 
-def new_cache(model, windows) -> DynamicCache:
-    """The ledger's cache: transformers' own for full attention, plain full layers under sliding windows."""
+def new_cache(model, windows) -> DynamicCache | EncoderDecoderCache:
+    """The ledger's cache: transformers' own for full attention, plain full layers under sliding windows; an
+    encoder-decoder model's pairs the decoder's self-attention cache with its cross-attention cache."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return EncoderDecoderCache(DynamicCache(), DynamicCache())
     return DynamicCache() if windows else DynamicCache(config=model.config)
 
 
@@ -194,6 +203,9 @@ class KVLedger:
         self.windows = sliding_windows(model)
         self.cache = cache if cache is not None and not self.windows else new_cache(model, self.windows)
         check_rollback_cache(self.cache)
+        # What the model's forwards take besides tokens, mask and cache (spec_adapt.inputs; None: nothing). A ledger
+        # with such inputs keeps no spare rows (the inputs would need them too).
+        self.inputs = None
         self.slots: torch.Tensor | None = None     # [B, P] long
         self.pad: torch.Tensor | None = None       # [B] long, left padding of each row
         self.n_cached: torch.Tensor | None = None  # [B] long, buffer tokens whose KV is cached (a prefix)
@@ -232,7 +244,7 @@ class KVLedger:
         self.slots = torch.where(attention_mask.bool(), index, -1)
         self.n_cached = torch.full((batch,), length, dtype=torch.long, device=self.device)
         self.spare = 0
-        logits = self._run(input_ids.to(self.device), self.slots, keep=1, past=0)
+        logits = self._run(input_ids.to(self.device), self.slots, keep=1, past=0, first=True)
         check_rollback_cache(self.cache)  # layers exist only after the first forward
         return logits[:, -1]
 
@@ -305,6 +317,9 @@ class KVLedger:
         runner(model, tokens, n_valid, mask, position_ids, cache, past) -> (logits [B, W', V], kept [B]): row b keeps
         its first kept[b] <= n_valid[b] positions, W' = max(kept); the runner leaves every cache layer `past + W'`
         long. Dropped positions become holes, exactly like rejected ones. Returns (logits, kept)."""
+        if self.inputs is not None:
+            raise ValueError(f"{type(self.model).__name__} takes inputs besides token ids (images, encoder outputs): "
+                             "a forward that stops mid-way cannot pass them on. Verify with the FullVerifier.")
         self.release_spares()    # a runner sees live rows only
         n_valid = n_valid.to(self.device)
         new, slots = self._append(tokens.shape[1], n_valid)
@@ -337,13 +352,18 @@ class KVLedger:
         mask = None if bool(valid.all()) else valid.long()
         return mask, position_ids
 
-    def _run(self, tokens, slots, keep, new=None, past=None, allowed=None):
+    def _run(self, tokens, slots, keep, new=None, past=None, allowed=None, first=False):
         """The model over `tokens`; logits of the last `keep` columns, or (keep a [B, K] tensor) of columns keep[b].
         `allowed` [B, W, P + W] bool: which slots each token attends to (a tree), instead of the causal mask.
+        `first`: the call's first forward (the prompt), which takes the inputs only a first forward takes.
         A forward that fails leaves the cache as the ledger accounts for it: the layers it had already run appended
         their columns, and they are cut back to the `past` columns held before (default: the ledger's length)."""
-        mask, position_ids = self._inputs(slots, slots if new is None else new)
-        if allowed is None and (self._full_masks or self.windows):
+        index = slots if new is None else new
+        mask, position_ids = self._inputs(slots, index)
+        # A prompt with model inputs gets the model's own masks, as stock's prefill does (Gemma 3 lets image tokens
+        # attend to each other both ways): nothing but left padding is masked there.
+        own_masks = first and self.inputs is not None
+        if allowed is None and (self._full_masks or self.windows) and not own_masks:
             allowed = _causal_allowed(slots, tokens.shape[1])
         if allowed is not None:
             mask = self._windowed(allowed, slots, position_ids) if self.windows else allowed
@@ -358,10 +378,15 @@ class KVLedger:
         passes = self._keeps_logits and (PER_ROW_LOGITS_TO_KEEP or not torch.is_tensor(keep))
         kwargs = {"logits_to_keep": keep} if passes else {}
         if self._takes_positions:
-            kwargs["position_ids"] = position_ids
+            given = self.inputs.position_ids(index) if self.inputs is not None else None
+            kwargs["position_ids"] = position_ids if given is None else given
+        if self.inputs is not None:
+            kwargs.update(self.inputs.forward_kwargs(index, first))
+            kwargs[self.inputs.tokens_key], kwargs[self.inputs.mask_key] = tokens, mask
+        else:
+            kwargs.update(input_ids=tokens, attention_mask=mask)
         with self._cut_back_on_failure(self.physical_length if past is None else past):
-            out = self.model(input_ids=tokens, attention_mask=mask, use_cache=True,
-                             **with_cache(self.model, self.cache), **kwargs)
+            out = self.model(use_cache=True, **with_cache(self.model, self.cache), **kwargs)
         logits = out.logits[:live]
         if passes:                       # the model has already kept only the wanted positions
             return logits
@@ -412,10 +437,12 @@ class KVLedger:
         layers = self._layers()
         gone = torch.ones(self.held_rows, dtype=torch.bool, device=self.device)
         gone[index] = False
-        spare = min(int(spare), int(gone.sum())) if layers else 0
+        spare = min(int(spare), int(gone.sum())) if layers and self.inputs is None else 0
         physical = torch.cat([index, gone.nonzero().squeeze(1)[:spare]])
+        if self.inputs is not None:
+            self.inputs.select_rows(index, self.slots.shape[0])
         self.slots, self.pad, self.n_cached = self.slots[index], self.pad[index], self.n_cached[index]
-        for layer in layers:
+        for layer in layers + self._cross_layers():
             layer.keys, layer.values = layer.keys[physical], layer.values[physical]
         self.spare = spare
         self._trim()
@@ -520,7 +547,15 @@ class KVLedger:
                 layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
     def _layers(self):
-        return [layer for layer in self.cache.layers if layer.is_initialized]
+        """The cache layers the ledger keeps per slot (an encoder-decoder model's self-attention layers)."""
+        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        return [layer for layer in cache.layers if layer.is_initialized]
+
+    def _cross_layers(self):
+        """An encoder-decoder model's cross-attention layers: one row per batch row, fixed for the call."""
+        if not isinstance(self.cache, EncoderDecoderCache):
+            return []
+        return [layer for layer in self.cache.cross_attention_cache.layers if layer.is_initialized]
 
     @property
     def tree_width(self) -> int:

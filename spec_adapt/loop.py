@@ -22,6 +22,7 @@ from .accept import committed_tokens
 from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
 from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
 from .acceptor import Acceptor
+from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
@@ -54,6 +55,7 @@ class SpeculativeLoop:
         self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
         stopping_criteria, generation_config, streamer=None, stats: SpecStats, cache=None,
         acceptor: Acceptor | None = None, verifier: Verifier | None = None, strict: bool = False,
+        model_inputs: dict | None = None, positions: torch.Tensor | None = None,
     ):
         cfg = generation_config
         self._hold(model, drafter=drafter, policy=policy, processor=ScoreProcessor(logits_processor),
@@ -73,6 +75,9 @@ class SpeculativeLoop:
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
+        # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
+        self.target.inputs = ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
+                                                 model_inputs or {}, positions)
         # A target that numbers tokens by cache column: its rows commit in step, and its cache is never compacted.
         self.acceptor.lockstep = self.target.lockstep = positions_from_cache(model) is not None
         self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
