@@ -19,6 +19,7 @@ mask and outputs go with every forward.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -46,6 +47,7 @@ class ModelInputs:
         self.positions = positions          # [..., B, L] prepared position ids, or None (the ledger's own)
         self.per_token = per_token          # {name: (table [B, L], value after the prompt or None = last)}
         self.prompt_length = prompt_length
+        self.cross = "encoder_outputs" in later     # attends to an encoder's outputs (a cross-attention cache)
 
     @classmethod
     def of_call(cls, model, input_ids, attention_mask, cache, extras: dict, positions) -> "ModelInputs | None":
@@ -68,6 +70,20 @@ class ModelInputs:
         if positions is not None and positions.shape[-1] != input_ids.shape[1]:
             raise ValueError(f"position_ids cover {positions.shape[-1]} tokens but input_ids has {input_ids.shape[1]}.")
         return cls(model, keep(first), keep(later), positions, per_token, input_ids.shape[1])
+
+    @classmethod
+    def shared_encoder(cls, draft, inputs: "ModelInputs | None") -> "ModelInputs | None":
+        """A draft decoder's inputs from the target's: the target's encoder outputs (and encoder mask), for a draft
+        whose forward takes them (Distil-Whisper's decoder as a causal LM, stock assisted generation's encoder
+        sharing). None where the target has no encoder or the draft reads none: it drafts from the tokens."""
+        parameters = inspect.signature(draft.forward).parameters
+        if inputs is None or "encoder_outputs" not in inputs.later or "encoder_outputs" not in parameters:
+            return None
+        shared = {"encoder_outputs": inputs.later["encoder_outputs"]}
+        mask = inputs.later.get("attention_mask")
+        if mask is not None and "encoder_attention_mask" in parameters:
+            shared["encoder_attention_mask"] = mask
+        return cls(draft, shared, dict(shared), None, {}, 0)
 
     # -- per forward ---------------------------------------------------------------------------------------------------
     def forward_kwargs(self, index: torch.Tensor, first: bool) -> dict:

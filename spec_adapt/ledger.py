@@ -221,6 +221,13 @@ class KVLedger:
         stage = getattr(model, "_pp_stage", None)
         self._full_masks = stage is not None and stage.pp_size > 1
 
+    def use_inputs(self, inputs) -> None:
+        """Run every forward with these model inputs (spec_adapt.inputs.ModelInputs; None: tokens only). Inputs that
+        carry encoder outputs need a cross-attention cache beside the self-attention one the ledger keeps."""
+        self.inputs = inputs
+        if inputs is not None and inputs.cross and not isinstance(self.cache, EncoderDecoderCache):
+            self.cache = EncoderDecoderCache(self.cache, DynamicCache())
+
     @classmethod
     def empty(cls, model, pad, device=None, **kwargs) -> "KVLedger":
         """A ledger for rows (left padding `pad`, one per row) with nothing cached yet: the next `forward` starts
@@ -486,6 +493,7 @@ class KVLedger:
         """Free every cached entry and keep the rows: nothing is cached past each row's padding, so the next
         forward starts from the row's first token (an offloaded draft's catch-up)."""
         self.cache = new_cache(self.model, self.windows)
+        self.use_inputs(self.inputs)
         self.spare = 0
         self.slots = self.slots[:, :0]
         self.n_cached = self.pad.clone()

@@ -76,8 +76,8 @@ class SpeculativeLoop:
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
-        self.target.inputs = ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
-                                                 model_inputs or {}, positions)
+        self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
+                                                   model_inputs or {}, positions))
         # A target that numbers tokens by cache column: its rows commit in step, and its cache is never compacted.
         self.acceptor.lockstep = self.target.lockstep = positions_from_cache(model) is not None
         self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
@@ -124,6 +124,7 @@ class SpeculativeLoop:
             self.streamer.put(self.buffer[0, self.prompt_length : self.prompt_length + int(committed[0])].cpu())
         self.stats.time_prefill = self._now() - start
         if self.drafter is not None:   # begins with the whole batch, then follows the rows that leave it
+            self._guard("prefill", self.drafter.share_inputs, self.target.inputs)
             self._guard("prefill", self.drafter.begin, self.input_ids, self.attention_mask)
         self._retire()
         with self.policy_lock:

@@ -164,3 +164,30 @@ def test_verified_logits_match_one_token_decoding(name):
     for position, (mine, theirs) in enumerate(zip(ours.logits, stock.logits)):
         live = ~finished | (position < 3)            # stock keeps computing finished rows; spec_adapt drops them
         assert torch.allclose(mine[live], theirs[live], rtol=1e-4, atol=1e-3), position
+
+
+def whisper_decoder_draft(layers: int):
+    """Distil-Whisper's shape of draft: the target's decoder (its first `layers` layers) as a WhisperForCausalLM,
+    attending to the target's encoder outputs."""
+    from transformers import WhisperForCausalLM
+
+    target = mm.model("whisper")
+    config = target.config.__class__(**{**target.config.to_dict(), "decoder_layers": layers,
+                                        "is_encoder_decoder": False})
+    draft = WhisperForCausalLM(config).eval()
+    state = {f"model.decoder.{k}": v for k, v in target.model.decoder.state_dict().items()}
+    state["proj_out.weight"] = target.proj_out.weight
+    draft.load_state_dict(state, strict=False)
+    return draft
+
+
+@pytest.mark.parametrize("layers", [2, 1])
+def test_a_draft_decoder_shares_the_targets_encoder_outputs(layers):
+    """The target's own decoder as the draft accepts every draft only if it attends to the same encoder outputs;
+    half of it (one layer of two) drafts well enough to be accepted sometimes."""
+    reference, out, stats = run("whisper", 3, whisper_decoder_draft(layers), FixedLength(3), seed=1)
+    assert torch.equal(out, reference)
+    if layers == 2:
+        assert stats.accepted == stats.drafted > 0
+    else:
+        assert 0 < stats.accepted < stats.drafted

@@ -127,6 +127,11 @@ class Drafter:
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Start of a generate call: the (left padded) prompt [B, L] and its mask."""
 
+    def share_inputs(self, inputs) -> None:
+        """Before `begin`: what the target's forwards take besides token ids (a `spec_adapt.inputs.ModelInputs`:
+        images, encoder outputs), or None. A draft decoder that attends to the target's encoder outputs reads them
+        here; every other drafter drafts from the tokens alone (the default)."""
+
     def propose(self, request: DraftRequest) -> Proposal:
         raise NotImplementedError
 

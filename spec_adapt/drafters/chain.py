@@ -119,6 +119,10 @@ class ChainDrafter(Drafter):
         for level in self.verifiers:
             level.validate(target)
 
+    def share_inputs(self, inputs):
+        for level in (self.first, *self.verifiers):
+            level.share_inputs(inputs)
+
     def begin(self, input_ids, attention_mask):
         self.failed.clear()
         self.events = []

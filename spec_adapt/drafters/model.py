@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..estimators import ema
+from ..inputs import ModelInputs
 from ..ledger import KVLedger
 from .base import Drafter, DraftRequest, Proposal, left_padding
 from .head import ShortHead, check_short_head
@@ -55,6 +56,7 @@ class ModelDrafter(Drafter):
         self.short = ShortHead(model, head_tokens) if head_tokens is not None else None
         self.threshold = confidence_threshold
         self.ledger: KVLedger | None = None
+        self.target_inputs = None    # the call's target inputs (share_inputs): a shared encoder's outputs
         self.vocab = None
         self.kv_writes = 0          # draft tokens whose KV was written (all calls), to measure early exit
 
@@ -89,7 +91,11 @@ class ModelDrafter(Drafter):
         # call's drafts save.
         self._learn(input_ids)
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
+        self.ledger.use_inputs(ModelInputs.shared_encoder(self.runner, self.target_inputs))
         self.calib = torch.ones(len(input_ids), 2, device=self.ledger.device)
+
+    def share_inputs(self, inputs):
+        self.target_inputs = inputs
 
     def add_rows(self, input_ids, attention_mask, rows):
         # Positional: the draft's ledger follows the active rows; row numbers only matter to the processors.

@@ -166,6 +166,9 @@ class DraftOffload(Drafter):
     def validate(self, target):
         self.inner.validate(target)
 
+    def share_inputs(self, inputs):
+        self.inner.share_inputs(inputs)
+
     def begin(self, input_ids, attention_mask):
         self._steps, self.idle = 0, 0
         self.inner.begin(input_ids, attention_mask)        # nothing cached yet: no weights needed
