@@ -191,3 +191,66 @@ def test_a_draft_decoder_shares_the_targets_encoder_outputs(layers):
         assert stats.accepted == stats.drafted > 0
     else:
         assert 0 < stats.accepted < stats.drafted
+
+
+TOP_K = 3
+TEMPERATURE = {"llava": 4.0, "t5": 60.0}        # each family's logits spread into a real distribution
+
+
+def _next_probs(model, name, inputs, prefixes):
+    """[N, V] processed (temperature, top-k) next-token probabilities after each generated prefix [N, n], without a
+    cache: the one-token-at-a-time reference the sampled marginals are judged against."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper
+
+    rows = len(prefixes)
+    repeat = {k: v.repeat(rows, *[1] * (v.dim() - 1)) for k, v in inputs.items()}
+    if name in mm.ENCODER_DECODER:
+        start = torch.full((rows, 1), model.generation_config.decoder_start_token_id)
+        logits = model(**repeat, decoder_input_ids=torch.cat([start, prefixes], dim=1)).logits[:, -1]
+    else:
+        ids = torch.cat([repeat.pop("input_ids"), prefixes], dim=1)
+        mask = torch.cat([repeat.pop("attention_mask"), torch.ones_like(prefixes)], dim=1)
+        logits = model(input_ids=ids, attention_mask=mask, **repeat).logits[:, -1]
+    for warper in (TemperatureLogitsWarper(TEMPERATURE[name]), TopKLogitsWarper(TOP_K)):
+        logits = warper(None, logits)
+    return logits.softmax(dim=-1)
+
+
+def _exact_marginals(model, name, inputs, depth=2):
+    prefixes, joint, marginals = torch.zeros(1, 0, dtype=torch.long), torch.ones(1), []
+    with torch.no_grad():
+        for _ in range(depth):
+            step = joint[:, None] * _next_probs(model, name, inputs, prefixes)          # [N, V]
+            marginals.append(step.sum(0))
+            support = step.nonzero()                                                   # (prefix, token) pairs
+            joint = step[support[:, 0], support[:, 1]]
+            prefixes = torch.cat([prefixes[support[:, 0]], support[:, 1:]], dim=1)
+    return marginals
+
+
+@pytest.mark.parametrize("name", ["llava", "t5"])
+def test_sampling_follows_the_target_distribution(name):
+    """The enumerated statistical test: the first two sampled tokens' marginals against the target's exact ones,
+    with a point-mass draft of the likeliest second token. LLaVA samples one batch of 2000 copies of the row; T5
+    (lockstep: a row accepts only what every row of its batch accepts) 700 batches of 3."""
+    model, inputs = mm.model(name), mm.batch_inputs(name, 1, seed=3)
+    marginals = _exact_marginals(model, name, inputs)
+    guess = int(marginals[1].argmax())                  # drafted for the second token (the first is the prefill's)
+    drafter = spec_adapt.ScriptedDrafter(lambda row, context, gamma: [guess, 5][:gamma])
+    rows, calls = (2000, 1) if name in mm.DECODER_ONLY else (3, 700)
+    batch = {k: v.repeat(rows, *[1] * (v.dim() - 1)) for k, v in inputs.items()}
+    torch.manual_seed(0)
+    tokens, accepted = [], 0
+    for _ in range(calls):
+        out = model.generate(**batch, do_sample=True, temperature=TEMPERATURE[name], top_k=TOP_K, top_p=None,
+                             max_new_tokens=3, eos_token_id=None, pad_token_id=PAD,
+                             custom_generate=spec_adapt.generate, drafter=drafter, assistant_policy=FixedLength(2))
+        tokens.append(out[:, -3:-1])
+        accepted += spec_adapt.last_stats().accepted
+    tokens = torch.cat(tokens)
+    assert accepted > 0
+    for position, exact in enumerate(marginals):
+        assert float(exact.max()) < 0.9                   # a real distribution, not a near-certain token
+        empirical = torch.bincount(tokens[:, position], minlength=len(exact)).float() / len(tokens)
+        tolerance = 5 * (exact * (1 - exact) / len(tokens)).sqrt() + 2e-3
+        assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
