@@ -254,3 +254,8 @@ def test_sampling_follows_the_target_distribution(name):
         empirical = torch.bincount(tokens[:, position], minlength=len(exact)).float() / len(tokens)
         tolerance = 5 * (exact * (1 - exact) / len(tokens)).sqrt() + 2e-3
         assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
+
+
+def test_an_encoder_decoder_draft_model_is_refused_with_the_alternatives():
+    with pytest.raises(ValueError, match="encoder-decoder model.*WhisperForCausalLM"):
+        run("t5", 1, mm.model("bart"), FixedLength(2))

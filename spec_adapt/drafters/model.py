@@ -61,6 +61,11 @@ class ModelDrafter(Drafter):
         self.kv_writes = 0          # draft tokens whose KV was written (all calls), to measure early exit
 
     def validate(self, target) -> None:
+        if getattr(self.model.config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"The draft {type(self.model).__name__} is an encoder-decoder model: it would need its own encoder's "
+                "inputs, which generate does not hand on. Draft with a decoder that attends to the target's encoder "
+                "outputs (Distil-Whisper's decoder as WhisperForCausalLM), a causal LM, or prompt lookup.")
         target_vocab, draft_vocab = _vocab_size(target), _vocab_size(self.model)
         if draft_vocab < target_vocab:
             raise ValueError(
