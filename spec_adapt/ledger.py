@@ -213,6 +213,9 @@ class KVLedger:
         self.tree: tuple | None = None   # pending tree region: (first column, parents [B, T], in use [B, T])
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._takes_positions = takes_positions(model)
+        # MoE models configured to return router logits compute an auxiliary training loss from them, which fails on a
+        # padded batch: generation needs neither.
+        self._no_router_logits = "output_router_logits" in inspect.signature(model.forward).parameters
         # Lockstep (a model numbering tokens by cache column, see positions_from_cache): the owner commits the same
         # count in every row, so no hole opens before a row's tokens, and nothing is compacted (that moves columns).
         self.lockstep = False
@@ -384,6 +387,8 @@ class KVLedger:
         # Per-row columns go to the model only where it gathers them per row; otherwise it keeps all, we select.
         passes = self._keeps_logits and (PER_ROW_LOGITS_TO_KEEP or not torch.is_tensor(keep))
         kwargs = {"logits_to_keep": keep} if passes else {}
+        if self._no_router_logits:
+            kwargs["output_router_logits"] = False
         if self._takes_positions:
             given = self.inputs.position_ids(index) if self.inputs is not None else None
             kwargs["position_ids"] = position_ids if given is None else given

@@ -271,3 +271,27 @@ def test_a_hybrid_linear_attention_model_is_refused_by_its_layer_type():
     ids, mask = ragged_batch(2)
     with pytest.raises(ValueError, match="cannot roll back .*LinearAttentionLayer.* per row"):
         spec(model, ids, mask, PromptLookupDrafter(2, 1), FixedLength(2))
+
+
+def test_a_moe_model_configured_to_return_router_logits_runs_batched():
+    """Mixtral with output_router_logits=True: its forward computes an auxiliary loss from the router logits, which
+    fails on a padded batch (stock's batched generate fails so). Generation needs neither: each row of the batch
+    equals stock greedy on that row alone."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                        output_router_logits=True, **SMALL)
+    model = transformers.MixtralForCausalLM(config).eval()
+    ids, mask = ragged_batch(3, seed=3)
+    alone = []
+    for b in range(3):
+        pad = int((mask[b] == 0).sum())
+        alone.append(stock_greedy(model, ids[b:b + 1, pad:], mask[b:b + 1, pad:], eos_token_id=None,
+                                  max_new_tokens=12)[0, -12:])
+    reference = torch.cat([ids, torch.stack(alone)], dim=1)
+    out, stats = spec(model, ids, mask, Oracle(reference, mask, ["right", 1, "wrong"]).drafter(), FixedLength(3),
+                      max_new_tokens=12)
+    assert torch.equal(out[:, -12:], torch.stack(alone))
+    assert stats.accepted > 0
