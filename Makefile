@@ -8,7 +8,7 @@ TRANSFORMERS_OLDEST := 5.20.0
 # The suites that decide whether a transformers release works: greedy identity (the families and the processors
 # included), contracts, entry points, compat.
 COMPAT_SUITE := tests/test_identity.py tests/test_families.py tests/test_processors.py tests/test_contracts.py \
-	tests/test_entry_points.py tests/test_compat.py
+	tests/test_entry_points.py tests/test_compat.py tests/test_multimodal.py
 OLDEST := .venv-oldest
 LATEST := .venv-latest
 

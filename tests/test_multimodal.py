@@ -259,3 +259,9 @@ def test_sampling_follows_the_target_distribution(name):
 def test_an_encoder_decoder_draft_model_is_refused_with_the_alternatives():
     with pytest.raises(ValueError, match="encoder-decoder model.*WhisperForCausalLM"):
         run("t5", 1, mm.model("bart"), FixedLength(2))
+
+
+@pytest.mark.parametrize("name", ["llava", "t5"])
+def test_a_verifier_that_stops_mid_forward_is_refused_at_entry(name):
+    with pytest.raises(ValueError, match="FullVerifier"):
+        run(name, 2, PromptLookupDrafter(2, 1), FixedLength(2), verifier=spec_adapt.EarlyExitVerifier(top_k=2))
