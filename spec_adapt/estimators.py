@@ -59,3 +59,69 @@ class ProbeBackoff:
     def again(self) -> None:
         """The option is due again at the next chance (a probe that won and wants confirming)."""
         self.idle = self.gap
+
+
+class Calibration:
+    """How often a draft token is accepted, given the draft's probability of it (its confidence): acceptance counts
+    in `bins` equal bins of confidence, each starting from a prior of `prior` pseudo-observations at the bin's
+    middle (a draft that is exactly calibrated). Only tokens the verification reached count: the first rejected one
+    of a row and those before it.
+
+    A draft that is more (or less) sure of itself than it should be moves its bins away from the diagonal; `__call__`
+    reads them. Kept by the policy that plans stopping rules, across calls."""
+
+    def __init__(self, bins: int = 10, prior: float = 4.0):
+        import torch
+
+        if not (isinstance(bins, int) and not isinstance(bins, bool) and 1 <= bins <= 1000) or not 0 < prior < 1e6:
+            raise ValueError(f"Calibration needs an int 1 <= bins <= 1000 and 0 < prior < 1e6, got {bins!r}, "
+                             f"{prior!r}.")
+        middle = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
+        self.bins = bins
+        self.reached = torch.full((bins,), float(prior), dtype=torch.float64)
+        self.accepted = middle * prior
+
+    def _bin(self, confidence):
+        return (confidence.double().clamp(0, 1) * self.bins).long().clamp(max=self.bins - 1)
+
+    def __call__(self, confidence):
+        """The acceptance probability of draft tokens of these confidences (a tensor of the same shape)."""
+        index = self._bin(confidence).cpu()
+        return (self.accepted[index] / self.reached[index]).to(confidence.device, confidence.dtype)
+
+    def update(self, confidence, drafted, accepted) -> None:
+        """One step's outcome: confidence [B, S] of each drafted token, drafted [B] and accepted [B] counts."""
+        import torch
+
+        confidence = confidence.detach().cpu()
+        position = torch.arange(confidence.shape[1])[None, :]
+        drafted, accepted = torch.as_tensor(drafted)[:, None], torch.as_tensor(accepted)[:, None]
+        reached = (position < drafted) & (position <= accepted)
+        index = self._bin(confidence[reached])
+        self.reached.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
+        self.accepted.index_add_(0, index, (position < accepted).expand_as(reached)[reached].double())
+
+
+class StopRule:
+    """Where a row stops drafting within a step: before the first token whose survival (the probability that it
+    and every draft before it are accepted, each read from `calibration` at the draft's confidence) falls below
+    `threshold`. A policy sets the threshold from its cost model: one more draft token pays when its survival exceeds
+    the tokens per row the step's marginal time would have committed otherwise."""
+
+    def __init__(self, threshold: float, calibration: Calibration):
+        if not isinstance(calibration, Calibration):
+            raise TypeError(f"StopRule needs a Calibration, got {type(calibration).__name__}.")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+            raise ValueError(f"StopRule(threshold) must be a number in [0, 1], got {threshold!r}.")
+        self.threshold, self.calibration = float(threshold), calibration
+
+    def survival(self, survived, confidence):
+        """The survival after one more draft token of `confidence`, given `survived` before it."""
+        return survived * self.calibration(confidence)
+
+    def depths(self, confidence):
+        """[B] drafts per row the rule keeps, of a chain of confidences [B, S] (a whole chain at once)."""
+        import torch
+
+        survival = torch.cumprod(self.calibration(confidence), dim=1)
+        return (survival >= self.threshold).long().cumprod(dim=1).sum(dim=1)

@@ -40,6 +40,7 @@ class StepPlan:
     depths: torch.Tensor | None = None   # [B] a tree plan's deepest node per row; None = chains
     pooled: bool = False                 # a tree budget pooled over the rows
     members: tuple | None = None         # a chain drafter's levels to run; None = the drafter's own
+    stop: object = None                  # a chain plan's StopRule (gammas are each row's most), or None
 
     @property
     def deepest(self) -> int:
@@ -182,7 +183,7 @@ class SpeculativeLoop:
             self.drafter.check_members(plan.members)
         gammas = plan.gammas.to(self.device)
         if plan.depth is None:          # a step commits up to gamma + 1 tokens
-            return StepPlan(torch.minimum(gammas, remaining - 1), True, members=plan.members)
+            return StepPlan(torch.minimum(gammas, remaining - 1), True, members=plan.members, stop=plan.stop)
         return self._tree_plan(gammas, plan, remaining)
 
     def _tree_plan(self, nodes, plan, remaining) -> StepPlan:
@@ -205,7 +206,7 @@ class SpeculativeLoop:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
-            self.acceptor, plan.members, plan.depths, plan.pooled,
+            self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)
@@ -310,7 +311,7 @@ class SpeculativeLoop:
             batch_size=len(self.rows), rows=self.rows.tolist(), gammas=plan.gammas.tolist(),
             drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
             step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
-            held=self.target.held_rows,
+            held=self.target.held_rows, confidence=None if proposal.confidence is None else proposal.confidence.cpu(),
         )
         self.stats.record(record)
         if plan.asked:

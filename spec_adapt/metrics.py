@@ -25,6 +25,7 @@ class StepRecord:
     verify_time: float
     telemetry: dict | None = None   # the drafter's own measurements this step (Proposal.telemetry), e.g. a chain's
     held: int | None = None         # rows the target's forward ran: the active rows and spare rows (None: batch_size)
+    confidence: object = None       # [B, S] tensor (CPU): the draft's probability of each drafted token, or None
 
 
 @dataclass

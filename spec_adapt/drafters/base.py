@@ -18,6 +18,7 @@ from ..tree import ancestry, from_branches, is_chain, pack_tree_lists, tree_prob
 
 if TYPE_CHECKING:
     from ..acceptor import Acceptor
+    from ..estimators import StopRule
 
 
 @dataclass
@@ -33,6 +34,8 @@ class DraftRequest:
     depths: torch.Tensor | None = None   # [B] long: a tree plan's deepest node per row; None = draft chains. With
                                          # depths, gammas[b] counts the row's nodes (spec_adapt.tree)
     pooled: bool = False          # a tree plan's budget is sum(gammas), for the batch's likeliest nodes in any row
+    stop: "StopRule | None" = None  # the plan's stopping rule: gammas are each row's most, and a drafter with
+                                    # probabilities stops a row where the rule says (spec_adapt.estimators.StopRule)
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Proposal:
                                           # child of the last committed token; None = chains. With a tree, probs[b, i]
                                           # is the distribution node i and its siblings were drawn from (without
                                           # replacement, in node order)
+    confidence: torch.Tensor | None = None   # [B, S] the drafter's probability of each drafted token (a chain from a
+                                             # draft model), for the policy's calibration; None = not known
 
     @staticmethod
     def empty(batch: int, device) -> "Proposal":
@@ -58,7 +63,8 @@ class Proposal:
         width = int(lengths.max()) if lengths.numel() else 0
         probs = self.probs[:, :width] if self.probs is not None else None
         parents = self.parents[:, :width] if self.parents is not None else None    # a prefix of a tree is a tree
-        return Proposal(self.tokens[:, :width], lengths, probs, self.telemetry, parents)
+        confidence = self.confidence[:, :width] if self.confidence is not None else None
+        return Proposal(self.tokens[:, :width], lengths, probs, self.telemetry, parents, confidence)
 
     @staticmethod
     def pack(drafts: list[torch.Tensor], device) -> "Proposal":
@@ -220,7 +226,20 @@ def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
     if probs is not None:
         probs = _checked_probs(probs, tokens, used, batch, width, vocab).to(device)
     parents = _checked_parents(proposal.parents, tokens, lengths, used, request, probs)
-    return Proposal(tokens, lengths, probs, proposal.telemetry, parents)
+    return Proposal(tokens, lengths, probs, proposal.telemetry, parents, _checked_confidence(proposal.confidence,
+                                                                                            batch, width, device))
+
+
+def _checked_confidence(confidence, batch, width, device):
+    """None, or [B, >= S] probabilities (a policy's calibration reads them): cut to the kept width."""
+    if confidence is None:
+        return None
+    _expect(isinstance(confidence, torch.Tensor) and confidence.dim() == 2 and confidence.shape[0] == batch
+            and confidence.shape[1] >= width and confidence.dtype.is_floating_point,
+            f"confidence must be a float tensor [B={batch}, >= {width}], got {_describe(confidence)}")
+    confidence = confidence[:, :width].to(device)
+    _expect(bool(((confidence >= 0) & (confidence <= 1)).all()), "confidence must be probabilities in [0, 1]")
+    return confidence
 
 
 def _checked_parents(parents, tokens, lengths, used, request, probs):

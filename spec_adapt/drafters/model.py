@@ -130,6 +130,8 @@ class ModelDrafter(Drafter):
         context = tokens.clone()                                          # committed tokens + drafts so far
         drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
         probs = torch.zeros(batch, most, self.vocab, device=device) if request.sampling else None
+        confidence = torch.zeros(batch, most, device=device)     # the draft's probability of each drafted token
+        survival = torch.ones(batch, device=device)              # of the row's drafts so far (request.stop)
         drafted = torch.zeros_like(gammas)            # per row: tokens drafted so far
         for k in range(most):
             scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))
@@ -138,6 +140,10 @@ class ModelDrafter(Drafter):
             drafting = (drafted == k) & (k < gammas)
             if self.threshold is not None:            # early exit: stop before a low-confidence token
                 drafting &= q.max(dim=-1).values >= self.threshold
+            confidence[:, k] = q.gather(1, token[:, None]).squeeze(1)
+            if request.stop is not None:              # the plan's rule: stop where the draft stops paying
+                survival = request.stop.survival(survival, confidence[:, k])
+                drafting &= survival >= request.stop.threshold
             if probs is not None:
                 probs[:, k] = q
             drafts[:, k] = torch.where(drafting, token, 0)
@@ -150,7 +156,9 @@ class ModelDrafter(Drafter):
             last = self.ledger.forward(drafts[:, k : k + 1], feed.long())[:, 0]
 
         out_probs = probs.to(target_device) if probs is not None else None
-        return Proposal(drafts.to(target_device), drafted.to(target_device), out_probs)
+        width = int(drafted.max()) if batch else 0
+        return Proposal(drafts.to(target_device), drafted.to(target_device), out_probs,
+                        confidence=confidence[:, :width].to(target_device))
 
     def _catch_up(self, tokens, pending) -> torch.Tensor:
         """Feed each row its pending committed tokens; the logits after each row's last one [B, V'].

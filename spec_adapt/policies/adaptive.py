@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..estimators import ema, mean_then_ema
+from ..estimators import Calibration, StopRule, ema, mean_then_ema
 from ..metrics import StepRecord
 from .estimators import (LatencyTable, LineFit, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile,
                          decay_counts, reach, state_key)
@@ -46,7 +46,7 @@ class Adaptive(Policy):
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
                  baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
                  closed_batches: bool = True, trees: bool | tuple = False, recheck_every: int = 64,
-                 max_recheck_gap: int = 1024):
+                 max_recheck_gap: int = 1024, stop_rule: bool = False):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1, MAX_WIDTH)
         for name, value, low, high in (("explore", explore, 0, 1), ("explore_margin", explore_margin, 0, math.inf),
                                        ("row_floor", row_floor, 0, 1), ("shrink", shrink, 0, math.inf),
@@ -77,6 +77,11 @@ class Adaptive(Policy):
         if not isinstance(closed_batches, bool):
             raise ValueError(f"Adaptive(closed_batches) must be True or False, got {closed_batches!r}.")
         self.closed_batches = closed_batches
+        if not isinstance(stop_rule, bool):
+            raise ValueError(f"Adaptive(stop_rule) must be True or False, got {stop_rule!r}.")
+        # stop_rule: the width becomes each row's most, and a draft model stops a row inside the step where one more
+        # token stops paying (a StopRule from this policy's cost model and its calibration of the draft's confidence).
+        self.stop_rule = stop_rule
         trees = tuple(trees) if isinstance(trees, list) else trees     # as saved in JSON
         if not isinstance(trees, (bool, tuple)):
             raise ValueError(f"Adaptive(trees) must be True, False or a tuple of tree factors, got {trees!r}.")
@@ -105,6 +110,7 @@ class Adaptive(Policy):
         self.rechecks = ProbeBackoff(self.recheck_every, self.max_recheck_gap)
         self._pending: dict | None = None
         self.tree_shapes = TreeShapes(self.tree_factors) if self.trees else None
+        self.calibration = Calibration() if self.stop_rule else None    # draft confidence -> acceptance
 
     def begin(self, batch_size):
         self.row_tried = torch.zeros(batch_size, STATES, self.max_gamma)      # [rows, state, S]
@@ -235,11 +241,25 @@ class Adaptive(Policy):
                         if 0 <= s < len(values) and values[s] >= (1 - self.explore_margin) * values[width]]
                 width = self.rng.choice(near) if near else width
         self._pending = {"width": width, "lag": lag, "probing": probing, "burst": self._burst(rows), "factor": 1,
-                         "recheck": recheck}
+                         "recheck": recheck, "stop": False}
         if width == 0 or probing or batch == 1 or self.steps % self.probe_every == 0:
-            return self._shaped(width, batch)
+            return self._stopping(self._shaped(width, batch), values, batch)
         hopeless = (self.row_expected[rows, width] < 1 + self.row_floor) & (self.row_tried[rows, :, 0].sum(1) > 0)
-        return self._shaped(torch.where(hopeless, 0, width) if bool(hopeless.any()) else width, batch)
+        gammas = torch.where(hopeless, 0, width) if bool(hopeless.any()) else width
+        return self._stopping(self._shaped(gammas, batch), values, batch)
+
+    def _stopping(self, gammas, values, batch: int):
+        """With stop_rule, a chain plan of width s > 0 carries where rows stop within it: one more draft token of a
+        row pays when its survival beats G(s) x dT / B, the tokens per row the step's marginal time dT = T(B, s) -
+        T(B, s - 1) commits at the predicted goodput G(s) (docs/policies.md, rule 11)."""
+        width = self._pending["width"]
+        if not self.stop_rule or width == 0 or isinstance(gammas, Plan):
+            return gammas
+        burst = self._pending["burst"]
+        marginal = max(0.0, self.step_time(batch, width, burst) - self.step_time(batch, width - 1, burst))
+        threshold = min(1.0, values[width] * marginal / batch)
+        self._pending["stop"] = True
+        return Plan(gammas, stop=StopRule(threshold, self.calibration))
 
     def _shaped(self, gammas, batch: int):
         """With trees: the chain's widths, or a tree of `factor` times as many nodes at the chain's depth, a pooled
@@ -274,7 +294,9 @@ class Adaptive(Policy):
             return
         batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
         widest = max(record.drafted, default=0)
-        self._count(record)
+        if self.calibration is not None and record.confidence is not None:
+            self.calibration.update(record.confidence, record.drafted, record.accepted)
+        self._count(record, ruled=pending["stop"])
         seconds = record.step_time
         if pending["lag"] > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
             extra = max(0.0, seconds - self.step_time(batch, width, burst))
@@ -328,14 +350,15 @@ class Adaptive(Policy):
                 mine, theirs = mine + weight * a[0], theirs + weight * b[0]
         return mine / theirs if theirs > 0 else None
 
-    def _count(self, record: StepRecord) -> None:
+    def _count(self, record: StepRecord, ruled: bool = False) -> None:
         """Position i + 1 was reached by a row that asked for more than i drafts and had i accepted; a hit if it
-        was accepted. Asked, not drafted: a drafter's empty proposal is a miss, so its fill is in the rates."""
+        was accepted. Asked, not drafted: a drafter's empty proposal is a miss, so its fill is in the rates. Under a
+        stop rule (`ruled`), drafted: the positions the rule declined were not tried."""
         gammas, accepted = torch.tensor(record.gammas), torch.tensor(record.accepted)
         drafted, rows = torch.tensor(record.drafted), torch.tensor(record.rows)
         self._grow(rows)
         state = self.row_state[rows]                                                     # [B] as chosen
-        reached, hits = reach(gammas, accepted, self.max_gamma)                          # [B, S]
+        reached, hits = reach(drafted if ruled else gammas, accepted, self.max_gamma)    # [B, S]
         pooled = torch.zeros(STATES, self.max_gamma)                                     # [STATES, S]
         self.tried, self.accepted = decay_counts(self.tried, self.accepted, pooled.index_add(0, state, reached),
                                                  pooled.index_add(0, state, hits), self.decay)
@@ -358,7 +381,8 @@ class Adaptive(Policy):
                        "baseline_steps": self.baseline_steps, "probe_budget": self.probe_budget,
                        "shape_margin": self.shape_margin, "closed_batches": self.closed_batches,
                        "trees": list(self.tree_factors) if self.trees else False,
-                       "recheck_every": self.recheck_every, "max_recheck_gap": self.max_recheck_gap},
+                       "recheck_every": self.recheck_every, "max_recheck_gap": self.max_recheck_gap,
+                       "stop_rule": self.stop_rule},
             "tree_shapes": self.tree_shapes.state_dict() if self.tree_shapes is not None else None,
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],

@@ -1,0 +1,142 @@
+"""Depth decided inside the step: a calibration of the draft's confidence against acceptance, the StopRule a policy
+plans from its cost model, and a draft model that stops each row where the rule says (ragged depths, lossless)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import spec_adapt
+from spec_adapt import Adaptive, FixedLength
+from spec_adapt.estimators import Calibration, StopRule
+from spec_adapt.policies.base import Plan, StepInfo
+
+from conftest import PAD, cached_model, ragged_batch, stock_greedy
+
+HALF = 0.5     # the synthetic draft is overconfident: a token of confidence q is accepted with probability q / 2
+
+
+def overconfident_calibration(steps: int = 4000, seed: int = 0) -> Calibration:
+    """A Calibration fed chains of a draft whose tokens are accepted with probability HALF x their confidence."""
+    gen = torch.Generator().manual_seed(seed)
+    calibration = Calibration()
+    for _ in range(steps // 100):
+        confidence = 0.2 + 0.8 * torch.rand(100, 4, generator=gen)
+        hits = torch.rand(100, 4, generator=gen) < HALF * confidence
+        accepted = hits.long().cumprod(dim=1).sum(dim=1)              # the run of acceptances before the first miss
+        calibration.update(confidence, torch.full((100,), 4), accepted)
+    return calibration
+
+
+def right_depth(confidence: torch.Tensor, threshold: float) -> list[int]:
+    """Analytically: the deepest k whose survival, the product of the true acceptances of the first k drafts, is at
+    least the threshold (one more draft token pays exactly while its survival beats what its time costs)."""
+    survival = torch.cumprod(HALF * confidence, dim=1)
+    return (survival >= threshold).long().cumprod(dim=1).sum(dim=1).tolist()
+
+
+def test_the_rule_picks_the_depth_the_cost_model_and_true_acceptance_give():
+    # A step at batch 4 whose goodput is 40 tokens/s, where one more position costs 5 ms: a draft token pays when its
+    # survival exceeds 40 x 0.005 / 4 = 0.05 tokens per row.
+    threshold = 40 * 0.005 / 4
+    confidence = torch.tensor([[0.9] * 8, [0.95, 0.6, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9],
+                               [0.5] * 8, [0.99, 0.99, 0.3, 0.99, 0.99, 0.99, 0.99, 0.99]])
+    rule = StopRule(threshold, overconfident_calibration())
+    picked, right = rule.depths(confidence).tolist(), right_depth(confidence, threshold)
+    assert all(abs(p - r) <= 1 for p, r in zip(picked, right)), (picked, right)
+
+
+def test_without_calibration_the_rule_drafts_too_deep():
+    """The mutation check: the same rule reading the draft's confidence as its acceptance (an untrained
+    calibration) goes past the right depth by more than a token on the overconfident draft."""
+    threshold = 40 * 0.005 / 4
+    confidence = torch.tensor([[0.9] * 8, [0.5] * 8])
+    picked = StopRule(threshold, Calibration()).depths(confidence).tolist()
+    right = right_depth(confidence, threshold)
+    assert all(p > r + 1 for p, r in zip(picked, right)), (picked, right)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=8), st.lists(st.floats(0, 1), min_size=1, max_size=8))
+def test_the_calibration_is_a_probability_that_reads_only_reached_tokens(confidences, outcomes):
+    calibration = Calibration(bins=5)
+    width = min(len(confidences), len(outcomes))
+    confidence = torch.tensor([confidences[:width]])
+    accepted = sum(1 for _ in __import__("itertools").takewhile(lambda x: x > 0.5, outcomes[:width]))
+    before = calibration.reached.clone()
+    calibration.update(confidence, [width], [accepted])
+    reached = min(width, accepted + 1)
+    assert float((calibration.reached - before).sum()) == reached
+    values = calibration(torch.linspace(0, 1, 11))
+    assert bool(((values >= 0) & (values <= 1)).all())
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True, "0.3"])
+def test_a_stop_rule_refuses_a_threshold_that_is_not_a_probability(bad):
+    with pytest.raises(ValueError, match="threshold"):
+        StopRule(bad, Calibration())
+
+
+@pytest.mark.parametrize("bins, prior", [(0, 4.0), (10, 0.0), (True, 4.0), (10, math.inf)])
+def test_a_calibration_refuses_absurd_sizes(bins, prior):
+    with pytest.raises(ValueError, match="Calibration"):
+        Calibration(bins, prior)
+
+
+class Ruled(FixedLength):
+    """FixedLength(k) plus a stop rule: rows stop where their survival under `calibration` drops below `threshold`."""
+
+    def __init__(self, k, threshold, calibration=None):
+        super().__init__(k)
+        self.rule = StopRule(threshold, calibration or Calibration())
+        self.records = []
+
+    def choose(self, info: StepInfo):
+        return Plan(super().choose(info), stop=self.rule)
+
+    def observe(self, record):
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_rows_stop_at_their_own_depth_and_the_output_is_the_targets(sampling):
+    target, draft = cached_model("llama"), cached_model("llama", seed=1)
+    ids, mask = ragged_batch(4, seed=3)
+    policy = Ruled(6, 0.003)      # a random tiny draft is unsure of itself: survivals of 0.1-0.3 per token
+    kwargs = dict(do_sample=sampling, max_new_tokens=20, pad_token_id=PAD, eos_token_id=None)
+    torch.manual_seed(0)
+    out = target.generate(input_ids=ids, attention_mask=mask, custom_generate=spec_adapt.generate, drafter=draft,
+                          assistant_policy=policy, **kwargs)
+    if not sampling:
+        assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=20))
+    ragged = [r for r in policy.records if max(r.gammas) == 6 and len(set(r.drafted)) > 1 and 0 < min(r.drafted)]
+    assert ragged, "no step where rows that asked for the same width drafted different depths"
+    assert all(r.confidence is not None and r.confidence.shape[1] == max(r.drafted) for r in policy.records
+               if max(r.drafted))
+
+
+def test_the_default_policy_with_the_rule_plans_its_threshold_from_the_cost_model_and_learns():
+    target, draft = cached_model("llama"), cached_model("llama", seed=1)
+    ids, mask = ragged_batch(3, seed=4)
+    policy = Adaptive(stop_rule=True)
+    plans = []
+    choose = policy.choose
+
+    def spy(info):
+        plan = choose(info)
+        plans.append((plan, dict(policy._pending)))
+        return plan
+
+    policy.choose = spy
+    for _ in range(3):
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
+                              eos_token_id=None, custom_generate=spec_adapt.generate, drafter=draft,
+                              assistant_policy=policy)
+        assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=24))
+    ruled = [plan for plan, pending in plans if isinstance(plan, Plan) and plan.stop is not None]
+    assert ruled and all(pending["width"] > 0 for plan, pending in plans if isinstance(plan, Plan))
+    assert all(0 <= plan.stop.threshold <= 1 for plan in ruled)
+    assert float(policy.calibration.reached.sum()) > Calibration().reached.sum()    # it learned from the steps
