@@ -251,7 +251,7 @@ class Adaptive(Policy):
     def _stopping(self, gammas, values, batch: int):
         """With stop_rule, a chain plan of width s > 0 carries where rows stop within it: one more draft token of a
         row pays when its survival beats G(s) x dT / B, the tokens per row the step's marginal time dT = T(B, s) -
-        T(B, s - 1) commits at the predicted goodput G(s) (docs/policies.md, rule 11)."""
+        T(B, s - 1) commits at the predicted goodput G(s) (docs/policies.md, rule 10)."""
         width = self._pending["width"]
         if not self.stop_rule or width == 0 or isinstance(gammas, Plan):
             return gammas
