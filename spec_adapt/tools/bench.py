@@ -242,6 +242,7 @@ def parse_policy(name: str, latency=None):
     presets = {
         "adaptive": lambda: Adaptive(latency=latency),
         "adaptive-tree": lambda: Adaptive(latency=latency, trees=True),
+        "adaptive-stop": lambda: Adaptive(latency=latency, stop_rule=True),
         "nightjar": lambda: Nightjar(max_gamma=8, latency=latency),
         "nightjar-local": lambda: Nightjar(max_gamma=8, latency=latency, exploration="local"),
         "ucb": lambda: BanditSpecUCB(max_gamma=8),
