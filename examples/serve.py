@@ -10,8 +10,9 @@ from spec_adapt.tools.models import load_model
 from spec_adapt.serving.engine import Engine
 
 model, tok = load_model("smollm2-135m")
+# step_timeout: a step whose drafter calls take over 2 s goes on without the drafter instead of holding every request
 engine = Engine(model, drafter=PromptLookupDrafter(3, 1), assistant_policy=Adaptive(), max_batch=4, max_new_tokens=32,
-                tokenizer=tok, timeline=True).start()         # a background thread runs the steps
+                tokenizer=tok, timeline=True, step_timeout=2.0).start()   # a background thread runs the steps
 try:
     first = engine.submit("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
     time.sleep(0.5)                                           # the others arrive while the first is generating

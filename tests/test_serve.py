@@ -84,10 +84,12 @@ DRAFTERS = {
 
 @settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10_000), drafter=st.sampled_from(sorted(DRAFTERS)),
-       policy=st.sampled_from(["fixed", "adaptive", "nightjar", "spares"]), max_batch=st.integers(1, 5))
-@example(seed=7, drafter="short-head", policy="fixed", max_batch=3)      # always run: rows join mid-batch
-@example(seed=7, drafter="cross", policy="adaptive", max_batch=3)
-def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch):
+       policy=st.sampled_from(["fixed", "adaptive", "nightjar", "spares"]), max_batch=st.integers(1, 5),
+       step_timeout=st.sampled_from([None, 60.0]))
+@example(seed=7, drafter="short-head", policy="fixed", max_batch=3, step_timeout=None)   # always run: rows join
+@example(seed=7, drafter="cross", policy="adaptive", max_batch=3, step_timeout=None)     # mid-batch
+@example(seed=7, drafter="model", policy="adaptive", max_batch=3, step_timeout=60.0)     # drafts in its own thread
+def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch, step_timeout):
     rng = random.Random(seed)
     n = rng.randrange(2, 8)
     prompts = random_prompts(rng, n)
@@ -100,7 +102,8 @@ def test_every_request_matches_stock_alone(seed, drafter, policy, max_batch):
         made = DRAFTERS[drafter]()
     chooser = {"fixed": FixedLength(rng.randrange(1, 6)), "adaptive": Adaptive(), "nightjar": Nightjar(),
                "spares": SpareRows(rng.randrange(1, 6))}[policy]
-    engine = Engine(MODEL, drafter=made, assistant_policy=chooser, max_batch=max_batch, eos_token_id=EOS, pad_token_id=PAD)
+    engine = Engine(MODEL, drafter=made, assistant_policy=chooser, max_batch=max_batch, eos_token_id=EOS, pad_token_id=PAD,
+                    step_timeout=step_timeout)
     handles = drive(engine, prompts, budgets, arrivals)
     assert engine.fallback is None
     for prompt, budget, handle in zip(prompts, budgets, handles):

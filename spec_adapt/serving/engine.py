@@ -14,6 +14,11 @@ One engine iteration:
 3. one speculative step, exactly `SpeculativeLoop.step` (choose, propose, verify, accept, commit, observe, retire);
 4. delivery: new tokens go to each request's handle; finished rows complete their handle.
 
+A step deadline (`Engine(step_timeout=s)`): the drafter's calls of one iteration run in a thread of their own and
+get s seconds together; a call that overruns them is abandoned and the drafter dropped, as after a failure
+(`ServingLoop._guard`), so no request waits on it. The target's forwards have no deadline: Python cannot interrupt
+them, and `stop(timeout=...)` returns on time regardless.
+
 The loop's step never sees admission: the phases read the active rows, whatever their number. A row's number (its
 slot) is its request's for the request's life; drafters and policies key per-row state by it, and a later request
 may reuse it.
@@ -27,6 +32,7 @@ deterministic drive (`step()` with a fixed submission schedule), not for wall-cl
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 import queue
 import threading
@@ -134,7 +140,7 @@ class ServingLoop(SpeculativeLoop):
     closed = False    # requests join as others leave: a step is worth the tokens it commits (throughput)
 
     def __init__(self, model, *, drafter, policy, processor, sampling, eos, pad_id, max_length, acceptor,
-                 verifier):
+                 verifier, step_timeout: float | None = None):
         self._hold(model, drafter=drafter, policy=policy, processor=processor, sampling=sampling, acceptor=acceptor,
                    verifier=verifier, stats=SpecStats())
         self.stopper = Stopper([], max_length, self.device)
@@ -153,6 +159,13 @@ class ServingLoop(SpeculativeLoop):
         # After a drafter fails: steps to wait before restarting it (doubling while it keeps failing soon after a
         # restart) and the steps it has run since its last (re)start.
         self.restarts, self.healthy = ProbeBackoff(16, 1024), 1 << 30
+        # step_timeout: the seconds the drafter's calls of one engine step may take together (`draft_time` counts
+        # them; the engine zeroes it at each step). The calls then run in a thread of their own, so that the engine
+        # can stop waiting for one; `late` is the thread left running a call it stopped waiting for, or the
+        # drafter's end after a drop, and the drafter restarts only once that thread is idle.
+        self.step_timeout, self.draft_time = step_timeout, 0.0
+        self.calls = _DrafterThread() if step_timeout is not None else None
+        self.late: _DrafterThread | None = None
 
     def admit(self, prompts: list[torch.Tensor], budgets: list[int]) -> torch.Tensor:
         """Prefill `prompts` (1-D token tensors) together, commit their first token and append their rows to the
@@ -224,7 +237,30 @@ class ServingLoop(SpeculativeLoop):
         if self.drafter is not None:
             self.healthy += 1
 
+    def _guard(self, what, fn, *args):
+        """The loop's guard; under a step deadline the call runs in the drafter's thread and is waited for up to what
+        is left of the step's draft budget. A call that overruns it runs on there, its result unread, and the
+        drafter is dropped as after a failure."""
+        if self.calls is None:
+            return super()._guard(what, fn, *args)
+        began = time.perf_counter()
+        call = self.calls.submit(fn, args)
+        done = call.done.wait(max(self.step_timeout - self.draft_time, 0.0))
+        self.draft_time += time.perf_counter() - began
+        if not done:
+            self._drop_drafter(f"draft {what} overran the step deadline (step_timeout={self.step_timeout:g} s of "
+                               "drafter calls per step)")
+            return None
+        if call.error is not None:
+            return super()._guard(what, _reraise, call.error)
+        return call.result
+
     def _drop_drafter(self, why: str) -> None:
+        if self.calls is not None and self.drafter is not None:
+            # The drafter's thread may still be inside the call the engine stopped waiting for: the drafter's end
+            # runs there after it, never beside it, and later calls go to a new thread.
+            self.late, self.calls = self.calls, _DrafterThread()
+            self.drafter = _EndAfter(self.drafter, self.late)
         super()._drop_drafter(why)
         self.restarts.result(won=self.healthy >= self.restarts.max_gap)   # back off, longer if it failed soon again
         self.healthy = 0
@@ -237,18 +273,27 @@ class ServingLoop(SpeculativeLoop):
         self.restarts.wait()
         if not self.restarts.due():
             return
+        if self.late is not None:
+            if not self.late.idle():      # a call the drafter was dropped in still runs: one call at a time
+                return
+            self.late = None
         rows = self.rows
         width = int(self.lengths[rows].max())
         ids = self.buffer[rows, :width]
         mask = (torch.arange(width, device=self.device)[None, :] >= self.pads[rows, None]).long()
         self.drafter = self.given_drafter
-        if self._guard("restart", self._begin_drafter, ids, mask, rows.tolist()):
+        if self._guard("restart", self._begin_drafter, self.drafter, ids, mask, rows.tolist()):
             self.stats.restarts += 1
 
-    def _begin_drafter(self, ids, mask, rows) -> bool:
-        self.drafter.begin(ids[:0], mask[:0])
-        self.drafter.add_rows(ids, mask, rows)
+    @staticmethod
+    def _begin_drafter(drafter, ids, mask, rows) -> bool:
+        drafter.begin(ids[:0], mask[:0])
+        drafter.add_rows(ids, mask, rows)
         return True
+
+    def drafter_idle(self) -> bool:
+        """Whether no drafter call runs on after the engine stopped waiting for it (nor the end that follows it)."""
+        return self.late is None or self.late.idle()
 
     def reset_rows(self) -> None:
         """Forget every running row after a failure that left the batch's state unknown: the next admission starts a
@@ -272,7 +317,8 @@ class Engine:
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id="model", pad_token_id: int | None = None,
                  verifier=None, acceptor: Acceptor | None = None, tokenizer=None, seed: int | None = None,
-                 memory=None, timeline: bool = False):
+                 memory=None, timeline: bool = False, step_timeout: float | None = None):
+        step_timeout = _check_step_timeout(step_timeout)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}.")
         if ranks_of(model).sharded:
@@ -300,7 +346,7 @@ class Engine:
             model, drafter=drafter, policy=policy, processor=ScoreProcessor(_warpers(do_sample, temperature, top_k,
                                                                                      top_p)),
             sampling=do_sample, eos=torch.tensor(eos, device=model.device) if eos else None, pad_id=int(pad),
-            max_length=1 << 30, acceptor=acceptor or Acceptor(), verifier=verifier)
+            max_length=1 << 30, acceptor=acceptor or Acceptor(), verifier=verifier, step_timeout=step_timeout)
         self.waiting: list[Handle] = []
         self.running: dict[int, Handle] = {}        # user row -> handle
         self.delivered: dict[int, int] = {}         # user row -> buffer length already delivered
@@ -387,9 +433,11 @@ class Engine:
         handles; the engine's ledgers are back where they were accounted, and it goes on serving."""
         self._last_step = time.perf_counter()
         self._stepping += 1
+        self.loop.draft_time = 0.0          # each step's drafter calls get the whole step_timeout
         try:
             return self._step()
         finally:
+            self.loop.draft_time = 0.0      # and a call between steps (a stop failing the rows) gets it too
             self._stepping -= 1
             self._last_step = time.perf_counter()
 
@@ -545,6 +593,85 @@ class Engine:
         return self.loop.stats.fallback
 
 
+class _Call:
+    """One drafter call for the drafter's thread: run under the grad and inference modes (thread-local) of the thread
+    that made it; its result or error, once `done` is set."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self.inference, self.grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+        self.done = threading.Event()
+        self.result, self.error = None, None
+
+    def run(self) -> None:
+        try:
+            with torch.set_grad_enabled(self.grad), torch.inference_mode(self.inference):
+                self.result = self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine's thread, which decides
+            self.error = exc
+        finally:
+            self.fn = self.args = None
+            self.done.set()
+
+
+class _DrafterThread:
+    """Runs drafter calls one at a time, in order, in a daemon thread, so that the engine can stop waiting for one
+    (which then runs on, and whatever was queued after it). The thread ends after a few idle seconds and starts
+    again with the next call, so an engine that is dropped leaves none behind."""
+
+    idle_seconds = 5.0
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pending = 0                           # calls queued or running
+
+    def submit(self, fn, args=()) -> _Call:
+        call = _Call(fn, args)
+        with self._lock:
+            self._pending += 1
+            self._calls.put(call)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="spec_adapt-drafter", daemon=True)
+                self._thread.start()
+        return call
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._pending == 0
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                call = self._calls.get(timeout=self.idle_seconds)
+            except queue.Empty:
+                with self._lock:             # a call submitted meanwhile is served by this thread, not lost
+                    if self._pending == 0:
+                        self._thread = None
+                        return
+                continue
+            call.run()
+            del call
+            with self._lock:
+                self._pending -= 1
+
+
+class _EndAfter:
+    """A dropped drafter as the loop's drop sees it: its `end` is queued in the drafter's thread, after whatever call
+    still runs there, and not waited for."""
+
+    def __init__(self, drafter, thread: _DrafterThread):
+        self.drafter, self.thread = drafter, thread
+
+    def end(self, *args) -> None:
+        self.thread.submit(self.drafter.end, args)
+
+
+def _reraise(error: BaseException):
+    raise error
+
+
 def _check_budget(n) -> int:
     """A positive whole number of tokens: a Python, NumPy or 0-d torch integer."""
     if torch.is_tensor(n) and n.dim() == 0 and not n.dtype.is_floating_point and n.dtype != torch.bool:
@@ -552,6 +679,16 @@ def _check_budget(n) -> int:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {n!r}.")
     return int(n)
+
+
+def _check_step_timeout(seconds) -> float | None:
+    """None, or a positive, finite number of seconds (a Python or NumPy real; a bool is no duration)."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) \
+            or seconds <= 0:
+        raise ValueError(f"step_timeout must be None or a positive, finite number of seconds, got {seconds!r}.")
+    return float(seconds)
 
 
 def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:

@@ -78,9 +78,10 @@ class MemoryBudget:
 
     def admissible(self, handles) -> int:
         """How many of `handles` (in order) fit next to the running requests. With nothing running no step would
-        ever offload the draft, so a head that fits only without it takes the draft out here."""
+        ever offload the draft, so a head that fits only without it takes the draft out here (not while a drafter
+        call the engine stopped waiting for still runs: the head then waits until it has returned)."""
         if handles and not self.engine.running and self.draft_resident and isinstance(self.draft, DraftOffload) \
-                and self._count(handles[:1]) == 0:
+                and self._count(handles[:1]) == 0 and self.engine.loop.drafter_idle():
             self.draft.offload()
         return self._count(handles)
 
