@@ -368,7 +368,7 @@ def enable(model, assistant_policy: Policy | None = None):
         if draft is None and kwargs.get("drafter") is None and assistant_policy is None and not _stock_drafts(
                 model, kwargs):
             return stock(*args, **kwargs)
-        kwargs.setdefault("drafter", _with_tokenizers(draft, kwargs))
+        kwargs.setdefault("drafter", _with_prompt_inputs(_with_tokenizers(draft, kwargs), kwargs))
         kwargs = _stop_strings_as_criteria(model, kwargs)
         streamer = kwargs.pop("streamer", None)
         return stock(
@@ -391,6 +391,22 @@ def _with_tokenizers(draft, kwargs: dict):
         raise ValueError("A draft with its own tokenizer needs the target's too: pass tokenizer= with "
                          "assistant_tokenizer=.")
     return CrossTokenizerDrafter(draft, draft_tokenizer, kwargs["tokenizer"])
+
+
+# Inputs of a call that are not a draft's images or features, whatever its forward names.
+_NOT_PROMPT_INPUTS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "use_cache",
+                      *compat.CACHE_INPUTS}
+
+
+def _with_prompt_inputs(draft, kwargs: dict):
+    """A multimodal draft model gets the call's inputs its forward names (pixel values, image grids, ...) with the
+    prompt: generate encodes them for the target only, so they are handed on here, where the call still has them."""
+    if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "get_output_embeddings"):
+        return draft
+    names = inspect.signature(draft.forward).parameters
+    shared = {k: v for k, v in kwargs.items() if k in names and k not in _NOT_PROMPT_INPUTS and v is not None
+              and (torch.is_tensor(v) or isinstance(v, dict))}
+    return ModelDrafter(draft, prompt_inputs=shared) if shared else draft
 
 
 def _stop_strings_as_criteria(model, kwargs: dict) -> dict:

@@ -278,7 +278,9 @@ class KVLedger:
             raise RuntimeError("KVLedger: a tree is pending; call keep_tree before a forward of committed tokens")
         new, slots = self._append(tokens.shape[1], n_valid)
         keep = columns.to(self.device) if columns is not None else tokens.shape[1]
-        logits = self._run(tokens.to(self.device), slots, keep=keep, new=new)
+        # A ledger that caches nothing yet reads its prompt now: a first forward (a draft's images go with it).
+        first = self.physical_length == 0 and self.inputs is not None
+        logits = self._run(tokens.to(self.device), slots, keep=keep, new=new, first=first)
         self.slots = slots
         self.n_cached = self.n_cached + n_valid
         return logits

@@ -265,3 +265,26 @@ def test_an_encoder_decoder_draft_model_is_refused_with_the_alternatives():
 def test_a_verifier_that_stops_mid_forward_is_refused_at_entry(name):
     with pytest.raises(ValueError, match="FullVerifier"):
         run(name, 2, PromptLookupDrafter(2, 1), FixedLength(2), verifier=spec_adapt.EarlyExitVerifier(top_k=2))
+
+
+def test_a_multimodal_draft_reads_the_images_with_its_prompt():
+    """The target itself as its own draft accepts every draft when it sees the images too (`prompt_inputs`, which
+    `enable` fills from the call); without them it drafts from the tokens alone and misses."""
+    from spec_adapt.drafters import ModelDrafter
+
+    model, inputs = mm.model("llava"), mm.batch_inputs("llava", 3, seed=4)
+    common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD, eos_token_id=None)
+    reference = model.generate(**inputs, **common)
+    seeing = ModelDrafter(model, prompt_inputs={"pixel_values": inputs["pixel_values"]})
+    for drafter, all_accepted in ((seeing, True), (model, False)):
+        stats = spec_adapt.SpecStats()
+        out = model.generate(**inputs, **common, custom_generate=spec_adapt.generate, drafter=drafter,
+                             assistant_policy=FixedLength(3), spec_stats=stats)
+        assert torch.equal(out, reference)
+        assert (stats.accepted == stats.drafted > 0) == all_accepted
+    spec_adapt.enable(model)
+    try:
+        out = model.generate(**inputs, **common, assistant_model=model)
+        assert torch.equal(out, reference) and spec_adapt.last_stats().accepted == spec_adapt.last_stats().drafted
+    finally:
+        spec_adapt.disable(model)

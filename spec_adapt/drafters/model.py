@@ -31,7 +31,7 @@ class ModelDrafter(Drafter):
     trees = True
 
     def __init__(self, model, confidence_threshold: float | None = None, head_tokens: int | None = None,
-                 branch: int = 4):
+                 branch: int = 4, prompt_inputs: dict | None = None):
         """`confidence_threshold`: Elastic Speculation's early exit. A row stops drafting once the draft's top
         probability (after the logits processors) falls below it; its remaining draft slots are holes that write
         no KV. None = always draft the full length.
@@ -41,7 +41,15 @@ class ModelDrafter(Drafter):
         (the target verifies with its full head); cheaper per draft token. None = the whole vocabulary.
 
         `branch`: under a tree plan (FixedTree, or a policy whose plan has a depth), each depth expands the `branch`
-        most likely nodes and gives each its `branch` most likely children (spec_adapt.drafters.model_tree)."""
+        most likely nodes and gives each its `branch` most likely children (spec_adapt.drafters.model_tree).
+
+        `prompt_inputs`: what a multimodal draft takes with the prompt besides its tokens (`pixel_values`,
+        `image_grid_thw`, ..., for the batch the call generates): the draft then reads the prompt at the start of
+        the call, with them, as its own `prepare_inputs_for_generation` says (after `enable`, the inputs a call
+        passes that the draft's forward names are handed on this way)."""
+        if prompt_inputs is not None and not isinstance(prompt_inputs, dict):
+            raise TypeError(f"prompt_inputs must be a dict of the draft's inputs, got {type(prompt_inputs).__name__}.")
+        self.prompt_inputs = prompt_inputs or {}
         if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
             raise ValueError(f"branch must be an int >= 1, got {branch!r}.")
         self.branch = branch
@@ -98,6 +106,15 @@ class ModelDrafter(Drafter):
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
         self.ledger.use_inputs(ModelInputs.shared_encoder(self.runner, self.target_inputs))
         self.calib = torch.ones(len(input_ids), 2, device=self.ledger.device)
+        if self.prompt_inputs:    # a multimodal draft reads its prompt now, with the images of exactly these rows
+            self._read_prompt(input_ids.to(self.ledger.device), attention_mask)
+
+    def _read_prompt(self, input_ids, attention_mask) -> None:
+        ledger = self.ledger
+        mask = attention_mask.to(ledger.device) if attention_mask is not None else None
+        inputs = {k: v.to(ledger.device) if torch.is_tensor(v) else v for k, v in self.prompt_inputs.items()}
+        ledger.use_inputs(ModelInputs.of_call(self.runner, input_ids, mask, ledger.cache, inputs, None))
+        _forward_pending(ledger, input_ids, input_ids.shape[1] - ledger.pad)
 
     def share_inputs(self, inputs):
         self.target_inputs = inputs
