@@ -24,7 +24,7 @@ from tqdm import tqdm
 from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
 
 import spec_adapt
-from spec_adapt import PromptLookupDrafter
+from spec_adapt import FixedLength, PromptLookupDrafter
 from spec_adapt.tools.cli import cpu_name
 
 # whisper-tiny's configuration (openai/whisper-tiny): 4 encoder and 4 decoder layers, d_model 384, 6 heads.
@@ -65,6 +65,9 @@ def configurations(target, draft, new_tokens):
         "stock prompt lookup": (1, dict(common, prompt_lookup_num_tokens=3)),
         "spec_adapt Adaptive (draft)": (1, dict(spec, drafter=draft)),
         "spec_adapt Adaptive (lookup)": (1, dict(spec, drafter=PromptLookupDrafter())),
+        "spec_adapt FixedLength(3) (draft)": (1, dict(spec, drafter=draft, assistant_policy=FixedLength(3))),
+        "spec_adapt FixedLength(3) (lookup)": (1, dict(spec, drafter=PromptLookupDrafter(),
+                                                       assistant_policy=FixedLength(3))),
         "stock generate, batch 4": (4, dict(common)),
         "spec_adapt Adaptive (draft), batch 4": (4, dict(spec, drafter=draft)),
     }

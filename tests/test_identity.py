@@ -336,6 +336,9 @@ def test_prompt_lookup_worked_example():
     assert lookup_continuation(torch.tensor([1, 2, 3]), 3, 2, 1).tolist() == []
     # The most recent match wins: [7] occurs at 0 and 2; the one at 2 is followed by 6.
     assert lookup_continuation(torch.tensor([7, 5, 7, 6, 7]), 2, 1, 1).tolist() == [6, 7]
+    # A copy that reaches the end goes on with what it copied: a run continues as a run, a cycle as a cycle.
+    assert lookup_continuation(torch.tensor([4, 9, 9, 9, 9]), 3, 3, 1).tolist() == [9, 9, 9]
+    assert lookup_continuation(torch.tensor([7, 1, 2, 1, 2]), 3, 2, 1).tolist() == [1, 2, 1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -3,7 +3,9 @@ n tokens (n-gram match in the prompt and everything generated so far).
 
 Worked example, max_ngram = 2: context [5 8 3 9 4 5 8], last 2 tokens [5 8] occurred at 0..1, followed by
 [3 9 4 ...] -> propose [3 9 4] for gamma = 3. With no 2-gram match it tries the last token alone, then gives up
-(proposes nothing for that row: the row takes a plain step).
+(proposes nothing for that row: the row takes a plain step). A copy that reaches the end of the context goes on
+with what it copied: [7 1 2 1 2] matches [1 2] at 1..2, followed by [1 2] and then the copy's own [1 2 ...]:
+propose [1 2 1] for gamma = 3.
 
 Under a tree plan every distinct continuation found becomes a branch (most recent match of the longest n-gram
 first, then older matches, then shorter n-grams), merged into a tree within the plan's node budget."""
@@ -31,12 +33,23 @@ def lookup_branches(context: torch.Tensor, depth: int, max_ngram: int, min_ngram
         windows = context[: length - 1].unfold(0, n, 1)             # [L-n, n]: every earlier n-gram
         hits = (windows == suffix).all(dim=1).nonzero().squeeze(1)
         for start in reversed((hits[hits + n < length] + n).tolist()):   # followed by something, most recent first
-            branch = context[start : start + depth].tolist()
+            branch = _copy_on(context, start, depth)
             if branch not in found:
                 found.append(branch)
                 if len(found) >= most:
                     return found
     return found
+
+
+def _copy_on(context: torch.Tensor, start: int, depth: int) -> list[int]:
+    """`depth` tokens copied from `start` on. A copy that reaches the context's end goes on with what it copied (the
+    text from `start` repeats the end, so it repeats what follows too): a run "x x x x" continues "x x x", not
+    one token."""
+    tokens = context[start : start + depth].tolist()
+    period = context.shape[0] - start
+    while len(tokens) < depth:
+        tokens.append(tokens[len(tokens) - period])
+    return tokens
 
 
 class PromptLookupDrafter(Drafter):
