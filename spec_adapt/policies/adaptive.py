@@ -296,7 +296,7 @@ class Adaptive(Policy):
         widest = max(record.drafted, default=0)
         if self.calibration is not None and record.confidence is not None:
             self.calibration.update(record.confidence, record.drafted, record.accepted)
-        self._count(record, ruled=pending["stop"])
+        self._count(record, ruled=pending.get("stop", False))
         seconds = record.step_time
         if pending["lag"] > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
             extra = max(0.0, seconds - self.step_time(batch, width, burst))
