@@ -19,6 +19,7 @@ from .drafters.early_exit import early_exit_model
 from .drafters.lookup import PromptLookupDrafter
 from .drafters.model import ModelDrafter
 from .acceptor import Acceptor
+from .inputs import LEDGER_INPUTS, encoder_decoder
 from .ledger import check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
@@ -104,7 +105,7 @@ def generate(
             spec_streamer=spec_streamer, acceptor=acceptor, verifier=verifier, strict=strict, **model_kwargs,
         )
     _check_generation_config(generation_config, synced_gpus)
-    decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    decoder = encoder_decoder(model)
     # An encoder-decoder model generates its decoder's tokens: its attention_mask is the encoder's, an input.
     attention_mask = model_kwargs.pop("decoder_attention_mask" if decoder else "attention_mask", None)
     cache = compat.pop_cache(model_kwargs)
@@ -394,8 +395,7 @@ def _with_tokenizers(draft, kwargs: dict):
 
 
 # Inputs of a call that are not a draft's images or features, whatever its forward names.
-_NOT_PROMPT_INPUTS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "use_cache",
-                      *compat.CACHE_INPUTS}
+_NOT_PROMPT_INPUTS = LEDGER_INPUTS | {"attention_mask", "decoder_attention_mask", "labels"}
 
 
 def _with_prompt_inputs(draft, kwargs: dict):

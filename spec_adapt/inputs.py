@@ -28,9 +28,20 @@ from . import compat
 
 # Inputs as long as the sequence and what a generated token gets: None = the last prompt value, an int = that value.
 _PER_TOKEN = {"token_type_ids": None, "mm_token_type_ids": 0, "moe_mm_token_type_ids": 0}
-# What the ledger supplies itself, whatever prepare_inputs_for_generation says.
-_OWN = {"input_ids", "decoder_input_ids", "position_ids", "decoder_position_ids", "use_cache", "logits_to_keep",
-        "cache_position", "inputs_embeds", "decoder_inputs_embeds", *compat.CACHE_INPUTS}
+# What the ledger supplies itself, whatever prepare_inputs_for_generation says (the masks besides: see `mask_key`).
+LEDGER_INPUTS = frozenset({"input_ids", "decoder_input_ids", "position_ids", "decoder_position_ids", "use_cache",
+                           "logits_to_keep", "cache_position", "inputs_embeds", "decoder_inputs_embeds",
+                           *compat.CACHE_INPUTS})
+
+
+def encoder_decoder(model) -> bool:
+    """Whether `model` generates its decoder's tokens from an encoder's outputs (T5, BART, Whisper, ...)."""
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def _keys(model) -> tuple[str, str]:
+    """The names the ledger's tokens and mask go under for `model`."""
+    return ("decoder_input_ids", "decoder_attention_mask") if encoder_decoder(model) else ("input_ids", "attention_mask")
 
 
 class ModelInputs:
@@ -40,9 +51,7 @@ class ModelInputs:
     `decoder_attention_mask` for an encoder-decoder model)."""
 
     def __init__(self, model, first: dict, later: dict, positions, per_token: dict, prompt_length: int):
-        decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-        self.tokens_key = "decoder_input_ids" if decoder else "input_ids"
-        self.mask_key = "decoder_attention_mask" if decoder else "attention_mask"
+        self.tokens_key, self.mask_key = _keys(model)
         self.first, self.later = first, later
         self.positions = positions          # [..., B, L] prepared position ids, or None (the ledger's own)
         self.per_token = per_token          # {name: (table [B, L], value after the prompt or None = last)}
@@ -53,11 +62,11 @@ class ModelInputs:
     def of_call(cls, model, input_ids, attention_mask, cache, extras: dict, positions) -> "ModelInputs | None":
         """The call's inputs, or None for a decoder that takes nothing but tokens, mask and cache (the ledger's own
         inputs then, unchanged). `extras`: what generate prepared besides those; `positions`: its position ids."""
-        decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        decoder = encoder_decoder(model)
         extras = {name: value for name, value in extras.items() if value is not None}
         if not extras and not decoder:
             return None
-        mask_key = "decoder_attention_mask" if decoder else "attention_mask"
+        mask_key = _keys(model)[1]
         asked = dict(extras, use_cache=True, **{mask_key: attention_mask})
         if positions is not None:
             asked["decoder_position_ids" if decoder else "position_ids"] = positions
@@ -66,7 +75,7 @@ class ModelInputs:
         per_token = {name: (extras[name], fill) for name, fill in _PER_TOKEN.items()
                      if torch.is_tensor(extras.get(name))}
         keep = lambda found: {k: v for k, v in found.items()        # noqa: E731
-                              if k not in _OWN and k != mask_key and v is not None}
+                              if k not in LEDGER_INPUTS and k != mask_key and v is not None}
         if positions is not None and positions.shape[-1] != input_ids.shape[1]:
             raise ValueError(f"position_ids cover {positions.shape[-1]} tokens but input_ids has {input_ids.shape[1]}.")
         return cls(model, keep(first), keep(later), positions, per_token, input_ids.shape[1])

@@ -38,6 +38,7 @@ import weakref
 import torch
 from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
                      EncoderDecoderCache, attn_implementation, layer_types, takes_4d_mask, with_cache)
+from .inputs import encoder_decoder
 
 
 class UnsupportedCacheError(ValueError):
@@ -83,7 +84,7 @@ def positions_from_cache(model) -> str | None:
     known = _POSITIONS.get(model, False)
     if known is not False:
         return known
-    if getattr(model.config, "is_encoder_decoder", False):
+    if encoder_decoder(model):
         reason = (f"{type(model).__name__} is an encoder-decoder model, whose decoder stock runs without position ids "
                   "(it numbers tokens by cache column)")
     elif not takes_positions(model):
@@ -136,7 +137,7 @@ def sliding_windows(model) -> dict[str, int | None] | None:
 def new_cache(model, windows) -> DynamicCache | EncoderDecoderCache:
     """The ledger's cache: transformers' own for full attention, plain full layers under sliding windows; an
     encoder-decoder model's pairs the decoder's self-attention cache with its cross-attention cache."""
-    if getattr(model.config, "is_encoder_decoder", False):
+    if encoder_decoder(model):
         return EncoderDecoderCache(DynamicCache(), DynamicCache())
     return DynamicCache() if windows else DynamicCache(config=model.config)
 
@@ -211,11 +212,12 @@ class KVLedger:
         self.n_cached: torch.Tensor | None = None  # [B] long, buffer tokens whose KV is cached (a prefix)
         self.spare = 0                             # cache rows after the B live ones, kept only for the batch shape
         self.tree: tuple | None = None   # pending tree region: (first column, parents [B, T], in use [B, T])
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self._keeps_logits = "logits_to_keep" in parameters
         self._takes_positions = takes_positions(model)
         # MoE models configured to return router logits compute an auxiliary training loss from them, which fails on a
         # padded batch: generation needs neither.
-        self._no_router_logits = "output_router_logits" in inspect.signature(model.forward).parameters
+        self._no_router_logits = "output_router_logits" in parameters
         # Lockstep (a model numbering tokens by cache column, see positions_from_cache): the owner commits the same
         # count in every row, so no hole opens before a row's tokens, and nothing is compacted (that moves columns).
         self.lockstep = False

@@ -311,7 +311,7 @@ class SpeculativeLoop:
             batch_size=len(self.rows), rows=self.rows.tolist(), gammas=plan.gammas.tolist(),
             drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
             step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
-            held=self.target.held_rows, confidence=None if proposal.confidence is None else proposal.confidence.cpu(),
+            held=self.target.held_rows, confidence=proposal.confidence,
         )
         self.stats.record(record)
         if plan.asked:

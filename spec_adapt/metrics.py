@@ -25,7 +25,8 @@ class StepRecord:
     verify_time: float
     telemetry: dict | None = None   # the drafter's own measurements this step (Proposal.telemetry), e.g. a chain's
     held: int | None = None         # rows the target's forward ran: the active rows and spare rows (None: batch_size)
-    confidence: object = None       # [B, S] tensor (CPU): the draft's probability of each drafted token, or None
+    confidence: object = None       # [B, S] tensor (the target's device): the draft's probability of each drafted
+                                    # token, or None; copied to the host only by a policy that reads it
 
 
 @dataclass

@@ -101,12 +101,17 @@ def build_gemma3():
     return model
 
 
+def _idefics_like(family: str):
+    """Idefics3 and SmolVLM share a shape: a 16x16 image of 4x4 patches, pixel-shuffled by 2 into 4 tokens."""
+    vision = getattr(tf, f"{family}VisionConfig")(image_size=16, patch_size=4, **VISION)
+    config = getattr(tf, f"{family}Config")(text_config=tf.LlamaConfig(**LLAMA), vision_config=vision,
+                                            image_token_id=IMAGE, scale_factor=2, tie_word_embeddings=False)
+    return getattr(tf, f"{family}ForConditionalGeneration")(config)
+
+
 @_tiny()
 def build_idefics3():
-    config = tf.Idefics3Config(text_config=tf.LlamaConfig(**LLAMA),
-                               vision_config=tf.Idefics3VisionConfig(image_size=16, patch_size=4, **VISION),
-                               image_token_id=IMAGE, scale_factor=2, tie_word_embeddings=False)
-    return tf.Idefics3ForConditionalGeneration(config)
+    return _idefics_like("Idefics3")
 
 
 @_tiny()
@@ -149,10 +154,7 @@ def build_llava_next():
 
 @_tiny()
 def build_smolvlm():
-    config = tf.SmolVLMConfig(text_config=tf.LlamaConfig(**LLAMA),
-                              vision_config=tf.SmolVLMVisionConfig(image_size=16, patch_size=4, **VISION),
-                              image_token_id=IMAGE, scale_factor=2, tie_word_embeddings=False)
-    return tf.SmolVLMForConditionalGeneration(config)
+    return _idefics_like("SmolVLM")
 
 
 @_tiny()

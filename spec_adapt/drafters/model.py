@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..estimators import ema
-from ..inputs import ModelInputs
+from ..inputs import ModelInputs, encoder_decoder
 from ..ledger import KVLedger
 from .base import Drafter, DraftRequest, Proposal, left_padding
 from .head import ShortHead, check_short_head
@@ -69,7 +69,7 @@ class ModelDrafter(Drafter):
         self.kv_writes = 0          # draft tokens whose KV was written (all calls), to measure early exit
 
     def validate(self, target) -> None:
-        if getattr(self.model.config, "is_encoder_decoder", False):
+        if encoder_decoder(self.model):
             raise ValueError(
                 f"The draft {type(self.model).__name__} is an encoder-decoder model: it would need its own encoder's "
                 "inputs, which generate does not hand on. Draft with a decoder that attends to the target's encoder "
