@@ -9,8 +9,13 @@ one-token step, where reading the weights once would cost about the same.
 
 What prepare does (CPU): each `torch.nn.Linear` gets its weight reordered once into oneDNN's blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`) and its forward calls oneDNN with it (`torch.ops.mkldnn._linear_pointwise`),
-the same two operations Inductor's CPU weight prepacking emits. The original weight stays where it was (a tied
-embedding, a LoRA or `state_dict` still read it), so a prepared model holds its linear weights twice.
+the same two operations Inductor's CPU weight prepacking emits. The plain weight stays a plain Parameter (a tied
+embedding, a LoRA or `state_dict` still read it), but its bytes move to a private, file-backed mapping (`spill`):
+the kernel pages them in when something reads them and drops them again under memory pressure, so a prepared model
+keeps one resident copy of its linear weights, the packed one, instead of two. A spilled weight is an ordinary
+tensor for every reader (a write to it is copy-on-write, into memory, and is packed again as below). Where no disk
+folder can hold them (a RAM-backed filesystem, no space), the plain weights stay in memory and `prepared(model)` says
+why.
 - float32: always packed.
 - bfloat16: packed where oneDNN has native bf16 kernels on this CPU (avx512_bf16 or AMX); elsewhere bf16 is emulated
   and slower than float32, and prepare leaves the model as it is, with a warning that says so.
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import tempfile
 import warnings
 
 import torch
@@ -39,14 +46,19 @@ import torch.nn.functional as F
 _PACKED = "_spec_adapt_packed"          # a _Packed on a prepared layer
 _PREPARED = "_spec_adapt_prepared"      # what prepare did, on the model
 _SWITCH = "_spec_adapt_switch"          # {"on": bool}, shared by a model's packed layers (see `eager`)
+SPILL_ENV = "SPEC_ADAPT_SPILL_DIR"      # where spilled plain weights go (default: ~/.cache/spec_adapt/spill)
+_RAM_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 
 
-def prepare(model: torch.nn.Module, dtype_check: bool = True) -> torch.nn.Module:
+def prepare(model: torch.nn.Module, dtype_check: bool = True, spill: bool | str = True) -> torch.nn.Module:
     """Pack `model`'s linear weights for this CPU (see the module docstring); returns the same model, changed in place.
 
+    `spill`: True moves the plain copies of packed weights to a file-backed mapping in $SPEC_ADAPT_SPILL_DIR (default
+    ~/.cache/spec_adapt/spill), a folder path puts them there, False keeps them in memory (two resident copies).
     Calling it again is a no-op; `unprepare(model)` undoes it; `prepared(model)` says what it did."""
     if getattr(model, _PREPARED, None) is not None:
         return model
+    folder, why_not = spill_folder(spill)
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":
         _mark(model, 0, "not a CPU model: nothing to pack")
@@ -57,18 +69,51 @@ def prepare(model: torch.nn.Module, dtype_check: bool = True) -> torch.nn.Module
         _mark(model, 0, reason)
         return model
     # "dtypes": what this machine packs, for a weight converted after prepare (model.double() runs eagerly).
-    count, switch = 0, {"on": True, "dtypes": {d for d in (torch.float32, torch.bfloat16) if why_not_packed(d) is None}}
+    count, switch = 0, {"on": True, "dtypes": {d for d in (torch.float32, torch.bfloat16) if why_not_packed(d) is None},
+                        "spill": folder}
     with torch.no_grad():
         for module in model.modules():
             if _packable(module, param.dtype):
+                module.__dict__[_SWITCH] = switch
                 _pack(module)
                 _watch(module.weight)
-                module.__dict__[_SWITCH] = switch
                 module.forward = functools.partial(_packed_forward, module)    # picklable, deep-copyable
                 count += 1
     _mark(model, count, f"{count} linear layers packed for oneDNN ({str(param.dtype).removeprefix('torch.')})")
-    model.__dict__[_PREPARED]["switch"] = switch
+    model.__dict__[_PREPARED].update(switch=switch, plain=why_not or f"spilled to a file-backed mapping in {folder}")
     return model
+
+
+def spill_folder(spill: bool | str) -> tuple[str | None, str | None]:
+    """(the folder plain weights spill to, None) or (None, why they stay in memory). A folder on a RAM-backed
+    filesystem would keep them resident all the same, so it is not used."""
+    if spill is False:
+        return None, "kept in memory (spill=False): two resident copies of each packed weight"
+    if spill is not True and not isinstance(spill, (str, os.PathLike)):
+        raise TypeError(f"prepare(spill=...) takes True, False or a folder path, not {type(spill).__name__}")
+    folder = os.fspath(spill) if spill is not True else os.environ.get(SPILL_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "spec_adapt", "spill")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        return None, f"kept in memory: cannot create the spill folder {folder!r} ({error})"
+    kind = _filesystem(folder)
+    if kind in _RAM_FILESYSTEMS:
+        return None, f"kept in memory: the spill folder {folder!r} is on {kind}, which is memory too"
+    return folder, None
+
+
+def _filesystem(folder: str) -> str | None:
+    """The filesystem type /proc/mounts gives for `folder`'s mount point (None where unknown)."""
+    try:
+        with open("/proc/mounts") as mounts:
+            entries = [line.split()[1:3] for line in mounts if len(line.split()) > 2]
+    except OSError:
+        return None
+    path = os.path.realpath(folder)
+    best = max((point for point, _ in entries if path == point or path.startswith(point.rstrip("/") + "/")),
+               key=len, default=None)
+    return dict(entries).get(best) if best is not None else None
 
 
 @contextlib.contextmanager
@@ -94,6 +139,8 @@ def unprepare(model: torch.nn.Module) -> torch.nn.Module:
             _unwatch(module.weight)
             module.__dict__.pop("forward", None)
             module.__dict__.pop(_SWITCH, None)
+            if _in_mapping(module.weight):             # back into memory, as before prepare
+                torch.Tensor.data.__set__(module.weight, module.weight.detach().clone())
     model.__dict__.pop(_PREPARED, None)
     return model
 
@@ -220,9 +267,51 @@ def _unwatch(weight) -> None:
 
 def _pack(module) -> None:
     weight = module.weight
-    weight.__dict__.pop(_WRITTEN, None)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    _spill(weight, module.__dict__[_SWITCH].get("spill"))
+    weight.__dict__.pop(_WRITTEN, None)
     setattr(module, _PACKED, _Packed(packed, _version(weight), weight.data_ptr(), weight.dtype))
+
+
+_SPILLED = "_spec_adapt_spilled"       # on a weight: (storage pointer, version) of its file-backed mapping, or False
+
+
+def _spill(weight, folder: str | None) -> None:
+    """Move `weight`'s bytes to a private mapping of a file in `folder` (unlinked at once: the mapping keeps it until
+    the storage is freed). Reads page it in, writes copy it into memory; the Parameter stays the same object (tied
+    weights follow). Left in memory where the folder cannot take it (no space, no permission)."""
+    if folder is None or _spilled(weight) or weight.__dict__.get(_SPILLED) is False:
+        return                                   # a changed weight spills again: its written pages are in memory
+    try:
+        mapped = _mapped_copy(weight.detach(), folder)
+        torch.Tensor.data.__set__(weight, mapped)
+    except (OSError, RuntimeError):              # a full disk; an inference-mode weight refuses a new `.data`
+        weight.__dict__[_SPILLED] = False        # not tried again for this weight
+        return
+    weight.__dict__[_SPILLED] = (weight.untyped_storage().data_ptr(), _version(weight))
+
+
+def _mapped_copy(tensor: torch.Tensor, folder: str) -> torch.Tensor:
+    fd, path = tempfile.mkstemp(prefix="weight-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            tensor.contiguous().view(torch.uint8).numpy().tofile(file)
+        mapped = torch.from_file(path, shared=False, size=tensor.numel(), dtype=tensor.dtype)
+    finally:
+        os.unlink(path)
+    return mapped.view(tensor.shape)
+
+
+def _spilled(weight) -> bool:
+    """Whether `weight` lives, unchanged, in the mapping `_spill` gave it (not after a write, a new `.data` or a deep
+    copy, which put bytes in memory)."""
+    spilled = weight.__dict__.get(_SPILLED)
+    return _in_mapping(weight) and spilled[1] == _version(weight) and not weight.__dict__.get(_WRITTEN)
+
+
+def _in_mapping(weight) -> bool:
+    spilled = weight.__dict__.get(_SPILLED)
+    return bool(spilled) and weight.untyped_storage().data_ptr() == spilled[0]
 
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:

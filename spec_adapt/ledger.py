@@ -18,6 +18,11 @@ the start. Everything else follows from `slots`:
   path that stays, those columns form a pending region: each attends to the committed slots and to its ancestors
   in the region only (a 4-D mask), and holds slot n_cached + its number of ancestors in the region (siblings share a
   slot value: at most one of them is kept). `keep_tree` turns the other columns into holes.
+- sliding windows: every layer keeps the ledger's columns and a 4-D mask per layer type enforces each window by
+  position. A ledger that knows how far back a later rollback can reach (`rewind`; the target's: never below what
+  it keeps) drops, from a sliding layer type's tensors only, the leading columns no row can attend to again (older
+  than its window before the next position, or holes): `dropped[type]` columns. Such a layer then holds at most
+  window + the step's width entries per row beyond the holes ragged acceptance leaves, however long the call.
 - spare rows: rows that left the batch may stay in the cache tensors, after the live rows, so the model keeps running
   a batch shape the hardware runs faster (on a CPU, some batch sizes run slower than a larger one). They are
   not ledger rows: `slots`, `pad` and `n_cached` describe the live rows only; each forward feeds spares token 0 at
@@ -161,6 +166,11 @@ def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tens
     return torch.cat([zeros, tensor] if before else [tensor, zeros])
 
 
+def _with_columns(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    """`tensor` [B, H, P, D] with n zero columns before the others."""
+    return torch.cat([tensor.new_zeros(tensor.shape[:2] + (n,) + tensor.shape[3:]), tensor], dim=2)
+
+
 def check_tree_attention(model) -> None:
     """Trees need a model that takes a 4-D attention mask: attn_implementation 'sdpa' or 'eager'."""
     if not takes_4d_mask(model):
@@ -192,7 +202,7 @@ class KVLedger:
     """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
 
     def __init__(self, model, cache: DynamicCache | None = None, compact_threshold: float = 0.5, compact_min: int = 64,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", rewind: int | None = None):
         self.model = model
         self.kernels = kernels            # kernel mode of the compaction gather (spec_adapt.acceptor)
         self.compact_path: str | None = None   # "triton" or "torch": what the last compaction ran
@@ -203,6 +213,14 @@ class KVLedger:
         self.device = model.device
         self.windows = sliding_windows(model)
         self.cache = cache if cache is not None and not self.windows else new_cache(model, self.windows)
+        # Sliding layers: how far below the length a rollback keeps a later rollback may go (None: keep every column,
+        # as a draft's ledger, which a chain or a cross-tokenizer drafter rewinds into its own drafts, must), the layer
+        # type of each layer, and the leading columns each type's tensors no longer hold.
+        if rewind is not None and (isinstance(rewind, bool) or not isinstance(rewind, int) or rewind < 0):
+            raise ValueError(f"KVLedger(rewind=...) must be None or a count >= 0, got {rewind!r}")
+        self.rewind = rewind if self.windows and any(self.windows.values()) else None
+        self._kinds = [kind for kind, _ in layer_types(model)] if self.rewind is not None else []
+        self.dropped: dict[str, int] = {}
         check_rollback_cache(self.cache)
         # What the model's forwards take besides tokens, mask and cache (spec_adapt.inputs; None: nothing). A ledger
         # with such inputs keeps no spare rows (the inputs would need them too).
@@ -258,6 +276,7 @@ class KVLedger:
         self.spare = 0
         logits = self._run(input_ids.to(self.device), self.slots, keep=1, past=0, first=True)
         check_rollback_cache(self.cache)  # layers exist only after the first forward
+        self._drop_outside_windows()
         return logits[:, -1]
 
     def forward(self, tokens: torch.Tensor, n_valid: torch.Tensor, columns: torch.Tensor | None = None,
@@ -335,6 +354,7 @@ class KVLedger:
             raise ValueError(f"{type(self.model).__name__} takes inputs besides token ids (images, encoder outputs): "
                              "a forward that stops mid-way cannot pass them on. Verify with the FullVerifier.")
         self.release_spares()    # a runner sees live rows only
+        self._restore_dropped()  # and every column of every layer
         n_valid = n_valid.to(self.device)
         new, slots = self._append(tokens.shape[1], n_valid)
         mask, position_ids = self._inputs(slots, new)
@@ -418,6 +438,7 @@ class KVLedger:
         own = columns[None, :] == columns[-position_ids.shape[1]:, None]             # each token's own column
         masks = {kind: allowed if window is None else allowed & ((distance < window) | own[None])
                  for kind, window in self.windows.items()}
+        masks = {kind: mask[..., self.dropped.get(kind, 0):] for kind, mask in masks.items()}   # what layers hold
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _with_spares(self, tokens, mask, position_ids):
@@ -440,6 +461,7 @@ class KVLedger:
         self.slots = torch.where(self.slots < keep_len[:, None], self.slots, -1)
         self.n_cached = torch.minimum(self.n_cached, keep_len)
         self._trim()
+        self._drop_outside_windows()
         free = self.reclaimable()
         if not self.lockstep and free >= self.compact_min and free > self.compact_threshold * self.physical_length:
             self.compact()
@@ -478,6 +500,8 @@ class KVLedger:
         shorter side gets hole columns on the right, so nothing moves but the concatenation."""
         self.release_spares()
         other.release_spares()
+        for ledger in (self, other):      # the joining rows' columns start at 0: every layer holds them again
+            ledger._restore_dropped()
         width = max(self.physical_length, other.physical_length)
         for ledger in (self, other):
             ledger._widen(width)
@@ -503,6 +527,7 @@ class KVLedger:
         forward starts from the row's first token (an offloaded draft's catch-up)."""
         self.cache = new_cache(self.model, self.windows)
         self.use_inputs(self.inputs)
+        self.dropped = {}
         self.spare = 0
         self.slots = self.slots[:, :0]
         self.n_cached = self.pad.clone()
@@ -535,9 +560,14 @@ class KVLedger:
         self.slots = torch.where(valid.gather(1, order), self.slots.gather(1, order), -1)
         spares = torch.arange(keep, device=self.device).expand(self.spare, keep)      # their content is never read
         physical = torch.cat([order, spares])
-        for layer in self._layers():
-            layer.keys, self.compact_path = gather_slots(layer.keys, physical, self.kernels)
-            layer.values, _ = gather_slots(layer.values, physical, self.kernels)
+        old = self.dropped
+        new = {kind: self._dead_prefix(window) for kind, window in self._sliding()}
+        for kind, layer in self._typed_layers():
+            # A column a sliding type no longer holds is outside every row's window: any content serves (masked).
+            index = (physical[:, new.get(kind, 0):] - old.get(kind, 0)).clamp(min=0)
+            layer.keys, self.compact_path = gather_slots(layer.keys, index, self.kernels)
+            layer.values, _ = gather_slots(layer.values, index, self.kernels)
+        self.dropped = {kind: count for kind, count in new.items() if count}
         self.compactions += 1
         self._trim()
 
@@ -548,9 +578,10 @@ class KVLedger:
         try:
             yield
         except BaseException:
-            for layer in self._layers():
-                if layer.keys.shape[-2] > length:
-                    layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+            for kind, layer in self._typed_layers():
+                held = max(length - self.dropped.get(kind, 0), 0)
+                if layer.keys.shape[-2] > held:
+                    layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]
             raise
 
     def _trim(self) -> None:
@@ -560,8 +591,48 @@ class KVLedger:
         length = int(used.max()) + 1 if used.numel() else 0
         if length < self.slots.shape[1]:
             self.slots = self.slots[:, :length]
-            for layer in self._layers():
-                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+            self.dropped = {kind: min(count, length) for kind, count in self.dropped.items()}
+            for kind, layer in self._typed_layers():
+                held = length - self.dropped.get(kind, 0)
+                layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]
+
+    # -- sliding windows -------------------------------------------------------------------------------------------
+    def _sliding(self):
+        """(layer type, window) of the sliding types whose columns this ledger drops (none without `rewind`)."""
+        if self.rewind is None or self.lockstep or self._full_masks or self.tree is not None:
+            return []
+        return [(kind, window) for kind, window in self.windows.items() if window is not None]
+
+    def _dead_prefix(self, window: int) -> int:
+        """Leading columns no row attends to again through a layer of this window: holes, or tokens at least a
+        window before the row's next position (rows never roll back more than `rewind` below what they keep)."""
+        reach = (self.n_cached - window - self.rewind)[:, None]
+        dead = ((self.slots < 0) | (self.slots <= reach)).all(dim=0)
+        live = (~dead).nonzero()
+        return int(live[0]) if live.numel() else self.physical_length
+
+    def _drop_outside_windows(self) -> None:
+        new = {kind: max(self._dead_prefix(window), self.dropped.get(kind, 0)) for kind, window in self._sliding()}
+        for kind, layer in self._typed_layers():
+            cut = new.get(kind, 0) - self.dropped.get(kind, 0)
+            if cut > 0:
+                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+        self.dropped = {kind: count for kind, count in new.items() if count}
+
+    def _restore_dropped(self) -> None:
+        """Give the sliding types' tensors their dropped columns back, as zeros (masked: outside every window)."""
+        for kind, layer in self._typed_layers():
+            count = self.dropped.get(kind, 0)
+            if count:
+                layer.keys, layer.values = _with_columns(layer.keys, count), _with_columns(layer.values, count)
+        self.dropped = {}
+
+    def _typed_layers(self):
+        """(layer type, layer) of the layers the ledger keeps per slot (type None where no column is dropped)."""
+        if not self._kinds:
+            return [(None, layer) for layer in self._layers()]
+        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        return [(kind, layer) for kind, layer in zip(self._kinds, cache.layers) if layer.is_initialized]
 
     def _layers(self):
         """The cache layers the ledger keeps per slot (an encoder-decoder model's self-attention layers)."""

@@ -75,7 +75,7 @@ class SpeculativeLoop:
         # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
-        self.target = KVLedger(model, cache, kernels=self.acceptor.mode)
+        self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=0)   # never below a commit
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
                                                    model_inputs or {}, positions))

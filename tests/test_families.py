@@ -295,3 +295,41 @@ def test_a_moe_model_configured_to_return_router_logits_runs_batched():
                       max_new_tokens=12)
     assert torch.equal(out[:, -12:], torch.stack(alone))
     assert stats.accepted > 0
+
+
+def _window_spans(ledger) -> int:
+    """The columns the rows still need through a sliding layer: from the first column whose token some row's next
+    position can see (within WINDOW) to the end."""
+    seen = (ledger.slots >= 0) & (ledger.slots > (ledger.n_cached - WINDOW)[:, None])
+    first = [int(row.nonzero()[0]) if row.any() else ledger.physical_length for row in seen]
+    return ledger.physical_length - min(first)
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_sliding_layer_holds_its_window_and_the_step_not_the_call(name, batch, monkeypatch):
+    """Memory: before each verification a sliding layer holds at most window - 1 entries per row (batch 1), or the
+    columns the rows' windows span (holes of ragged acceptance included), however long the call; full layers hold
+    every column. Identical to stock all the same."""
+    from spec_adapt.ledger import KVLedger
+
+    model = family(name)
+    ids, mask = long_ragged(batch, seed=23)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    seen, run = [], KVLedger._run
+
+    def recording(ledger, tokens, slots, keep, new=None, **kwargs):
+        if ledger.rewind is not None and ledger._layers():       # after the prompt's forward
+            lengths = {kind: layer.keys.shape[2] for kind, layer in ledger._typed_layers()}
+            seen.append((lengths, ledger.physical_length, _window_spans(ledger)))
+        return run(ledger, tokens, slots, keep, new=new, **kwargs)
+
+    monkeypatch.setattr(KVLedger, "_run", recording)
+    out, stats = spec(model, ids, mask, Oracle(reference, mask, ["right", 2, "wrong"]).drafter(), FixedLength(3),
+                      max_new_tokens=40)
+    assert torch.equal(out, reference) and stats.accepted > 0
+    assert len(seen) >= 8
+    for lengths, physical, spans in seen:
+        assert lengths.get("full_attention", physical) == physical
+        assert lengths["sliding_attention"] <= (WINDOW - 1 if batch == 1 else spans), (lengths, physical, spans)
+    assert seen[-1][0]["sliding_attention"] < seen[-1][1] - 20        # the call outgrew the window many times over

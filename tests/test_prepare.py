@@ -240,3 +240,96 @@ def test_the_draft_dtype_is_chosen_by_capability_not_by_timing(monkeypatch):
     monkeypatch.setattr(p, "native_bf16", lambda: True)
     chosen, dtype, why = fastest(model, pack=False)
     assert dtype == chosen.dtype == torch.bfloat16 and model.dtype == torch.float32 and "natively" in why
+
+
+# -- one resident copy: the plain weights spill to a file-backed mapping ---------------------------------------------
+def _anon_kib() -> int:
+    """Anonymous resident memory of this process (what spilled weights must not stay in), in KiB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:"))
+
+
+def _wide_linears(count: int = 3, size: int = 4096) -> torch.nn.Module:
+    """Linears of 64 MiB each: above malloc's largest mmap threshold (32 MiB), so every allocation maps and unmaps
+    whole pages and the resident count follows the tensors alone."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(size, size) for _ in range(count)]).eval()
+
+
+@needs_packing
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("spill", [True, False])
+def test_a_prepared_model_keeps_one_resident_copy_of_its_weights(spill, tmp_path):
+    model, x = _wide_linears(), torch.randn(3, 4096)
+    plain_kib = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2) // 1024
+    with torch.no_grad():
+        expected = model(x)
+        before = _anon_kib()
+        prepare(model, spill=tmp_path if spill else False)
+        grown = _anon_kib() - before
+        torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-4)
+    if spill:       # the packed copy came, the plain one left: about one copy's worth either way
+        assert grown < 0.25 * plain_kib, (grown, plain_kib)
+        assert "spilled" in prepared(model)["plain"]
+        with torch.no_grad():       # written in place (copy-on-write into memory), packed and spilled again
+            for layer in model:
+                layer.weight.data.mul_(0.5)
+            model(x)
+        assert _anon_kib() - before < 0.25 * plain_kib, (_anon_kib() - before, plain_kib)
+    else:           # the control: a second copy stays resident
+        assert grown > 0.75 * plain_kib, (grown, plain_kib)
+        assert "kept in memory" in prepared(model)["plain"]
+
+
+@needs_packing
+def test_spilled_weights_read_write_save_and_unprepare_like_plain_ones(tmp_path):
+    """A spilled weight is an ordinary tensor to every reader: state_dict, save_pretrained (safetensors checks shared
+    storage), tied embeddings, in-place writes (copy-on-write, then packed and spilled again)."""
+    import spec_adapt.execution as p
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model, twin = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 90, (2, 6))
+    prepare(model, spill=tmp_path / "spill")
+    weight = model.model.layers[0].mlp.down_proj.weight
+    assert p._spilled(weight) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    assert not list((tmp_path / "spill").iterdir())            # the files are unlinked; the mappings keep them
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, twin(ids).logits)
+        for m in (model, twin):
+            m.model.layers[0].mlp.down_proj.weight.data.mul_(3.0)
+        assert not p._spilled(weight)                          # written: its pages are in memory now
+        torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-4, atol=1e-4)
+        assert p._spilled(weight)                              # packed and spilled again
+    unprepare(model)
+    assert not p._in_mapping(weight) and torch.equal(weight, twin.model.layers[0].mlp.down_proj.weight)
+
+
+@needs_packing
+def test_a_spill_folder_that_cannot_take_the_weights_keeps_them_in_memory(tmp_path, monkeypatch):
+    import spec_adapt.execution as p
+
+    def full_disk(tensor, folder):
+        raise OSError(28, "No space left on device")
+
+    ids = torch.randint(3, 90, (1, 6))
+    expected = tiny_model("llama")(ids).logits.detach()
+    monkeypatch.setattr(p, "_mapped_copy", full_disk)
+    model = prepare(tiny_model("llama"), spill=tmp_path)
+    assert not p._in_mapping(model.model.layers[0].mlp.down_proj.weight)
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(p, "_filesystem", lambda folder: "tmpfs")
+    assert "tmpfs" in p.spill_folder(tmp_path)[1] and p.spill_folder(False)[0] is None
+    with pytest.raises(TypeError, match="spill"):
+        prepare(tiny_model("llama"), spill=3)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert "cannot create" in prepare(tiny_model("llama"), spill=blocked / "sub").__dict__["_spec_adapt_prepared"][
+        "plain"]

@@ -176,7 +176,7 @@ class ServingLoop(SpeculativeLoop):
         for i, p in enumerate(prompts):
             ids[i, width - len(p):], mask[i, width - len(p):] = p.to(self.device), 1
         # The prefill first: if the target fails there, nothing of the running batch has changed yet.
-        joining = KVLedger(self.model, kernels=self.acceptor.mode)
+        joining = KVLedger(self.model, kernels=self.acceptor.mode, rewind=0)    # never below a commit
         logits = joining.prefill(ids, mask).float()[:, None]                        # [n, 1, V]
         new_rows = self._take_slots(n)
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
