@@ -5,8 +5,8 @@ of `--repeats`), to show that where the plain weights live does not change what 
 
     python benchmarks/prepare_memory.py --out results/memory/prepare-qwen
 
-Configurations: `eager` (unprepared), `prepared` (plain weights spilled to a file-backed mapping: one resident copy),
-`prepared-in-memory` (`prepare(spill=False)`: the packed and the plain copy both resident).
+Configurations: `eager` (unprepared), `prepared` (the plain weights leave resident memory: one resident copy, the
+packed one), `prepared-spill-off` (`prepare(spill=False)`: the plain weights stay resident beside the packed copy).
 Writes <out>/memory.json and prints the table with the CPU it ran on.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-CONFIGS = ("eager", "prepared", "prepared-in-memory")
+CONFIGS = ("eager", "prepared", "prepared-spill-off")
 
 
 def status_kib() -> dict:

@@ -10,12 +10,17 @@ one-token step, where reading the weights once would cost about the same.
 What prepare does (CPU): each `torch.nn.Linear` gets its weight reordered once into oneDNN's blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`) and its forward calls oneDNN with it (`torch.ops.mkldnn._linear_pointwise`),
 the same two operations Inductor's CPU weight prepacking emits. The plain weight stays a plain Parameter (a tied
-embedding, a LoRA or `state_dict` still read it), but its bytes move to a private, file-backed mapping (`spill`):
-the kernel pages them in when something reads them and drops them again under memory pressure, so a prepared model
-keeps one resident copy of its linear weights, the packed one, instead of two. A spilled weight is an ordinary
-tensor for every reader (a write to it is copy-on-write, into memory, and is packed again as below). Where no disk
-folder can hold them (a RAM-backed filesystem, no space), the plain weights stay in memory and `prepared(model)` says
-why.
+embedding, a LoRA or `state_dict` still read it), but not resident (`spill`), so a prepared model keeps one resident
+copy of its linear weights, the packed one, instead of two:
+- a weight that already lives in a file mapping (`from_pretrained` maps a safetensors checkpoint) stays there, and
+  the pages packing read are handed back to the kernel (madvise MADV_PAGEOUT: the content is unchanged, a later read
+  pages it in again);
+- a weight in anonymous memory (built in memory, converted to another dtype) moves to a private mapping of a file
+  of its own, unlinked at once.
+The kernel pages the plain bytes in when something reads them and drops them again under memory pressure. A
+spilled weight is an ordinary tensor for every reader (a write to it is copy-on-write, into memory, and is packed
+again as below). Where no disk folder can hold them (a RAM-backed filesystem, no space), the plain weights stay in
+memory and `prepared(model)` says why.
 - float32: always packed.
 - bfloat16: packed where oneDNN has native bf16 kernels on this CPU (avx512_bf16 or AMX); elsewhere bf16 is emulated
   and slower than float32, and prepare leaves the model as it is, with a warning that says so.
@@ -35,7 +40,9 @@ the same prepared model, never across prepared and unprepared.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import mmap
 import os
 import tempfile
 import warnings
@@ -80,7 +87,8 @@ def prepare(model: torch.nn.Module, dtype_check: bool = True, spill: bool | str 
                 module.forward = functools.partial(_packed_forward, module)    # picklable, deep-copyable
                 count += 1
     _mark(model, count, f"{count} linear layers packed for oneDNN ({str(param.dtype).removeprefix('torch.')})")
-    model.__dict__[_PREPARED].update(switch=switch, plain=why_not or f"spilled to a file-backed mapping in {folder}")
+    model.__dict__[_PREPARED].update(switch=switch, plain=why_not or (
+        f"not resident: file-mapped weights stay in their files, the others spill to {folder}"))
     return model
 
 
@@ -267,8 +275,10 @@ def _unwatch(weight) -> None:
 
 def _pack(module) -> None:
     weight = module.weight
+    previous = getattr(module, _PACKED, None)
+    changed = previous is not None and previous.packed is not None    # written since (its pages may be in memory)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    _spill(weight, module.__dict__[_SWITCH].get("spill"))
+    _spill(weight, module.__dict__[_SWITCH].get("spill"), changed)
     weight.__dict__.pop(_WRITTEN, None)
     setattr(module, _PACKED, _Packed(packed, _version(weight), weight.data_ptr(), weight.dtype))
 
@@ -276,12 +286,17 @@ def _pack(module) -> None:
 _SPILLED = "_spec_adapt_spilled"       # on a weight: (storage pointer, version) of its file-backed mapping, or False
 
 
-def _spill(weight, folder: str | None) -> None:
-    """Move `weight`'s bytes to a private mapping of a file in `folder` (unlinked at once: the mapping keeps it until
-    the storage is freed). Reads page it in, writes copy it into memory; the Parameter stays the same object (tied
-    weights follow). Left in memory where the folder cannot take it (no space, no permission)."""
+def _spill(weight, folder: str | None, changed: bool = False) -> None:
+    """Take `weight`'s plain bytes out of resident memory (see the module docstring): a file-mapped weight's pages
+    go back to the kernel; anonymous memory moves to a private mapping of a file in `folder` (unlinked at once: the
+    mapping keeps it until the storage is freed). The Parameter stays the same object (tied weights follow). Left in
+    memory where the folder cannot take it (no space, no permission). A `changed` weight may hold written pages in
+    memory, which the kernel cannot hand back: it moves to a file of its own."""
     if folder is None or _spilled(weight) or weight.__dict__.get(_SPILLED) is False:
         return                                   # a changed weight spills again: its written pages are in memory
+    if not changed and _file_mapped(weight.data_ptr()):
+        _page_out(weight)
+        return
     try:
         mapped = _mapped_copy(weight.detach(), folder)
         torch.Tensor.data.__set__(weight, mapped)
@@ -307,6 +322,37 @@ def _spilled(weight) -> bool:
     copy, which put bytes in memory)."""
     spilled = weight.__dict__.get(_SPILLED)
     return _in_mapping(weight) and spilled[1] == _version(weight) and not weight.__dict__.get(_WRITTEN)
+
+
+def _file_mapped(address: int) -> bool:
+    """Whether `address` lies in a mapping of a file (/proc/self/maps: an inode and a path), not anonymous memory."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return len(fields) > 5 and fields[4] != "0" and not fields[5].startswith("[")
+    except OSError:
+        pass
+    return False
+
+
+_MADV_PAGEOUT = 21      # Linux >= 5.4: reclaim these pages now; content unchanged (a clean file page is re-read)
+
+
+def _page_out(tensor) -> None:
+    """Hand the whole pages of `tensor`'s bytes back to the kernel. A hint: where it is not available, the pages
+    stay until memory pressure reclaims them (they are clean file pages either way)."""
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    if end > start:
+        try:
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                                      _MADV_PAGEOUT)
+        except (OSError, AttributeError):
+            pass
 
 
 def _in_mapping(weight) -> bool:

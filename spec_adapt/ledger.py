@@ -23,6 +23,10 @@ the start. Everything else follows from `slots`:
   it keeps) drops, from a sliding layer type's tensors only, the leading columns no row can attend to again (older
   than its window before the next position, or holes): `dropped[type]` columns. Such a layer then holds at most
   window + the step's width entries per row beyond the holes ragged acceptance leaves, however long the call.
+- convolution layers (LFM2's short convolutions): their state is the last few inputs of the row. The ledger keeps
+  every input column like a KV entry (`conv_inputs`, same columns and holes) and hands each layer, before a
+  forward, the last `kernel` valid columns of each row: rollback, compaction and row changes move them with the
+  slots. Layers with a recurrent state (stateful models) are refused with stock's own reason.
 - spare rows: rows that left the batch may stay in the cache tensors, after the live rows, so the model keeps running
   a batch shape the hardware runs faster (on a CPU, some batch sizes run slower than a larger one). They are
   not ledger rows: `slots`, `pad` and `n_cached` describe the live rows only; each forward feeds spares token 0 at
@@ -42,7 +46,8 @@ import weakref
 
 import torch
 from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
-                     EncoderDecoderCache, attn_implementation, layer_types, takes_4d_mask, with_cache)
+                     EncoderDecoderCache, LinearAttentionLayer, attn_implementation, layer_types, takes_4d_mask,
+                     with_cache)
 from .inputs import encoder_decoder
 
 
@@ -61,8 +66,9 @@ def check_rollback_cache(cache) -> None:
             f"spec_adapt needs a DynamicCache to roll back rejected tokens per row, got {type(cache).__name__}. "
             "Drop `cache_implementation=...` / the `past_key_values` you passed, and generate will create one."
         )
-    bad = [type(layer).__name__ for layer in cache.layers if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)
-           or type(layer) is DynamicSlidingWindowLayer and layer.is_initialized]
+    bad = [type(layer).__name__ for layer in cache.layers if type(layer) not in _KEPT_LAYERS
+           or type(layer) is DynamicSlidingWindowLayer and layer.is_initialized
+           or type(layer) is LinearAttentionLayer and any(layer.is_recurrent_states_initialized.values())]
     if bad:
         raise UnsupportedCacheError(
             f"spec_adapt cannot roll back cache layers of type {sorted(set(bad))} per row (linear-attention, "
@@ -70,6 +76,8 @@ def check_rollback_cache(cache) -> None:
             "per-token entries). Generate without a drafter for this model."
         )
 
+
+_KEPT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)   # the last: convolution states only
 
 _POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -116,22 +124,36 @@ def _reads_positions(model) -> bool:
     return not torch.equal(*outputs)
 
 
-# Layer types whose cache entries the ledger keeps and masks (a window is enforced by the mask, never by dropping).
-_ROLLBACK_TYPES = ("full_attention", "sliding_attention")
+# Layer types whose cache entries the ledger keeps per column: attention (a window is enforced by the mask) and
+# short convolutions (the ledger keeps their input columns).
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "conv")
+
+
+def check_stateful(model) -> None:
+    """Stock refuses assisted generation for stateful models (recurrent states cannot go back to an earlier
+    token); so does spec_adapt, with the same reason."""
+    if getattr(model, "_is_stateful", False):
+        raise UnsupportedCacheError(
+            f"assisted generation is not supported with stateful models, such as {type(model).__name__} (its recurrent "
+            "state cannot be reset to an earlier token, in stock transformers either). Generate without a drafter.")
 
 
 def sliding_windows(model) -> dict[str, int | None] | None:
     """{layer type: its window (None: full attention)} for a model with sliding-window layers; None when every layer
     attends fully. Layer types whose state cannot be rolled back per row are refused with the reason."""
+    check_stateful(model)
     types = layer_types(model)
     bad = sorted({kind for kind, _ in types if kind not in _ROLLBACK_TYPES})
     if bad:
         raise UnsupportedCacheError(
             f"spec_adapt cannot roll back the {bad} layers of {type(model).__name__} per row (their cache transforms "
             "or shares state instead of keeping one entry per token). Generate without a drafter for this model.")
-    windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types}
+    windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types if kind != "conv"}
     if all(window is None for window in windows.values()):
         return None
+    if len(windows) < len({kind for kind, _ in types}):
+        raise UnsupportedCacheError(f"{type(model).__name__} mixes sliding-window and convolution layers, which "
+                                    "spec_adapt does not roll back together. Generate without a drafter.")
     if not takes_4d_mask(model):
         raise UnsupportedCacheError(
             f"{type(model).__name__} has sliding-window layers, which spec_adapt enforces with 4-D attention masks: "
@@ -171,8 +193,18 @@ def _with_columns(tensor: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(tensor.shape[:2] + (n,) + tensor.shape[3:]), tensor], dim=2)
 
 
+def check_no_convolutions(model, what: str) -> None:
+    """A convolution layer reads the tokens before it in column order: a tree's siblings would be its predecessors,
+    and a forward that stops mid-way leaves no input columns to keep."""
+    if any(kind == "conv" for kind, _ in layer_types(model)):
+        raise ValueError(f"{type(model).__name__} has convolution layers, which read the previous tokens in order: "
+                         f"{what} cannot run on it. Draft chains (a policy without depth) with the FullVerifier.")
+
+
 def check_tree_attention(model) -> None:
-    """Trees need a model that takes a 4-D attention mask: attn_implementation 'sdpa' or 'eager'."""
+    """Trees need a model that takes a 4-D attention mask: attn_implementation 'sdpa' or 'eager', and no layer that
+    reads the tokens before it in column order (a convolution sees a sibling as a predecessor)."""
+    check_no_convolutions(model, "token trees")
     if not takes_4d_mask(model):
         raise ValueError(
             f"Token trees need attn_implementation 'sdpa' or 'eager' (each node attends to its ancestors only, through "
@@ -213,6 +245,7 @@ class KVLedger:
         self.device = model.device
         self.windows = sliding_windows(model)
         self.cache = cache if cache is not None and not self.windows else new_cache(model, self.windows)
+        self.conv_inputs: dict[int, torch.Tensor] = {}   # convolution layer -> its input columns [rows, channels, P]
         # Sliding layers: how far below the length a rollback keeps a later rollback may go (None: keep every column,
         # as a draft's ledger, which a chain or a cross-tokenizer drafter rewinds into its own drafts, must), the layer
         # type of each layer, and the leading columns each type's tensors no longer hold.
@@ -309,6 +342,8 @@ class KVLedger:
     def _forward_tree(self, tokens, n_valid, parents, columns):
         from .tree import ancestry
 
+        if self.tree is None:
+            check_no_convolutions(self.model, "token trees")
         batch, width = tokens.shape
         offset = torch.arange(width, device=self.device)[None, :]
         start, before, in_use = self.tree if self.tree is not None else (
@@ -353,6 +388,7 @@ class KVLedger:
         if self.inputs is not None:
             raise ValueError(f"{type(self.model).__name__} takes inputs besides token ids (images, encoder outputs): "
                              "a forward that stops mid-way cannot pass them on. Verify with the FullVerifier.")
+        check_no_convolutions(self.model, "a verification that stops mid-way (Top-K early exit)")
         self.release_spares()    # a runner sees live rows only
         self._restore_dropped()  # and every column of every layer
         n_valid = n_valid.to(self.device)
@@ -421,8 +457,10 @@ class KVLedger:
             kwargs[self.inputs.tokens_key], kwargs[self.inputs.mask_key] = tokens, mask
         else:
             kwargs.update(input_ids=tokens, attention_mask=mask)
+        self._hand_conv_states()
         with self._cut_back_on_failure(self.physical_length if past is None else past):
             out = self.model(use_cache=True, **with_cache(self.model, self.cache), **kwargs)
+        self._keep_conv_inputs(tokens.shape[1])
         logits = out.logits[:live]
         if passes:                       # the model has already kept only the wanted positions
             return logits
@@ -475,8 +513,9 @@ class KVLedger:
         layers = self._layers()
         gone = torch.ones(self.held_rows, dtype=torch.bool, device=self.device)
         gone[index] = False
-        spare = min(int(spare), int(gone.sum())) if layers and self.inputs is None else 0
+        spare = min(int(spare), int(gone.sum())) if layers and self.inputs is None and not self.conv_inputs else 0
         physical = torch.cat([index, gone.nonzero().squeeze(1)[:spare]])
+        self.conv_inputs = {i: record[physical] for i, record in self.conv_inputs.items()}
         if self.inputs is not None:
             self.inputs.select_rows(index, self.slots.shape[0])
         self.slots, self.pad, self.n_cached = self.slots[index], self.pad[index], self.n_cached[index]
@@ -509,6 +548,7 @@ class KVLedger:
         self.slots = torch.cat([self.slots, other.slots])
         self.pad = torch.cat([self.pad, other.pad])
         self.n_cached = torch.cat([self.n_cached, other.n_cached])
+        self._add_conv_rows(other, mine_rows, their_rows)
         mine, theirs = self._layers(), other._layers()
         if not theirs:                 # the joining rows have no KV yet (an offloaded draft): holes for them
             for layer in mine:
@@ -527,7 +567,7 @@ class KVLedger:
         forward starts from the row's first token (an offloaded draft's catch-up)."""
         self.cache = new_cache(self.model, self.windows)
         self.use_inputs(self.inputs)
-        self.dropped = {}
+        self.dropped, self.conv_inputs = {}, {}
         self.spare = 0
         self.slots = self.slots[:, :0]
         self.n_cached = self.pad.clone()
@@ -537,6 +577,8 @@ class KVLedger:
         if extra <= 0:
             return
         self.slots = torch.cat([self.slots, self.slots.new_full((self.slots.shape[0], extra), -1)], dim=1)
+        self.conv_inputs = {i: torch.cat([r, r.new_zeros(r.shape[:2] + (extra,))], dim=2)
+                            for i, r in self.conv_inputs.items()}
         for layer in self._layers():
             shape = list(layer.keys.shape)
             shape[2] = extra
@@ -568,6 +610,8 @@ class KVLedger:
             layer.keys, self.compact_path = gather_slots(layer.keys, index, self.kernels)
             layer.values, _ = gather_slots(layer.values, index, self.kernels)
         self.dropped = {kind: count for kind, count in new.items() if count}
+        self.conv_inputs = {i: r.gather(2, physical[:, None, :].expand(-1, r.shape[1], -1))
+                            for i, r in self.conv_inputs.items()}
         self.compactions += 1
         self._trim()
 
@@ -591,6 +635,7 @@ class KVLedger:
         length = int(used.max()) + 1 if used.numel() else 0
         if length < self.slots.shape[1]:
             self.slots = self.slots[:, :length]
+            self.conv_inputs = {i: record[..., :length] for i, record in self.conv_inputs.items()}
             self.dropped = {kind: min(count, length) for kind, count in self.dropped.items()}
             for kind, layer in self._typed_layers():
                 held = length - self.dropped.get(kind, 0)
@@ -635,9 +680,52 @@ class KVLedger:
         return [(kind, layer) for kind, layer in zip(self._kinds, cache.layers) if layer.is_initialized]
 
     def _layers(self):
-        """The cache layers the ledger keeps per slot (an encoder-decoder model's self-attention layers)."""
+        """The KV cache layers the ledger keeps per slot (an encoder-decoder model's self-attention layers)."""
         cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
-        return [layer for layer in cache.layers if layer.is_initialized]
+        return [layer for layer in cache.layers if isinstance(layer, DynamicLayer) and layer.is_initialized]
+
+    # -- convolution layers ----------------------------------------------------------------------------------------
+    def _conv_layers(self) -> dict[int, LinearAttentionLayer]:
+        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        return {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)}
+
+    def _hand_conv_states(self) -> None:
+        """Before a forward: each convolution layer's state is, per row, its last `kernel` valid input columns (zeros
+        where the row has fewer, as after a left-padded prompt), and the layer records what it appends."""
+        for i, layer in self._conv_layers().items():
+            layer.activate_past_recording()
+            record = self.conv_inputs.get(i)
+            if record is None or not layer.is_conv_states_initialized[0]:
+                continue                          # nothing cached yet: the forward starts the row from zeros
+            kernel = layer.conv_kernel_size[0]
+            valid = self.slots >= 0
+            rank = valid.long().flip(1).cumsum(1).flip(1)            # valid columns from here to the end
+            wanted = valid & (rank <= kernel)
+            take = torch.arange(self.physical_length, device=self.device).expand_as(self.slots)
+            order = torch.sort(torch.where(wanted, take, -1), dim=1).values[:, -kernel:] if kernel else take[:, :0]
+            padded = torch.cat([record.new_zeros(record.shape[:2] + (1,)), record], dim=2)   # column 0: zeros
+            state = padded.gather(2, (order + 1)[:, None, :].expand(-1, record.shape[1], -1))
+            layer.conv_states[0], layer.has_previous_state[0] = state, True
+
+    def _keep_conv_inputs(self, width: int) -> None:
+        """After a forward of `width` columns: append the input columns each convolution layer recorded (it holds
+        its state and them: at least `width` columns)."""
+        for i, layer in self._conv_layers().items():
+            if not layer.is_conv_states_initialized[0]:
+                continue
+            full = layer.conv_states[0]
+            new = full[..., -width:]
+            old = self.conv_inputs.get(i)
+            self.conv_inputs[i] = new if old is None else torch.cat([old, new], dim=2)
+            layer.conv_states[0] = full[..., -layer.conv_kernel_size[0]:]        # the record lives here, not there
+
+    def _add_conv_rows(self, other: "KVLedger", mine: int, theirs: int) -> None:
+        for i in set(self.conv_inputs) | set(other.conv_inputs):
+            a, b = self.conv_inputs.get(i), other.conv_inputs.get(i)
+            like = a if a is not None else b
+            a = a if a is not None else like.new_zeros((mine,) + like.shape[1:])
+            b = b if b is not None else like.new_zeros((theirs,) + like.shape[1:])
+            self.conv_inputs[i] = torch.cat([a, b])
 
     def _cross_layers(self):
         """An encoder-decoder model's cross-attention layers: one row per batch row, fixed for the call."""

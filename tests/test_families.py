@@ -53,10 +53,21 @@ def gemma2_alternating():
     return Gemma2ForCausalLM(config)
 
 
+def lfm2_hybrid(seed: int = 0, layers: int = 3):
+    """LFM2: short convolutions (kernel 3) around a full-attention layer."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(seed)
+    kinds = ["conv", "full_attention", "conv"][:layers]
+    config = Lfm2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, layer_types=kinds, max_position_embeddings=256, **SMALL)
+    return Lfm2ForCausalLM(config)
+
+
 WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
 SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating}
-_BUILDERS = {**FAMILIES, **SLIDING}
+_BUILDERS = {**FAMILIES, **SLIDING, "lfm2": lfm2_hybrid}
 _MADE: dict = {}
 
 
@@ -182,11 +193,12 @@ def _small_vocab(builder, **config):
     return model
 
 
-@pytest.mark.parametrize("name", ["mistral", "bart"])
+@pytest.mark.parametrize("name", ["mistral", "bart", "lfm2"])
 def test_sampling_follows_the_target_distribution(name):
     """The enumerated statistical test: the first generated tokens' marginals against the target's exact ones.
-    Mistral with a window of 3 (it slides within the 4 + 3 tokens enumerated), sampled as one batch; Bart (lockstep)
-    in batches of 3 whose rows accept different numbers of drafts, with a point-mass draft."""
+    Mistral with a window of 3 (it slides within the 4 + 3 tokens enumerated) and LFM2 (convolutions), sampled as
+    one batch; Bart (lockstep) in batches of 3 whose rows accept different numbers of drafts, with a point-mass
+    draft."""
     import test_sampling as ts
 
     global WINDOW
@@ -198,7 +210,7 @@ def test_sampling_follows_the_target_distribution(name):
     marginals = ts.exact_marginals(model, [3, 7, 9, 4])
     guess = int(marginals[1].argmax())
     drafter = spec_adapt.ScriptedDrafter(lambda row, context, gamma: [guess, 5, 6][:gamma])
-    rows, calls = (3000, 1) if name == "mistral" else (3, 500)
+    rows, calls = (3, 500) if name == "bart" else (3000, 1)
     tokens = []
     torch.manual_seed(0)
     accepted = 0
@@ -261,16 +273,65 @@ def test_decoder_zoo_batched_chains_and_trees(name):
             assert stats.accepted > 0
 
 
-def test_a_hybrid_linear_attention_model_is_refused_by_its_layer_type():
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_hybrid_convolution_model_is_identical_to_stock(batch):
+    """LFM2: short convolutions between attention layers. A convolution reads the row's previous inputs in order, so
+    a rejected draft or a hole must never reach it: the ledger keeps every input column and hands each layer its
+    rows' last valid ones. Scripted drafts right for some rows and wrong for others, prompt lookup, a draft model and
+    the default policy, against stock greedy at the same batch."""
+    model = family("lfm2")
+    ids, mask = long_ragged(batch, seed=24)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
+    draft = lfm2_hybrid(seed=1, layers=2).eval()
+    for drafter, policy in [(Oracle(reference, mask, ["right", 2, "wrong"]).drafter(), FixedLength(3)),
+                            (PromptLookupDrafter(2, 1), spec_adapt.Adaptive()), (draft, FixedLength(2)),
+                            (model, FixedLength(4))]:
+        out, stats = spec(model, ids, mask, drafter, policy, max_new_tokens=30)
+        assert torch.equal(out, reference), (batch, drafter)
+    assert stats.accepted > 0
+
+
+def test_convolution_models_refuse_trees_and_stateful_models_get_stocks_reason():
     import transformers
 
-    config = transformers.Lfm2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, layer_types=["conv", "full_attention"],
-                                     max_position_embeddings=128, **SMALL)
-    model = transformers.Lfm2ForCausalLM(config).eval()
+    model = family("lfm2")
     ids, mask = ragged_batch(2)
-    with pytest.raises(ValueError, match="cannot roll back .*LinearAttentionLayer.* per row"):
-        spec(model, ids, mask, PromptLookupDrafter(2, 1), FixedLength(2))
+    with pytest.raises(ValueError, match="convolution layers.*token trees"):
+        spec(model, ids, mask, PromptLookupDrafter(2, 1), FixedTree(4, 2))
+    config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, state_size=4, **SMALL)
+    mamba = transformers.MambaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="not supported with stateful models, such as MambaForCausalLM"):
+        spec(mamba, ids, mask, PromptLookupDrafter(2, 1), FixedLength(2))
+
+
+def test_a_convolution_model_through_the_engine_with_requests_joining():
+    """Rows join a running batch (their input columns join the ledger's) and leave it: each is stock's alone."""
+    from spec_adapt.serving.engine import Engine
+
+    model = family("lfm2")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (12, 7, 15)]
+    budgets, arrivals = [24, 16, 20], [0, 4, 9]
+    engine = Engine(model, drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(3), max_batch=3,
+                    eos_token_id=None, pad_token_id=PAD)
+    for prompt, budget, handle in zip(prompts, budgets, _drive(engine, prompts, budgets, arrivals)):
+        ids = torch.tensor([prompt])
+        assert handle.result() == stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None,
+                                               max_new_tokens=budget)[0, len(prompt):].tolist()
+    assert max(r.batch_size for r in engine.stats.trace) > 1
+
+
+def _drive(engine, prompts, budgets, arrivals):
+    """Submit request i at engine step arrivals[i]; step until every request is done. The handles."""
+    handles, step = [None] * len(prompts), 0
+    while True:
+        for i, at in enumerate(arrivals):
+            if at == step:
+                handles[i] = engine.submit(prompts[i], max_new_tokens=budgets[i])
+        busy = engine.step()
+        step += 1
+        if not busy and step > max(arrivals):
+            return handles
 
 
 def test_a_moe_model_configured_to_return_router_logits_runs_batched():
@@ -333,3 +394,21 @@ def test_a_sliding_layer_holds_its_window_and_the_step_not_the_call(name, batch,
         assert lengths.get("full_attention", physical) == physical
         assert lengths["sliding_attention"] <= (WINDOW - 1 if batch == 1 else spans), (lengths, physical, spans)
     assert seen[-1][0]["sliding_attention"] < seen[-1][1] - 20        # the call outgrew the window many times over
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_sliding_windows_through_the_engine_with_requests_joining_a_running_batch(name):
+    """Rows join after the running rows' sliding layers dropped their old columns: every request is stock's alone."""
+    from spec_adapt.serving.engine import Engine
+
+    model = family(name)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (14, 9, 18, 11)]
+    budgets, arrivals = [30, 24, 30, 20], [0, 6, 6, 14]
+    engine = Engine(model, drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(3), max_batch=4,
+                    eos_token_id=None, pad_token_id=PAD)
+    for prompt, budget, handle in zip(prompts, budgets, _drive(engine, prompts, budgets, arrivals)):
+        ids = torch.tensor([prompt])
+        assert handle.result() == stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None,
+                                               max_new_tokens=budget)[0, len(prompt):].tolist()
+    assert max(r.batch_size for r in engine.stats.trace) > 1

@@ -270,7 +270,7 @@ def test_a_prepared_model_keeps_one_resident_copy_of_its_weights(spill, tmp_path
         torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-4)
     if spill:       # the packed copy came, the plain one left: about one copy's worth either way
         assert grown < 0.25 * plain_kib, (grown, plain_kib)
-        assert "spilled" in prepared(model)["plain"]
+        assert "not resident" in prepared(model)["plain"]
         with torch.no_grad():       # written in place (copy-on-write into memory), packed and spilled again
             for layer in model:
                 layer.weight.data.mul_(0.5)
@@ -333,3 +333,37 @@ def test_a_spill_folder_that_cannot_take_the_weights_keeps_them_in_memory(tmp_pa
     blocked.write_text("")
     assert "cannot create" in prepare(tiny_model("llama"), spill=blocked / "sub").__dict__["_spec_adapt_prepared"][
         "plain"]
+
+
+def _file_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+
+
+@needs_packing
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_a_checkpoint_mapped_from_its_file_stays_there_and_leaves_resident_memory(tmp_path):
+    """from_pretrained maps a safetensors checkpoint: the plain weights are file pages already. Packing reads them;
+    prepare hands those pages back instead of writing a second file, and the weights read the same afterwards."""
+    import spec_adapt.execution as p
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=8, vocab_size=96)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    weight = model.model.layers[0].mlp.down_proj.weight
+    if not p._file_mapped(weight.data_ptr()):
+        pytest.skip("this transformers release copies checkpoints into memory")
+    linear_kib = sum(m.weight.numel() * 4 for m in model.model.layers.modules()
+                     if isinstance(m, torch.nn.Linear)) // 1024
+    ids = torch.randint(3, 90, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits                    # every page read: resident
+        copy = weight.detach().clone()
+        before = _file_kib()
+        prepare(model, spill=tmp_path / "spill")
+        assert before - _file_kib() > 0.75 * linear_kib, (before, _file_kib(), linear_kib)
+        assert p._file_mapped(weight.data_ptr()) and not list((tmp_path / "spill").iterdir())
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(weight, copy)

@@ -26,6 +26,12 @@ Configuration names:
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
+  <config> (cold)               a spec_adapt configuration whose every call starts from a fresh policy: each timed
+                                call is a first call (`cold_rows` adds one beside each <drafter>:adaptive); the
+                                plain row's policy carries what it learned from call to call (warm)
+
+With a draft model at batch 1, `bound=` adds the hindsight bound of length schedules with that draft
+(`spec_adapt.tools.bound`) and, per configuration, the fraction of the bound's speedup it reaches.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class Cell:
     plain_steps: int = 0           # steps the policy ran at gamma = 0 for every row
     verifier: dict = field(default_factory=dict)   # summed SpecStats.verifier counters (EarlyExitVerifier)
     warm: bool | None = None       # --policy-state: the policy started from a saved state (None: not applicable)
+    bound: dict | None = None      # the hindsight bound on the same inputs (`bound.hindsight`; batch 1 with a draft)
 
     def add_stats(self, stats) -> None:
         self.drafted += stats.drafted
@@ -95,7 +102,8 @@ class Cell:
 def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=None, ignore_eos=False, xdraft=None):
     """Return fn(encoded batch) -> (sequences, SpecStats | None), or None if the config cannot run. `ignore_eos`:
     every row generates exactly `new_tokens` (to measure the loop itself, e.g. its overhead at gamma = 0).
-    `xdraft`: (model, tokenizer) of a draft with its own tokenizer."""
+    `xdraft`: (model, tokenizer) of a draft with its own tokenizer. A spec_adapt name ending in COLD gets a fresh
+    policy at every call."""
     import spec_adapt
 
     common = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -125,25 +133,45 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
             return None
         return lambda enc: (model.generate(**enc, **common, assistant_model=xdraft[0], tokenizer=tok,
                                            assistant_tokenizer=xdraft[1]), None)
-    name, _, verify_name = name.partition("+")       # "+ee": EarlyExitVerifier (cost-gated); "+ee-always"
+    cold = name.endswith(COLD)
+    # "+ee": EarlyExitVerifier (cost-gated); "+ee-always"
+    name, _, verify_name = name.removesuffix(COLD).partition("+")
     verifier = parse_verifier(verify_name)
     drafter_name, _, policy_name = name.partition(":")
     make_drafter = drafter_factory(drafter_name, tok, draft, xdraft)
     # One policy object per configuration: what it learns carries over from call to call, as in serving.
     if policy_name == "chain":            # the scheduler steers one chain object, kept across calls
         chain = make_drafter()
-        policy = spec_adapt.ChainScheduler(chain)
+        fresh = lambda: spec_adapt.ChainScheduler(chain)      # noqa: E731
         make_drafter = lambda: chain      # noqa: E731
     else:
-        policy = parse_policy(policy_name or "heuristic", latency)
+        fresh = lambda: parse_policy(policy_name or "heuristic", latency)      # noqa: E731
 
     def run(enc):
+        if cold:                          # a cold row never learns across calls: each call is a policy's first
+            run.policy = fresh()
         out = model.generate(**enc, **common, custom_generate=spec_adapt.generate, drafter=make_drafter(),
-                             assistant_policy=policy, verifier=verifier)
+                             assistant_policy=run.policy, verifier=verifier)
         return out, spec_adapt.last_stats()
 
-    run.policy = policy
+    run.policy, run.cold = fresh(), cold
     return run
+
+
+COLD = " (cold)"     # the suffix of a configuration whose every call starts from a fresh policy
+
+
+def cold_rows(configs: list[str]) -> list[str]:
+    """`configs` with a cold row after each one running the default policy (<drafter>:adaptive[+verifier]): the
+    plain row times later calls of one policy object (warm), the cold row first calls of fresh ones."""
+    out = []
+    for name in configs:
+        out.append(name)
+        if name.partition("+")[0].partition(":")[2] == "adaptive" and not name.endswith(COLD):
+            out.append(name + COLD)
+    if len(out) == len(configs):
+        raise ValueError("a cold row needs a <drafter>:adaptive configuration (the default policy) in the configs")
+    return out
 
 
 CHAIN_LEVELS = ["lookup", "draft"]      # the levels of the bench's chain, for naming what a scheduler chose
@@ -270,10 +298,11 @@ def parse_policy(name: str, latency=None):
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
               repeats: int, draft=None, progress=True, rows: int = 8, latency=None, ignore_eos=False,
-              policy_state=None, xdraft=None) -> list[Cell]:
+              policy_state=None, xdraft=None, bound: int | None = None) -> list[Cell]:
     """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU).
     `policy_state`: a folder; each cell's policy starts from what a previous run saved there (warm; none saved:
-    cold) and is saved there after the cell."""
+    cold) and is saved there after the cell. `bound`: the widest draft of the hindsight bound, computed at batch 1
+    with a draft from the target's own outputs in this run (None: no bound)."""
     names = ["target"] + [c for c in configs if c != "target"]
     cells = []
     for batch in batch_sizes:
@@ -290,9 +319,15 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
         batches = [tok(used[i : i + batch], return_tensors="pt", padding=True)
                    for i in range(0, len(used) - batch + 1, batch)]
         eos = None if ignore_eos else tok.eos_token_id
+        bounded = bound is not None and batch == 1 and draft is not None
+        outputs = {}
+        if bounded:
+            runnable["target"] = _keeping_outputs(runnable["target"], outputs)
         row = time_interleaved(runnable, batches, repeats, batch,
                                count=lambda enc, out: _count_new(out[:, enc["input_ids"].shape[1]:], eos),
                                desc=f"B={batch}", progress=progress, unchecked={"target-eager"})
+        if bounded:
+            _add_bound(row, model, draft, batches, outputs, bound, progress)
         for name, fn in runnable.items():   # warm-up included: the scheduler's choices from its first step
             row[name].choices = list(getattr(getattr(fn, "policy", None), "history", None) or [])
             row[name].warm = getattr(fn, "warm", None)
@@ -302,14 +337,38 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
     return cells
 
 
+def _keeping_outputs(fn, kept: dict):
+    """fn, also keeping its latest output per input object (greedy: every repeat's is the same)."""
+
+    def run(enc):
+        out, stats = fn(enc)
+        kept[id(enc)] = out
+        return out, stats
+
+    return run
+
+
+def _add_bound(row: dict, model, draft, batches: list, outputs: dict, max_width: int, progress: bool) -> None:
+    """The hindsight bound over these batch-1 inputs, from the target's outputs kept while timing, set on every cell
+    of the row (each reads its fraction of it)."""
+    from .bound import hindsight
+
+    prompts = [enc["input_ids"][0] for enc in batches]
+    new = [outputs[id(enc)][0, len(p):] for enc, p in zip(batches, prompts)]
+    result = hindsight(model, draft, prompts, new, max_width, progress)
+    for cell in row.values():
+        cell.bound = result
+
+
 def _policy_file(folder, name: str, batch: int, fn, load: bool) -> bool | None:
     """Load (True if a saved state was found) or save a cell's policy state as JSON; None for policies without
-    state_dict / load_state_dict (fixed lengths, stock configurations)."""
+    state_dict / load_state_dict (fixed lengths, stock configurations) and for cold rows (a fresh policy per call)."""
     import json
     import re
 
     policy = getattr(fn, "policy", None)
-    if policy is None or not hasattr(policy, "state_dict") or not hasattr(policy, "load_state_dict"):
+    if policy is None or getattr(fn, "cold", False) or not hasattr(policy, "state_dict") \
+            or not hasattr(policy, "load_state_dict"):
         return None
     path = Path(folder) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-B{batch}.json"
     if not load:
@@ -392,6 +451,7 @@ def summarize(cells: list[Cell]) -> list[dict]:
             "ms_per_token": 1000 * statistics.median(t / n for n, t in zip(c.tokens, c.times)),
             "speedup": statistics.median(speedups), "speedup_min": min(speedups), "speedup_max": max(speedups),
             "speedup_vs_eager": statistics.median(versus_eager) if versus_eager else None,
+            **_versus_bound(c.bound, statistics.median(speedups)),
             "alpha": c.accepted / c.drafted if c.drafted else None,
             "acceptance_length": c.step_tokens / c.row_steps if c.row_steps else None,
             "per_position_acceptance": [a / d if d else 0.0 for d, a in c.per_position],
@@ -410,9 +470,20 @@ def summarize(cells: list[Cell]) -> list[dict]:
     return out
 
 
+def _versus_bound(bound: dict | None, speedup: float) -> dict:
+    """The bound's speedup (plain decoding's time over the best schedule's, both charged the same measured forward
+    costs, so the cost model's error in absolute seconds cancels) and the fraction of it a configuration's measured
+    `speedup` over stock generate reaches. None where no bound was computed: never a number the run did not measure."""
+    if bound is None:
+        return {"bound_speedup": None, "of_bound": None}
+    reachable = bound["plain_seconds"] / bound["seconds"]
+    return {"bound_speedup": reachable, "of_bound": speedup / reachable}
+
+
 def write_results(cells: list[Cell], summary: list[dict], out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    bound = next((c.bound for c in cells if c.bound is not None), None)
+    (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary, "bound": bound}, indent=1))
     (out_dir / "traces.json").write_text(json.dumps(
         [{"config": c.config, "batch_size": c.batch_size, "trace": c.trace} for c in cells if c.trace]))
     with open(out_dir / "summary.csv", "w", newline="") as f:
@@ -431,7 +502,8 @@ def _plot(summary: list[dict], out_dir: Path, meta: dict) -> None:
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(s["config"] for s in summary))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    bounded = [s for s in summary if s.get("of_bound") is not None]
+    fig, axes = plt.subplots(1, 4 if bounded else 3, figsize=(21 if bounded else 16, 4.5))
     for config in configs:
         rows = [s for s in summary if s["config"] == config]
         bs = [s["batch_size"] for s in rows]
@@ -447,19 +519,32 @@ def _plot(summary: list[dict], out_dir: Path, meta: dict) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(b) for b in sizes])
     axes[2].set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance")
-    for ax in axes:
+    for ax in axes[:3]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    if bounded:
+        _plot_bound(axes[3], bounded)
     fig.suptitle(f"{meta.get('workload')}: {meta.get('model')} {meta.get('dtype')}, {meta.get('new_tokens')} new tokens")
     fig.tight_layout()
     fig.savefig(out_dir / "bench.png", dpi=110)
     plt.close(fig)
 
 
+def _plot_bound(ax, rows: list[dict]) -> None:
+    """Each batch-1 configuration's fraction of the hindsight bound's speedup (the line at 1 is the bound)."""
+    ax.barh([s["config"] for s in rows][::-1], [s["of_bound"] for s in rows][::-1])
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set(xlabel="fraction of the bound's speedup", title=f"of bound (B=1; the bound: {rows[0]['bound_speedup']:.2f}x "
+           "plain decoding)")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(alpha=0.3, axis="x")
+
+
 def print_table(summary: list[dict]) -> None:
     eager = any(s.get("speedup_vs_eager") is not None for s in summary)
+    bound = next((s["bound_speedup"] for s in summary if s.get("bound_speedup") is not None), None)
     print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} " + ("vs eager " if eager else "")
-          + f"{'alpha':>6} {'acc.len':>7} {'c':>5} {'γ=0':>5} identical")
+          + ("of bound " if bound else "") + f"{'alpha':>6} {'acc.len':>7} {'c':>5} {'γ=0':>5} identical")
     for s in summary:
         alpha = f"{s['alpha']:.2f}" if s["alpha"] is not None else "-"
         length = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] is not None else "-"
@@ -467,9 +552,13 @@ def print_table(summary: list[dict]) -> None:
         plain = f"{s['plain_step_share']:.0%}" if s.get("plain_step_share") is not None else "-"
         spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
         versus = (f"{s['speedup_vs_eager']:>7.2f}x " if s.get("speedup_vs_eager") else f"{'-':>8} ") if eager else ""
+        share = (f"{s['of_bound']:>8.0%} " if s.get("of_bound") is not None else f"{'-':>8} ") if bound else ""
         same = "n/a" if s["identical"] is None else s["identical"]
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
-              f"{versus}{alpha:>6} {length:>7} {ratio:>5} {plain:>5} {same}")
+              f"{versus}{share}{alpha:>6} {length:>7} {ratio:>5} {plain:>5} {same}")
+    if bound:
+        print(f"of bound: speedup / the hindsight bound's ({bound:.2f}x at B=1: the best draft-length schedule with "
+              "--draft over plain decoding, both charged this machine's forward costs; spec_adapt/tools/bound.py)")
     for s in summary:
         if s.get("chains_chosen"):
             print(f"chains chosen by {s['config']} at B={s['batch_size']}: " + "; ".join(

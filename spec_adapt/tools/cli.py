@@ -81,24 +81,28 @@ def bench(args) -> None:
     from spec_adapt.tools.models import load_model
     from spec_adapt.recipes import workloads
 
+    configs = _bench_configs(args)
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype, **_offload(args))
     draft, xdraft = _draft(model, args), _xdraft(args)
+    if args.bound is not None and (draft is None or 1 not in args.batch_sizes):
+        print("--bound: the hindsight bound needs a draft model (--draft or --draft-layers) and batch size 1; "
+              "the 'of bound' column stays empty")
     if args.prepare:
         from spec_adapt import prepare
 
         model, draft = prepare(model), prepare(draft) if draft is not None else None
-        args.configs = [c for c in args.configs if c != "target-eager"]
+        configs = [c for c in configs if c != "target-eager"]
         if not args.no_eager:
-            args.configs.insert(1 if "target" in args.configs else 0, "target-eager")
+            configs.insert(1 if "target" in configs else 0, "target-eager")
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
     from spec_adapt.tools.profiling import LatencyTable
 
     latency = LatencyTable.load(args.latency) if args.latency else None
-    cells = b.run_bench(model, tok, prompts, args.configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
+    cells = b.run_bench(model, tok, prompts, configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
                         rows=args.rows, latency=latency, ignore_eos=args.ignore_eos, policy_state=args.policy_state,
-                        xdraft=xdraft)
+                        xdraft=xdraft, bound=args.bound)
     summary = b.summarize(cells)
     b.print_table(summary)
     name = Path(args.prompts).stem if args.prompts else args.workload
@@ -106,11 +110,31 @@ def bench(args) -> None:
             "prepared": args.prepare, "cpu": cpu_name(), "target_memory_mb": args.target_memory,
             "device_map": getattr(model, "hf_device_map", None),
             **_draft_meta(draft, args), "policy_state": args.policy_state, "new_tokens": args.new_tokens,
-            "prompts": len(prompts), "repeats": args.repeats,
+            "prompts": len(prompts), "repeats": args.repeats, "bound_max_width": args.bound,
             "command": "spec-adapt " + " ".join(args.argv)}
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
+
+
+def _bench_configs(args) -> list[str]:
+    """--configs, with a cold row beside each default-policy configuration under --cold; the numbers checked before
+    any model loads."""
+    from spec_adapt.tools import bench as b
+
+    for option in ("num_prompts", "rows", "new_tokens", "repeats"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if min(args.batch_sizes) < 1:
+        raise SystemExit(f"--batch-sizes must be at least 1, got {args.batch_sizes}")
+    if args.bound is not None and not 1 <= args.bound <= 32:
+        raise SystemExit(f"--bound takes the widest draft of the bound's schedules, 1 to 32, got {args.bound}")
+    if not args.cold:
+        return list(args.configs)
+    try:
+        return b.cold_rows(args.configs)
+    except ValueError as exc:
+        raise SystemExit(f"--cold: {exc}") from exc
 
 
 def _offload(args) -> dict:
@@ -443,6 +467,11 @@ def main(argv=None) -> None:
     p.add_argument("--offload-folder", help="where accelerate writes the offloaded weights (default: a temp folder)")
     p.add_argument("--policy-state", help="a folder: each cell's policy starts from the state a previous run saved "
                    "there (warm; cold if none) and is saved there afterwards")
+    p.add_argument("--bound", type=int, nargs="?", const=8, metavar="MAX_WIDTH",
+                   help="at batch 1 with a draft: the hindsight bound of draft-length schedules up to MAX_WIDTH "
+                   "(default 8) and each configuration's fraction of its speedup ('of bound'; docs/benchmarks.md)")
+    p.add_argument("--cold", action="store_true", help="beside each <drafter>:adaptive configuration, a row "
+                   "'<config> (cold)' whose every call starts from a fresh policy (the plain row: later calls, warm)")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
     p.set_defaults(func=bench)
     p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")

@@ -1,0 +1,107 @@
+"""The hindsight bound: how fast any speculative-length schedule with this draft could be, at batch 1.
+
+Greedy decoding fixes the output (it is the target's), so the draft's agreement with it is fixed too: one
+teacher-forced draft forward over prompt + output gives, at every output position i, run[i] = how many output tokens
+from i the draft predicts in a row. A step at i that drafts g tokens commits min(run[i], g) + 1 of them and costs
+T(g) = verify(g + 1 tokens) + g draft tokens, measured on this machine at batch 1 (`profile`). The least total time
+over all schedules is a dynamic program over i. It bounds every length policy with this draft: it knows the future
+and is charged no per-step overhead, no draft prefill or catch-up beyond one draft token per drafted token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+
+def agreement_runs(draft, prompt: torch.Tensor, output: torch.Tensor, vocab: int) -> list[int]:
+    """run[i]: how many output tokens from i on the draft predicts in a row, given the target's own prefix
+    (len(output) + 1 entries; the last is 0). `vocab`: the target's vocabulary (a draft's head may be padded)."""
+    ids = torch.cat([prompt, output])[None]
+    with torch.no_grad():
+        logits = draft(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(output), :vocab]
+    match = (logits.argmax(-1) == output).tolist()
+    runs = [0] * (len(output) + 1)
+    for i in range(len(output) - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if match[i] else 0
+    return runs
+
+
+def _reach(runs: Sequence[int], i: int, width: int) -> int:
+    """Where a step at i drafting `width` tokens leaves the output: its accepted drafts plus the target's token."""
+    return i + min(runs[i], width) + 1
+
+
+def best_schedule(runs: Sequence[int], costs: Sequence[float]) -> tuple[float, list[int]]:
+    """Least seconds to commit output tokens 1..n-1 (token 0 comes from the prefill; n = len(runs) - 1) when a step
+    drafting g tokens costs costs[g]: (seconds, the width of each step). Widths never pass the output's end, where
+    nothing more can be accepted."""
+    n = len(runs) - 1
+    best, choice = [0.0] * (n + 1), [0] * (n + 1)
+    for i in range(n - 1, 0, -1):
+        best[i], choice[i] = min((costs[g] + best[_reach(runs, i, g)], g)
+                                 for g in range(min(len(costs) - 1, n - 1 - i) + 1))
+    widths, i = [], 1
+    while i < n:
+        widths.append(choice[i])
+        i = _reach(runs, i, choice[i])
+    return best[1] if n > 1 else 0.0, widths
+
+
+def fixed_schedule(runs: Sequence[int], costs: Sequence[float], width: int) -> float:
+    """Seconds to commit output tokens 1..n-1 drafting `width` tokens at every step (fewer near the end), with the
+    same costs as `best_schedule`: what a fixed length would cost under the bound's model."""
+    n, i, seconds = len(runs) - 1, 1, 0.0
+    while i < n:
+        g = min(width, n - 1 - i)
+        seconds += costs[g]
+        i = _reach(runs, i, g)
+    return seconds
+
+
+def step_costs(model, draft, max_width: int, context: int = 256, progress: bool = True) -> list[float]:
+    """costs[g] = verify(g + 1 tokens) + g draft tokens at batch 1, g = 0..max_width, measured now with `profile`
+    at `context` cached tokens (the bound is only as right as the costs it is charged with)."""
+    from .profiling import profile
+
+    table = profile(model, draft, batch_sizes=(1,), lengths=tuple(range(max_width + 1)), lags=(), context=context,
+                    progress=progress)
+    return [table.step_time(1, g) for g in range(max_width + 1)]
+
+
+def prefill_seconds(model, prompt: torch.Tensor, repeats: int = 3) -> float:
+    """The target's forward over the prompt (median of `repeats`): every schedule pays it once."""
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(input_ids=prompt[None])
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def prompt_bound(model, draft, prompt: torch.Tensor, output: torch.Tensor, costs: Sequence[float]) -> dict:
+    """The bound for one prompt and the target's greedy `output`: seconds (prefill + best schedule), the same cost
+    model's plain decoding (to read the model against measured stock generate), tokens, steps and widths."""
+    runs = agreement_runs(draft, prompt, output, model.config.vocab_size)
+    prefill = prefill_seconds(model, prompt)
+    seconds, widths = best_schedule(runs, costs)
+    return {"seconds": prefill + seconds, "plain_seconds": prefill + fixed_schedule(runs, costs, 0),
+            "tokens": len(output), "steps": len(widths), "widths": widths}
+
+
+def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Tensor], max_width: int = 8,
+              progress: bool = True) -> dict:
+    """The bound over prompts (1-D ids) and the target's greedy outputs (1-D new tokens), with step costs measured
+    at a typical context of these calls (a median prompt plus half a median output)."""
+    from tqdm import tqdm
+
+    context = int(statistics.median(len(p) for p in prompts) + statistics.median(len(o) for o in outputs) // 2)
+    costs = step_costs(model, draft, max_width, context=max(1, context), progress=progress)
+    rows = [prompt_bound(model, draft, p, o, costs)
+            for p, o in tqdm(list(zip(prompts, outputs)), desc="bound", disable=not progress)]
+    return {"seconds": sum(r["seconds"] for r in rows), "plain_seconds": sum(r["plain_seconds"] for r in rows),
+            "max_width": max_width, "context": context, "costs": costs, "prompts": rows}

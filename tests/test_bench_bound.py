@@ -1,0 +1,174 @@
+"""The hindsight bound (`spec_adapt.tools.bound`) and its column in `spec-adapt bench`: the dynamic program finds the
+best schedule on hand-made runs and costs, never loses to plain decoding or a fixed length, and the bench reports
+each configuration's fraction of it only where it was computed (batch 1 with a draft)."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spec_adapt.tools import bench as b
+from spec_adapt.tools.bound import agreement_runs, best_schedule, fixed_schedule
+
+from conftest import PAD, cached_model, tiny_model
+from tiny_tokenizers import char_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread and lose much when another process holds a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def runs_of(matches: list[bool]) -> list[int]:
+    """run[i] from whether the draft's token at each output position is the target's (as `agreement_runs` counts)."""
+    runs = [0] * (len(matches) + 1)
+    for i in range(len(matches) - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if matches[i] else 0
+    return runs
+
+
+def test_no_agreement_gives_plain_decoding():
+    """A draft that is never right: every drafted token is paid for and rejected, so the best is to draft nothing."""
+    costs = [1.0 + 0.2 * g for g in range(9)]
+    seconds, widths = best_schedule(runs_of([False] * 10), costs)
+    assert widths == [0] * 9 and seconds == pytest.approx(9 * costs[0])
+
+
+def test_long_agreement_with_cheap_drafts_drafts_the_widest():
+    """A draft that is always right and nearly free: 27 tokens in 3 steps of the widest draft (8 + 1 each); no
+    schedule has fewer steps, and 3 steps reach the end only at full width."""
+    costs = [1.0 + 0.01 * g for g in range(9)]
+    seconds, widths = best_schedule(runs_of([True] * 28), costs)
+    assert widths == [8, 8, 8] and seconds == pytest.approx(3 * costs[8])
+
+
+def test_a_rejected_token_is_covered_by_the_target_token():
+    """Right on output tokens 1-4, wrong on 5, right on 6-9: a width-4 step at 1 commits 1-4 plus the target's own
+    token 5, and another at 6 commits 6-10. Two steps at 2.0 each; any other schedule costs more."""
+    matches = [True] * 5 + [False] + [True] * 4 + [False]
+    seconds, widths = best_schedule(runs_of(matches), [1.0 + 0.25 * g for g in range(5)])
+    assert widths == [4, 4] and seconds == pytest.approx(4.0)
+
+
+def test_expensive_drafts_decode_plainly_however_good_the_draft():
+    """Each drafted token costs more than a plain step: drafting g commits g + 1 tokens for more than g + 1 steps."""
+    costs = [1.0 + 1.5 * g for g in range(9)]
+    seconds, widths = best_schedule(runs_of([True] * 12), costs)
+    assert set(widths) == {0} and seconds == pytest.approx(11 * costs[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(matches=st.lists(st.booleans(), min_size=1, max_size=40),
+       costs=st.lists(st.floats(0.01, 2.0), min_size=1, max_size=9))
+def test_the_bound_is_never_slower_than_plain_or_any_fixed_length(matches, costs):
+    """With the same costs, the bound's time is at most plain decoding's and every fixed length's, and it is the
+    time of the widths it reports, which commit exactly the output."""
+    runs = runs_of(matches)
+    seconds, widths = best_schedule(runs, costs)
+    for width in range(len(costs)):
+        assert seconds <= fixed_schedule(runs, costs, width) + 1e-9
+    assert seconds == pytest.approx(sum(costs[g] for g in widths))
+    position = 1
+    for g in widths:
+        position += min(runs[position], g) + 1
+    assert position == max(1, len(matches))
+
+
+def test_agreement_runs_of_the_target_itself():
+    """The target as its own draft predicts all of its greedy output; another model's runs stay within bounds."""
+    target = cached_model("llama")
+    prompt = torch.tensor([5, 17, 33, 9, 41])
+    output = target.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=PAD,
+                             eos_token_id=None)[0, len(prompt):]
+    assert agreement_runs(target, prompt, output, target.config.vocab_size) == list(range(12, -1, -1))
+    other = agreement_runs(cached_model("llama", seed=1), prompt, output, target.config.vocab_size)
+    assert all(0 <= r <= 12 - i for i, r in enumerate(other))
+
+
+@pytest.fixture(scope="module")
+def pair_folders(tmp_path_factory):
+    """A tiny Llama and a draft that agrees with it often (its head perturbed), saved with a character tokenizer,
+    and a JSONL file of completion prompts."""
+    folder = tmp_path_factory.mktemp("pair")
+    target = tiny_model("llama")
+    draft = copy.deepcopy(target)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(0.02 * torch.randn_like(draft.lm_head.weight))
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(folder / name)
+        char_tokenizer().save_pretrained(folder / name)
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text, "format": "completion"}) + "\n"
+                               for text in ("def add(a, b):", "for i in range(10):", "Hello, world!")))
+    return folder
+
+
+def bench(*argv: str) -> None:
+    """`spec-adapt bench ...`, leaving the session's grad mode as it was (the command turns grad off)."""
+    from spec_adapt.tools.cli import main
+
+    with torch.enable_grad():
+        main(["bench", *argv])
+
+
+def test_bench_writes_the_bound_column(pair_folders, capsys):
+    """`spec-adapt bench --bound --cold` at batch sizes 1 and 2: every batch-1 row has its speedup's fraction of the
+    bound's in (0, 3] (above 1 only by timing noise: the bound is the best schedule, and stock generate's own
+    fraction is 1 / the bound's speedup); batch-2 rows leave it empty in JSON and CSV; the default policy has a cold
+    row beside its warm one."""
+    out = pair_folders / "out"
+    bench("--model", str(pair_folders / "target"), "--draft", str(pair_folders / "draft"),
+          "--prompts", str(pair_folders / "prompts.jsonl"), "--num-prompts", "2", "--rows", "2",
+          "--batch-sizes", "1", "2", "--new-tokens", "10", "--repeats", "1", "--ignore-eos",
+          "--configs", "target", "draft:fixed2", "draft:adaptive", "lookup:fixed2", "--bound", "4", "--cold",
+          "--out", str(out))
+    saved = json.loads((out / "summary.json").read_text())
+    rows = {(s["config"], s["batch_size"]): s for s in saved["summary"]}
+    configs = ["target", "draft:fixed2", "draft:adaptive", "draft:adaptive (cold)", "lookup:fixed2"]
+    assert set(rows) == {(c, batch) for c in configs for batch in (1, 2)}
+    for config in configs:
+        assert 0 < rows[config, 1]["of_bound"] <= 3, config
+        assert rows[config, 1]["of_bound"] == pytest.approx(rows[config, 1]["speedup"]
+                                                            / rows[config, 1]["bound_speedup"])
+        assert rows[config, 2]["of_bound"] is None and rows[config, 2]["bound_speedup"] is None
+        assert rows[config, 1]["identical"] and rows[config, 2]["identical"]
+    bound = saved["bound"]
+    assert rows["target", 1]["bound_speedup"] == pytest.approx(bound["plain_seconds"] / bound["seconds"])
+    assert len(bound["prompts"]) == 2 and len(bound["costs"]) == 5 and all(p["tokens"] == 10 for p in bound["prompts"])
+    assert 0 < bound["seconds"] <= bound["plain_seconds"]
+    with open(out / "summary.csv") as f:
+        table = {(r["config"], r["batch_size"]): r["of_bound"] for r in csv.DictReader(f)}
+    assert table["draft:adaptive (cold)", "2"] == "" and float(table["draft:adaptive (cold)", "1"]) > 0
+    assert "of bound" in capsys.readouterr().out and (out / "bench.png").exists()
+
+
+def test_no_draft_leaves_the_column_empty():
+    """Without a draft model there is no bound to compute: the column is None, not a number."""
+    model, tok = cached_model("llama"), char_tokenizer()
+    cells = b.run_bench(model, tok, ["def add(a, b):"], ["target", "lookup:fixed2"], [1], 6, 1, progress=False,
+                        rows=1, ignore_eos=True, bound=4)
+    assert all(s["of_bound"] is None and s["bound_speedup"] is None for s in b.summarize(cells))
+
+
+@pytest.mark.parametrize("argv, message", [(["--bound", "0"], "--bound"), (["--repeats", "0"], "--repeats"),
+                                           (["--cold", "--configs", "target", "draft:fixed2"], "--cold")])
+def test_bench_refuses_bad_options_before_loading(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench("--model", "/nonexistent", *argv)
+
+
+def test_cold_rows_follow_their_warm_row():
+    assert b.cold_rows(["target", "draft:adaptive", "lookup:adaptive+ee", "draft:fixed3"]) == [
+        "target", "draft:adaptive", "draft:adaptive (cold)", "lookup:adaptive+ee", "lookup:adaptive+ee (cold)",
+        "draft:fixed3"]
