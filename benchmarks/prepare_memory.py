@@ -1,7 +1,7 @@
 """Resident memory of a target and draft pair, unprepared and prepared (`spec_adapt.prepare`), each configuration in a
-process of its own: the memory a process holds after loading, preparing and running both models, and what the
-machine had left (MemAvailable) before and after. A 5-token forward over a 64-token context is timed in each (median
-of `--repeats`), to show that where the plain weights live does not change what a prepared forward costs.
+process of its own: the memory the process holds after loading, preparing and running both models (resident set,
+split into anonymous and file-backed pages). A 5-token forward over a 64-token context is timed in each (median of
+`--repeats`; processes differ by a few percent run to run, so compare the timings loosely).
 
     python benchmarks/prepare_memory.py --out results/memory/prepare-qwen
 
@@ -25,16 +25,11 @@ import torch
 CONFIGS = ("eager", "prepared", "prepared-spill-off")
 
 
-def status_kib() -> dict:
+def status_mib() -> dict:
     """This process's resident memory, split into anonymous and file-backed pages, in MiB."""
     with open("/proc/self/status") as status:
         fields = dict(line.split(":", 1) for line in status)
     return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "RssAnon", "RssFile")}
-
-
-def available_mib() -> float:
-    with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:")) / 1024
 
 
 def forward_ms(model, repeats: int) -> float:
@@ -58,13 +53,12 @@ def child(config: str, names: list[str], repeats: int) -> dict:
     from spec_adapt import prepare
     from spec_adapt.tools.models import load_model
 
-    before = available_mib()
     models = [load_model(name, dtype=torch.float32)[0] for name in names]
     for model in models:
         if config != "eager":
             prepare(model, spill=config == "prepared")
     times = {name: forward_ms(model, repeats) for name, model in zip(names, models)}
-    return {"config": config, **status_kib(), "available_drop_mib": before - available_mib(), "forward_ms": times}
+    return {"config": config, **status_mib(), "forward_ms": times}
 
 
 def main() -> None:
@@ -89,11 +83,11 @@ def main() -> None:
         rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
     base = rows[0]["VmRSS"]
     print(f"CPU: {cpu_name()}   models: {', '.join(args.models)} (float32)")
-    print(f"{'configuration':<20}{'RSS MiB':>10}{'anon':>9}{'file':>9}{'x eager':>9}{'avail. drop':>13}  forward ms")
+    print(f"{'configuration':<20}{'RSS MiB':>10}{'anon':>9}{'file':>9}{'x eager':>9}  forward ms")
     for row in rows:
         ms = ", ".join(f"{v:.0f}" for v in row["forward_ms"].values())
         print(f"{row['config']:<20}{row['VmRSS']:>10.0f}{row['RssAnon']:>9.0f}{row['RssFile']:>9.0f}"
-              f"{row['VmRSS'] / base:>9.2f}{row['available_drop_mib']:>13.0f}  {ms}")
+              f"{row['VmRSS'] / base:>9.2f}  {ms}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"cpu": cpu_name(), "models": args.models, "command": " ".join(["python", *sys.argv])}

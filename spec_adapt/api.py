@@ -342,7 +342,8 @@ def _check_left_padding(mask) -> None:
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
         raise ValueError(
             "The attention_mask has padding after real tokens (right padding). Decoder-only generation needs left "
-            "padding: set tokenizer.padding_side = 'left' before tokenizing the batch."
+            "padding: set tokenizer.padding_side = 'left' before tokenizing the batch. (Stock generate runs it with a "
+            "warning that its results are not correct: the next token would be read off a padding position.)"
         )
     if bool((mask.sum(dim=1) == 0).any()):
         raise ValueError("A row of the batch has no real tokens (its attention_mask is all zeros).")

@@ -45,8 +45,8 @@ import inspect
 import weakref
 
 import torch
-from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
-                     EncoderDecoderCache, LinearAttentionLayer, attn_implementation, layer_types, takes_4d_mask,
+from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicIndexedLayer, DynamicLayer,
+                     DynamicSlidingWindowLayer, EncoderDecoderCache, LinearAttentionLayer, attn_implementation, layer_types, takes_4d_mask,
                      with_cache)
 from .inputs import encoder_decoder
 
@@ -68,7 +68,8 @@ def check_rollback_cache(cache) -> None:
         )
     bad = [type(layer).__name__ for layer in cache.layers if type(layer) not in _KEPT_LAYERS
            or type(layer) is DynamicSlidingWindowLayer and layer.is_initialized
-           or type(layer) is LinearAttentionLayer and any(layer.is_recurrent_states_initialized.values())]
+           or type(layer) is LinearAttentionLayer and any(layer.is_recurrent_states_initialized.values())
+           or getattr(layer, "indexer_position_ids", None) is not None]
     if bad:
         raise UnsupportedCacheError(
             f"spec_adapt cannot roll back cache layers of type {sorted(set(bad))} per row (linear-attention, "
@@ -77,7 +78,8 @@ def check_rollback_cache(cache) -> None:
         )
 
 
-_KEPT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)   # the last: convolution states only
+# Layers kept per column: attention (an indexed layer's indexer keys too) and convolutions (their input columns).
+_KEPT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, LinearAttentionLayer)
 
 _POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -126,16 +128,28 @@ def _reads_positions(model) -> bool:
 
 # Layer types whose cache entries the ledger keeps per column: attention (a window is enforced by the mask) and
 # short convolutions (the ledger keeps their input columns).
-_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "conv")
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "indexed_attention", "conv")
+
+
+# Model types whose forward cannot take several new tokens over a filled cache, which every verification needs.
+_ONE_TOKEN_AT_A_TIME = {
+    "blt": "its global model runs over byte patches, and a forward of several new bytes over a filled cache does not "
+           "line up with them (it fails inside the model)",
+}
 
 
 def check_stateful(model) -> None:
     """Stock refuses assisted generation for stateful models (recurrent states cannot go back to an earlier
-    token); so does spec_adapt, with the same reason."""
+    token); so does spec_adapt, with the same reason. Models that decode only one token per forward over a cache are
+    refused by name, with theirs."""
     if getattr(model, "_is_stateful", False):
         raise UnsupportedCacheError(
             f"assisted generation is not supported with stateful models, such as {type(model).__name__} (its recurrent "
             "state cannot be reset to an earlier token, in stock transformers either). Generate without a drafter.")
+    reason = _ONE_TOKEN_AT_A_TIME.get(getattr(model.config, "model_type", None))
+    if reason is not None:
+        raise UnsupportedCacheError(f"spec_adapt cannot run {type(model).__name__}: {reason}. Generate with stock "
+                                    "`generate` and no drafter.")
 
 
 def sliding_windows(model) -> dict[str, int | None] | None:
@@ -188,9 +202,23 @@ def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tens
     return torch.cat([zeros, tensor] if before else [tensor, zeros])
 
 
-def _with_columns(tensor: torch.Tensor, n: int) -> torch.Tensor:
-    """`tensor` [B, H, P, D] with n zero columns before the others."""
-    return torch.cat([tensor.new_zeros(tensor.shape[:2] + (n,) + tensor.shape[3:]), tensor], dim=2)
+def _with_columns(tensor: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
+    """`tensor` with n zero columns before the others along `dim`."""
+    return torch.cat([tensor.new_zeros(tensor.shape[:dim] + (n,) + tensor.shape[dim + 1:]), tensor], dim=dim)
+
+
+def _column_tensors(layer) -> list[tuple[str, int]]:
+    """(attribute, column dim) of a cache layer's per-token tensors: keys and values [B, H, P, D], and an indexed
+    layer's indexer keys [B, P, D] (sparse attention picks among them: they follow every move of the keys)."""
+    names = [("keys", 2), ("values", 2)]
+    indexer = getattr(layer, "indexer_keys", None)
+    return names + [("indexer_keys", 1)] if indexer is not None and indexer.numel() else names
+
+
+def _map_columns(layer, fn) -> None:
+    """Replace each per-token tensor t of `layer` with fn(t, its column dim)."""
+    for name, dim in _column_tensors(layer):
+        setattr(layer, name, fn(getattr(layer, name), dim))
 
 
 def check_no_convolutions(model, what: str) -> None:
@@ -389,6 +417,9 @@ class KVLedger:
             raise ValueError(f"{type(self.model).__name__} takes inputs besides token ids (images, encoder outputs): "
                              "a forward that stops mid-way cannot pass them on. Verify with the FullVerifier.")
         check_no_convolutions(self.model, "a verification that stops mid-way (Top-K early exit)")
+        if any(kind == "indexed_attention" for kind, _ in layer_types(self.model)):
+            raise ValueError(f"{type(self.model).__name__} keeps indexer keys beside its KV cache, which a verification "
+                             "that stops mid-way does not cut back: verify with the FullVerifier.")
         self.release_spares()    # a runner sees live rows only
         self._restore_dropped()  # and every column of every layer
         n_valid = n_valid.to(self.device)
@@ -520,7 +551,7 @@ class KVLedger:
             self.inputs.select_rows(index, self.slots.shape[0])
         self.slots, self.pad, self.n_cached = self.slots[index], self.pad[index], self.n_cached[index]
         for layer in layers + self._cross_layers():
-            layer.keys, layer.values = layer.keys[physical], layer.values[physical]
+            _map_columns(layer, lambda t, dim: t[physical])
         self.spare = spare
         self._trim()
 
@@ -552,15 +583,15 @@ class KVLedger:
         mine, theirs = self._layers(), other._layers()
         if not theirs:                 # the joining rows have no KV yet (an offloaded draft): holes for them
             for layer in mine:
-                layer.keys, layer.values = _with_rows(layer.keys, their_rows), _with_rows(layer.values, their_rows)
+                _map_columns(layer, lambda t, dim: _with_rows(t, their_rows))
         elif not mine:                 # no KV here yet: take theirs, with holes for the rows already here
             self.cache = other.cache
             for layer in self._layers():
-                layer.keys = _with_rows(layer.keys, mine_rows, before=True)
-                layer.values = _with_rows(layer.values, mine_rows, before=True)
+                _map_columns(layer, lambda t, dim: _with_rows(t, mine_rows, before=True))
         else:
             for a, b in zip(mine, theirs):
-                a.keys, a.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
+                for name, _ in _column_tensors(a):
+                    setattr(a, name, torch.cat([getattr(a, name), getattr(b, name)]))
 
     def drop_kv(self) -> None:
         """Free every cached entry and keep the rows: nothing is cached past each row's padding, so the next
@@ -580,11 +611,8 @@ class KVLedger:
         self.conv_inputs = {i: torch.cat([r, r.new_zeros(r.shape[:2] + (extra,))], dim=2)
                             for i, r in self.conv_inputs.items()}
         for layer in self._layers():
-            shape = list(layer.keys.shape)
-            shape[2] = extra
-            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(shape)], dim=2)
-            layer.values = torch.cat([layer.values, layer.values.new_zeros(shape[:3] + [layer.values.shape[3]])],
-                                     dim=2)
+            _map_columns(layer, lambda t, dim: torch.cat([t, t.new_zeros(t.shape[:dim] + (extra,) + t.shape[dim + 1:])],
+                                                         dim=dim))
 
     def reclaimable(self) -> int:
         """Slots compaction would free: physical length minus the longest row's count of valid entries."""
@@ -594,8 +622,6 @@ class KVLedger:
 
     def compact(self) -> None:
         """Move each row's valid entries to the front of the cache (stable), then trim. Attention is unchanged."""
-        from .acceptor import gather_slots
-
         valid = self.slots >= 0
         keep = int(valid.sum(dim=1).max())
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]   # valid slots first
@@ -607,13 +633,20 @@ class KVLedger:
         for kind, layer in self._typed_layers():
             # A column a sliding type no longer holds is outside every row's window: any content serves (masked).
             index = (physical[:, new.get(kind, 0):] - old.get(kind, 0)).clamp(min=0)
-            layer.keys, self.compact_path = gather_slots(layer.keys, index, self.kernels)
-            layer.values, _ = gather_slots(layer.values, index, self.kernels)
+            _map_columns(layer, lambda t, dim: self._gather(t, dim, index))
         self.dropped = {kind: count for kind, count in new.items() if count}
         self.conv_inputs = {i: r.gather(2, physical[:, None, :].expand(-1, r.shape[1], -1))
                             for i, r in self.conv_inputs.items()}
         self.compactions += 1
         self._trim()
+
+    def _gather(self, tensor: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Columns index [rows, keep] of each row of `tensor` (the compaction gather)."""
+        from .acceptor import gather_slots
+
+        heads = tensor if dim == 2 else tensor.unsqueeze(1)
+        out, self.compact_path = gather_slots(heads, index, self.kernels)
+        return out if dim == 2 else out.squeeze(1)
 
     @contextlib.contextmanager
     def _cut_back_on_failure(self, length: int):
@@ -625,7 +658,7 @@ class KVLedger:
             for kind, layer in self._typed_layers():
                 held = max(length - self.dropped.get(kind, 0), 0)
                 if layer.keys.shape[-2] > held:
-                    layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]
+                    _map_columns(layer, lambda t, dim: t.narrow(dim, 0, held))
             raise
 
     def _trim(self) -> None:
@@ -639,7 +672,7 @@ class KVLedger:
             self.dropped = {kind: min(count, length) for kind, count in self.dropped.items()}
             for kind, layer in self._typed_layers():
                 held = length - self.dropped.get(kind, 0)
-                layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]
+                _map_columns(layer, lambda t, dim: t.narrow(dim, 0, held))
 
     # -- sliding windows -------------------------------------------------------------------------------------------
     def _sliding(self):
@@ -661,7 +694,7 @@ class KVLedger:
         for kind, layer in self._typed_layers():
             cut = new.get(kind, 0) - self.dropped.get(kind, 0)
             if cut > 0:
-                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+                _map_columns(layer, lambda t, dim: t.narrow(dim, cut, t.shape[dim] - cut))
         self.dropped = {kind: count for kind, count in new.items() if count}
 
     def _restore_dropped(self) -> None:
@@ -669,7 +702,7 @@ class KVLedger:
         for kind, layer in self._typed_layers():
             count = self.dropped.get(kind, 0)
             if count:
-                layer.keys, layer.values = _with_columns(layer.keys, count), _with_columns(layer.values, count)
+                _map_columns(layer, lambda t, dim: _with_columns(t, count, dim))
         self.dropped = {}
 
     def _typed_layers(self):

@@ -291,6 +291,21 @@ def test_a_hybrid_convolution_model_is_identical_to_stock(batch):
     assert stats.accepted > 0
 
 
+def test_a_convolution_models_verified_logits_match_one_token_decoding():
+    """Stricter than tokens (a tiny model's greedy choice survives a small error): every generated position's logits
+    equal stock's at batch 3, with rows that accept differently, so rejected drafts sit in the cache."""
+    model = family("lfm2")
+    ids, mask = long_ragged(3, seed=25)
+    common = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
+                  eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    stock = model.generate(**common)
+    ours = model.generate(**common, custom_generate=spec_adapt.generate, assistant_policy=FixedLength(3),
+                          drafter=Oracle(stock.sequences, mask, ["right", 2, "wrong"]).drafter())
+    assert torch.equal(ours.sequences, stock.sequences)
+    for position, (mine, theirs) in enumerate(zip(ours.logits, stock.logits)):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-4), position
+
+
 def test_convolution_models_refuse_trees_and_stateful_models_get_stocks_reason():
     import transformers
 
@@ -302,6 +317,27 @@ def test_convolution_models_refuse_trees_and_stateful_models_get_stocks_reason()
     mamba = transformers.MambaForCausalLM(config).eval()
     with pytest.raises(ValueError, match="not supported with stateful models, such as MambaForCausalLM"):
         spec(mamba, ids, mask, PromptLookupDrafter(2, 1), FixedLength(2))
+
+
+def test_a_byte_latent_model_is_refused_by_name():
+    """BLT's forward cannot take several new bytes over a filled cache (its patches would not line up): refused
+    where it enters, with or without a drafter, rather than failing inside the model. (Config: transformers' own
+    BLT tester's sizes.)"""
+    from transformers import BltConfig, BltForCausalLM
+
+    part = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=32, max_position_embeddings=32, rope_parameters={"rope_type": "default"})
+    config = BltConfig(vocab_size=32, max_position_embeddings=32, patch_in_forward=False, patch_size=4, cross_attn_k=2,
+                       encoder_hash_byte_group_size=[2, 3], encoder_hash_byte_group_vocab=64,
+                       patcher_config=part, encoder_config=part, tie_word_embeddings=False,
+                       decoder_config={**part, "vocab_size": 32, "hidden_size_global": 32},
+                       global_config={**part, "hidden_size": 32}, pad_token_id=PAD, eos_token_id=EOS)
+    config.num_attention_heads, config.num_hidden_layers, config.hidden_size = 2, 1, 16     # as the tester sets them
+    model = BltForCausalLM(config).eval()
+    ids = torch.randint(3, 30, (1, 7))
+    for drafter in (PromptLookupDrafter(2, 1), None):
+        with pytest.raises(ValueError, match="cannot run BltForCausalLM: .*byte patches"):
+            spec(model, ids, torch.ones_like(ids), drafter, FixedLength(2))
 
 
 def test_a_convolution_model_through_the_engine_with_requests_joining():
