@@ -64,10 +64,25 @@ def lfm2_hybrid(seed: int = 0, layers: int = 3):
     return Lfm2ForCausalLM(config)
 
 
+def glm_dsa(seed: int = 0):
+    """GLM-MoE-DSA: sparse attention whose indexer keeps keys of its own and picks the top 6 tokens per query, so
+    the selection changes as the context grows past 6. Eight indexer heads: a ReLU'd score is exactly 0 only where
+    every head's is, so the top 6 are rarely a tie (a tie's pick depends on the forward's width, in stock too)."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    torch.manual_seed(seed)
+    config = GlmMoeDsaConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+                             qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, index_topk=6, index_head_dim=16,
+                             index_n_heads=8, first_k_dense_replace=1, max_position_embeddings=256, **SMALL)
+    return GlmMoeDsaForCausalLM(config)
+
+
 WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
 SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating}
-_BUILDERS = {**FAMILIES, **SLIDING, "lfm2": lfm2_hybrid}
+_BUILDERS = {**FAMILIES, **SLIDING, "lfm2": lfm2_hybrid, "glm_dsa": glm_dsa}
 _MADE: dict = {}
 
 
@@ -291,10 +306,25 @@ def test_a_hybrid_convolution_model_is_identical_to_stock(batch):
     assert stats.accepted > 0
 
 
-def test_a_convolution_models_verified_logits_match_one_token_decoding():
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("seed", [25, 26])
+def test_indexed_sparse_attention_is_identical_to_stock(batch, seed):
+    """DSA's indexer keys sit beside the KV cache: rollback, trimming and compaction move them with the keys."""
+    model = family("glm_dsa")
+    ids, mask = long_ragged(batch, seed=seed)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
+    for drafter, policy in [(Oracle(reference, mask, ["right", 2, "wrong"]).drafter(), FixedLength(3)),
+                            (PromptLookupDrafter(2, 1), spec_adapt.Adaptive()), (model, FixedLength(4))]:
+        out, stats = spec(model, ids, mask, drafter, policy, max_new_tokens=30)
+        assert torch.equal(out, reference), (batch, drafter)
+        assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("name", ["lfm2", "glm_dsa"])
+def test_verified_logits_match_one_token_decoding(name):
     """Stricter than tokens (a tiny model's greedy choice survives a small error): every generated position's logits
     equal stock's at batch 3, with rows that accept differently, so rejected drafts sit in the cache."""
-    model = family("lfm2")
+    model = family(name)
     ids, mask = long_ragged(3, seed=25)
     common = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
                   eos_token_id=None, return_dict_in_generate=True, output_logits=True)
