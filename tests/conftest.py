@@ -136,3 +136,16 @@ class Collect:
 @pytest.fixture(scope="session")
 def llama():
     return cached_model("llama")
+
+
+def drive_engine(engine, prompts, budgets, arrivals):
+    """Submit request i at engine step arrivals[i] (a deterministic schedule); step until all are done. The handles."""
+    handles, step = [None] * len(prompts), 0
+    while True:
+        for i, at in enumerate(arrivals):
+            if at == step:
+                handles[i] = engine.submit(prompts[i], max_new_tokens=budgets[i])
+        busy = engine.step()
+        step += 1
+        if not busy and step > max(arrivals):
+            return handles

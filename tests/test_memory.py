@@ -17,7 +17,7 @@ from spec_adapt.serving.memory import MemoryBudget, kv_bytes_per_token, reserved
 from spec_adapt.policies.base import Policy
 from spec_adapt.serving.engine import Engine, RequestError
 
-from conftest import PAD, VOCAB, cached_model, tiny_model
+from conftest import PAD, VOCAB, cached_model, drive_engine, tiny_model
 
 MODEL = cached_model("llama")
 
@@ -59,16 +59,7 @@ class Checked(Engine):
         return busy
 
 
-def serve(engine, prompts, budgets, arrivals):
-    handles, step = [None] * len(prompts), 0
-    while True:
-        for i, at in enumerate(arrivals):
-            if at == step:
-                handles[i] = engine.submit(prompts[i], max_new_tokens=budgets[i])
-        busy = engine.step()
-        step += 1
-        if not busy and step > max(arrivals):
-            return handles
+serve = drive_engine
 
 
 def test_batch_grows_after_offload_and_draft_returns_when_load_falls(tmp_path):
