@@ -19,7 +19,8 @@ import transformers
 import transformers.modeling_utils
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig                               # noqa: F401 (re-exported)
 from transformers.cache_utils import (                                                  # noqa: F401 (re-exported)
-    DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, get_layer_types_and_kwargs,
+    DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
+    get_layer_types_and_kwargs,
 )
 from transformers.generation.candidate_generator import (                              # noqa: F401 (re-exported)
     AssistedCandidateGenerator, PromptLookupCandidateGenerator,

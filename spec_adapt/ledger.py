@@ -45,7 +45,7 @@ import inspect
 import weakref
 
 import torch
-from .compat import (PER_ROW_LOGITS_TO_KEEP, DynamicCache, DynamicIndexedLayer, DynamicLayer,
+from .compat import (PER_ROW_LOGITS_TO_KEEP, DummyLayer, DynamicCache, DynamicIndexedLayer, DynamicLayer,
                      DynamicSlidingWindowLayer, EncoderDecoderCache, LinearAttentionLayer, attn_implementation, layer_types, takes_4d_mask,
                      with_cache)
 from .inputs import encoder_decoder
@@ -78,8 +78,9 @@ def check_rollback_cache(cache) -> None:
         )
 
 
-# Layers kept per column: attention (an indexed layer's indexer keys too) and convolutions (their input columns).
-_KEPT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, LinearAttentionLayer)
+# Layers kept per column: attention (an indexed layer's indexer keys too) and convolutions (their input columns);
+# a KV-sharing layer holds nothing (it reads the keys its producer layer returns in the same forward).
+_KEPT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, LinearAttentionLayer, DummyLayer)
 
 _POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -128,7 +129,7 @@ def _reads_positions(model) -> bool:
 
 # Layer types whose cache entries the ledger keeps per column: attention (a window is enforced by the mask) and
 # short convolutions (the ledger keeps their input columns).
-_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "indexed_attention", "conv")
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "indexed_attention", "conv", "dummy")
 
 
 # Model types whose forward cannot take several new tokens over a filled cache, which every verification needs.
@@ -162,10 +163,10 @@ def sliding_windows(model) -> dict[str, int | None] | None:
         raise UnsupportedCacheError(
             f"spec_adapt cannot roll back the {bad} layers of {type(model).__name__} per row (their cache transforms "
             "or shares state instead of keeping one entry per token). Generate without a drafter for this model.")
-    windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types if kind != "conv"}
+    windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types if kind not in ("conv", "dummy")}
     if all(window is None for window in windows.values()):
         return None
-    if len(windows) < len({kind for kind, _ in types}):
+    if any(kind == "conv" for kind, _ in types):
         raise UnsupportedCacheError(f"{type(model).__name__} mixes sliding-window and convolution layers, which "
                                     "spec_adapt does not roll back together. Generate without a drafter.")
     if not takes_4d_mask(model):

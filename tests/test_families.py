@@ -53,6 +53,20 @@ def gemma2_alternating():
     return Gemma2ForCausalLM(config)
 
 
+def gemma3n_shared():
+    """Gemma 3n's text model: a sliding and a full layer, then two layers that share their keys and values (cache
+    type "dummy": they read what the last layer of their own type returns in the same forward)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    config = Gemma3nTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, vocab_size_per_layer_input=VOCAB,
+                               hidden_size_per_layer_input=8, sliding_window=WINDOW, num_kv_shared_layers=2,
+                               layer_types=["sliding_attention", "full_attention"] * 2, laurel_rank=4,
+                               activation_sparsity_pattern=[0.0] * 4, max_position_embeddings=256,
+                               attn_implementation="eager", **SMALL)
+    return Gemma3nForCausalLM(config)
+
+
 def lfm2_hybrid(seed: int = 0, layers: int = 3):
     """LFM2: short convolutions (kernel 3) around a full-attention layer."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
@@ -81,7 +95,7 @@ def glm_dsa(seed: int = 0):
 
 WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
-SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating}
+SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating, "gemma3n": gemma3n_shared}
 _BUILDERS = {**FAMILIES, **SLIDING, "lfm2": lfm2_hybrid, "glm_dsa": glm_dsa}
 _MADE: dict = {}
 
