@@ -129,7 +129,8 @@ def _reads_positions(model) -> bool:
 
 # Layer types whose cache entries the ledger keeps per column: attention (a window is enforced by the mask) and
 # short convolutions (the ledger keeps their input columns).
-_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "indexed_attention", "conv", "dummy")
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "conv", "dummy")
+CHUNKED = "chunked_attention"      # its "window" is a chunk: a token sees the earlier tokens of its own chunk only
 
 
 # Model types whose forward cannot take several new tokens over a filled cache, which every verification needs.
@@ -201,6 +202,15 @@ def _with_rows(tensor: torch.Tensor, n: int, before: bool = False) -> torch.Tens
     """`tensor` [B, ...] with n zero rows appended (or prepended): rows that are all holes."""
     zeros = tensor.new_zeros((n,) + tuple(tensor.shape[1:]))
     return torch.cat([zeros, tensor] if before else [tensor, zeros])
+
+
+def _sees(kind: str, window: int, queries: torch.Tensor, keys: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """[B, W, P + W] bool: which keys (positions [B, P + W]) a layer of this kind sees from each query (positions
+    [B, W]): those less than `window` before it, or for a chunked layer those of its own chunk of `window`
+    positions, as transformers' sliding and chunked masks do (positions count from a row's first token)."""
+    if kind == CHUNKED:
+        return (queries // window)[:, :, None] == (keys // window)[:, None, :]
+    return distance < window
 
 
 def _with_columns(tensor: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
@@ -419,8 +429,8 @@ class KVLedger:
                              "a forward that stops mid-way cannot pass them on. Verify with the FullVerifier.")
         check_no_convolutions(self.model, "a verification that stops mid-way (Top-K early exit)")
         if any(kind == "indexed_attention" for kind, _ in layer_types(self.model)):
-            raise ValueError(f"{type(self.model).__name__} keeps indexer keys beside its KV cache, which a verification "
-                             "that stops mid-way does not cut back: verify with the FullVerifier.")
+            raise ValueError(f"{type(self.model).__name__} keeps indexer keys beside its KV cache, which a "
+                             "verification that stops mid-way does not cut back: verify with the FullVerifier.")
         self.release_spares()    # a runner sees live rows only
         self._restore_dropped()  # and every column of every layer
         n_valid = n_valid.to(self.device)
@@ -506,7 +516,8 @@ class KVLedger:
         distance = position_ids[:, :, None] - keys[:, None, :]                       # [B, W, P + W]
         columns = torch.arange(slots.shape[1], device=slots.device)
         own = columns[None, :] == columns[-position_ids.shape[1]:, None]             # each token's own column
-        masks = {kind: allowed if window is None else allowed & ((distance < window) | own[None])
+        masks = {kind: allowed if window is None else allowed & (_sees(kind, window, position_ids, keys, distance)
+                                                                 | own[None])
                  for kind, window in self.windows.items()}
         masks = {kind: mask[..., self.dropped.get(kind, 0):] for kind, mask in masks.items()}   # what layers hold
         return next(iter(masks.values())) if len(masks) == 1 else masks
@@ -630,7 +641,7 @@ class KVLedger:
         spares = torch.arange(keep, device=self.device).expand(self.spare, keep)      # their content is never read
         physical = torch.cat([order, spares])
         old = self.dropped
-        new = {kind: self._dead_prefix(window) for kind, window in self._sliding()}
+        new = {kind: self._dead_prefix(kind, window) for kind, window in self._sliding()}
         for kind, layer in self._typed_layers():
             # A column a sliding type no longer holds is outside every row's window: any content serves (masked).
             index = (physical[:, new.get(kind, 0):] - old.get(kind, 0)).clamp(min=0)
@@ -682,16 +693,21 @@ class KVLedger:
             return []
         return [(kind, window) for kind, window in self.windows.items() if window is not None]
 
-    def _dead_prefix(self, window: int) -> int:
-        """Leading columns no row attends to again through a layer of this window: holes, or tokens at least a
-        window before the row's next position (rows never roll back more than `rewind` below what they keep)."""
+    def _dead_prefix(self, kind: str, window: int) -> int:
+        """Leading columns no row attends to again through a layer of this kind: holes, or tokens at least a window
+        before the row's next position, or of a chunk before its (rows never roll back more than `rewind` below what
+        they keep)."""
         reach = (self.n_cached - window - self.rewind)[:, None]
+        if kind == CHUNKED:                        # the last buffer index before the next position's chunk
+            start = self.n_cached - self.rewind - self.pad
+            reach = (start - start % window + self.pad - 1)[:, None]
         dead = ((self.slots < 0) | (self.slots <= reach)).all(dim=0)
         live = (~dead).nonzero()
         return int(live[0]) if live.numel() else self.physical_length
 
     def _drop_outside_windows(self) -> None:
-        new = {kind: max(self._dead_prefix(window), self.dropped.get(kind, 0)) for kind, window in self._sliding()}
+        new = {kind: max(self._dead_prefix(kind, window), self.dropped.get(kind, 0))
+               for kind, window in self._sliding()}
         for kind, layer in self._typed_layers():
             cut = new.get(kind, 0) - self.dropped.get(kind, 0)
             if cut > 0:

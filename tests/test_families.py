@@ -67,6 +67,18 @@ def gemma3n_shared():
     return Gemma3nForCausalLM(config)
 
 
+def llama4_chunked():
+    """Llama 4's text model: three chunked-attention layers (a token sees the earlier tokens of its own chunk of 8
+    positions) and a full one, with mixture-of-experts MLPs."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                              attention_chunk_size=WINDOW, max_position_embeddings=256, attn_implementation="sdpa",
+                              **SMALL)
+    return Llama4ForCausalLM(config)
+
+
 def lfm2_hybrid(seed: int = 0, layers: int = 3):
     """LFM2: short convolutions (kernel 3) around a full-attention layer."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
@@ -95,7 +107,8 @@ def glm_dsa(seed: int = 0):
 
 WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
-SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating, "gemma3n": gemma3n_shared}
+SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating, "gemma3n": gemma3n_shared,
+           "llama4": llama4_chunked}
 _BUILDERS = {**FAMILIES, **SLIDING, "lfm2": lfm2_hybrid, "glm_dsa": glm_dsa}
 _MADE: dict = {}
 
@@ -440,10 +453,12 @@ def test_a_sliding_layer_holds_its_window_and_the_step_not_the_call(name, batch,
                       max_new_tokens=40)
     assert torch.equal(out, reference) and stats.accepted > 0
     assert len(seen) >= 8
+    windowed = [kind for kind in seen[-1][0] if kind != "full_attention"]
     for lengths, physical, spans in seen:
         assert lengths.get("full_attention", physical) == physical
-        assert lengths["sliding_attention"] <= (WINDOW - 1 if batch == 1 else spans), (lengths, physical, spans)
-    assert seen[-1][0]["sliding_attention"] < seen[-1][1] - 20        # the call outgrew the window many times over
+        for kind in windowed:      # a chunk needs no more than a window: its start is less than a window back
+            assert lengths[kind] <= (WINDOW - 1 if batch == 1 else spans), (lengths, physical, spans)
+    assert all(seen[-1][0][kind] < seen[-1][1] - 20 for kind in windowed)    # the call outgrew the window many times
 
 
 @pytest.mark.parametrize("name", [*SLIDING, "lfm2"])
