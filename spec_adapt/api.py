@@ -20,7 +20,7 @@ from .drafters.lookup import PromptLookupDrafter
 from .drafters.model import ModelDrafter
 from .acceptor import Acceptor
 from .inputs import LEDGER_INPUTS, encoder_decoder
-from .ledger import check_rollback_cache, check_stateful
+from .ledger import check_model_kind, check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import MAX_WIDTH, Policy, check_policy
@@ -113,7 +113,7 @@ def generate(
     for name in _PREPARED_INPUTS:
         model_kwargs.pop(name, None)
     _check_inputs(model, model_kwargs)
-    check_stateful(model)
+    check_model_kind(model)
     _check_cache(cache)
     # transformers drops an all-ones mask before calling us and records its width (compat.mask_length).
     width = attention_mask.shape[-1] if attention_mask is not None else compat.mask_length(generation_config)

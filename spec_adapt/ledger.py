@@ -46,8 +46,8 @@ import weakref
 
 import torch
 from .compat import (PER_ROW_LOGITS_TO_KEEP, DummyLayer, DynamicCache, DynamicIndexedLayer, DynamicLayer,
-                     DynamicSlidingWindowLayer, EncoderDecoderCache, LinearAttentionLayer, attn_implementation, layer_types, takes_4d_mask,
-                     with_cache)
+                     DynamicSlidingWindowLayer, EncoderDecoderCache, LinearAttentionLayer, attn_implementation,
+                     layer_types, takes_4d_mask, with_cache)
 from .inputs import encoder_decoder
 
 
@@ -140,7 +140,7 @@ _ONE_TOKEN_AT_A_TIME = {
 }
 
 
-def check_stateful(model) -> None:
+def check_model_kind(model) -> None:
     """Stock refuses assisted generation for stateful models (recurrent states cannot go back to an earlier
     token); so does spec_adapt, with the same reason. Models that decode only one token per forward over a cache are
     refused by name, with theirs."""
@@ -157,7 +157,7 @@ def check_stateful(model) -> None:
 def sliding_windows(model) -> dict[str, int | None] | None:
     """{layer type: its window (None: full attention)} for a model with sliding-window layers; None when every layer
     attends fully. Layer types whose state cannot be rolled back per row are refused with the reason."""
-    check_stateful(model)
+    check_model_kind(model)
     types = layer_types(model)
     bad = sorted({kind for kind, _ in types if kind not in _ROLLBACK_TYPES})
     if bad:
@@ -167,7 +167,7 @@ def sliding_windows(model) -> dict[str, int | None] | None:
     windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types if kind not in ("conv", "dummy")}
     if all(window is None for window in windows.values()):
         return None
-    if any(kind == "conv" for kind, _ in types):
+    if has_layer(model, "conv"):
         raise UnsupportedCacheError(f"{type(model).__name__} mixes sliding-window and convolution layers, which "
                                     "spec_adapt does not roll back together. Generate without a drafter.")
     if not takes_4d_mask(model):
@@ -213,9 +213,10 @@ def _sees(kind: str, window: int, queries: torch.Tensor, keys: torch.Tensor, dis
     return distance < window
 
 
-def _with_columns(tensor: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
-    """`tensor` with n zero columns before the others along `dim`."""
-    return torch.cat([tensor.new_zeros(tensor.shape[:dim] + (n,) + tensor.shape[dim + 1:]), tensor], dim=dim)
+def _with_columns(tensor: torch.Tensor, n: int, dim: int = 2, after: bool = False) -> torch.Tensor:
+    """`tensor` with n zero columns before (or after) the others along `dim`."""
+    zeros = tensor.new_zeros(tensor.shape[:dim] + (n,) + tensor.shape[dim + 1:])
+    return torch.cat([tensor, zeros] if after else [zeros, tensor], dim=dim)
 
 
 def _column_tensors(layer) -> list[tuple[str, int]]:
@@ -232,10 +233,15 @@ def _map_columns(layer, fn) -> None:
         setattr(layer, name, fn(getattr(layer, name), dim))
 
 
+def has_layer(model, kind: str) -> bool:
+    """Whether any decoder layer of `model` has this cache layer type."""
+    return any(each == kind for each, _ in layer_types(model))
+
+
 def check_no_convolutions(model, what: str) -> None:
     """A convolution layer reads the tokens before it in column order: a tree's siblings would be its predecessors,
     and a forward that stops mid-way leaves no input columns to keep."""
-    if any(kind == "conv" for kind, _ in layer_types(model)):
+    if has_layer(model, "conv"):
         raise ValueError(f"{type(model).__name__} has convolution layers, which read the previous tokens in order: "
                          f"{what} cannot run on it. Draft chains (a policy without depth) with the FullVerifier.")
 
@@ -285,6 +291,8 @@ class KVLedger:
         self.windows = sliding_windows(model)
         self.cache = cache if cache is not None and not self.windows else new_cache(model, self.windows)
         self.conv_inputs: dict[int, torch.Tensor] = {}   # convolution layer -> its input columns [rows, channels, P]
+        self._convolutions = has_layer(model, "conv")      # decided once: the per-forward hooks skip other models
+        self._indexed = has_layer(model, "indexed_attention")
         # Sliding layers: how far below the length a rollback keeps a later rollback may go (None: keep every column,
         # as a draft's ledger, which a chain or a cross-tokenizer drafter rewinds into its own drafts, must), the layer
         # type of each layer, and the leading columns each type's tensors no longer hold.
@@ -428,7 +436,7 @@ class KVLedger:
             raise ValueError(f"{type(self.model).__name__} takes inputs besides token ids (images, encoder outputs): "
                              "a forward that stops mid-way cannot pass them on. Verify with the FullVerifier.")
         check_no_convolutions(self.model, "a verification that stops mid-way (Top-K early exit)")
-        if any(kind == "indexed_attention" for kind, _ in layer_types(self.model)):
+        if self._indexed:
             raise ValueError(f"{type(self.model).__name__} keeps indexer keys beside its KV cache, which a "
                              "verification that stops mid-way does not cut back: verify with the FullVerifier.")
         self.release_spares()    # a runner sees live rows only
@@ -620,11 +628,9 @@ class KVLedger:
         if extra <= 0:
             return
         self.slots = torch.cat([self.slots, self.slots.new_full((self.slots.shape[0], extra), -1)], dim=1)
-        self.conv_inputs = {i: torch.cat([r, r.new_zeros(r.shape[:2] + (extra,))], dim=2)
-                            for i, r in self.conv_inputs.items()}
+        self.conv_inputs = {i: _with_columns(r, extra, after=True) for i, r in self.conv_inputs.items()}
         for layer in self._layers():
-            _map_columns(layer, lambda t, dim: torch.cat([t, t.new_zeros(t.shape[:dim] + (extra,) + t.shape[dim + 1:])],
-                                                         dim=dim))
+            _map_columns(layer, lambda t, dim: _with_columns(t, extra, dim, after=True))
 
     def reclaimable(self) -> int:
         """Slots compaction would free: physical length minus the longest row's count of valid entries."""
@@ -742,24 +748,34 @@ class KVLedger:
     def _hand_conv_states(self) -> None:
         """Before a forward: each convolution layer's state is, per row, its last `kernel` valid input columns (zeros
         where the row has fewer, as after a left-padded prompt), and the layer records what it appends."""
+        if not self._convolutions:
+            return
+        last: dict[int, torch.Tensor] = {}        # kernel -> each row's last valid columns (the same for every layer)
         for i, layer in self._conv_layers().items():
             layer.activate_past_recording()
             record = self.conv_inputs.get(i)
             if record is None or not layer.is_conv_states_initialized[0]:
                 continue                          # nothing cached yet: the forward starts the row from zeros
             kernel = layer.conv_kernel_size[0]
-            valid = self.slots >= 0
-            rank = valid.long().flip(1).cumsum(1).flip(1)            # valid columns from here to the end
-            wanted = valid & (rank <= kernel)
-            take = torch.arange(self.physical_length, device=self.device).expand_as(self.slots)
-            order = torch.sort(torch.where(wanted, take, -1), dim=1).values[:, -kernel:] if kernel else take[:, :0]
+            if kernel not in last:
+                last[kernel] = self._last_valid(kernel)
             padded = torch.cat([record.new_zeros(record.shape[:2] + (1,)), record], dim=2)   # column 0: zeros
-            state = padded.gather(2, (order + 1)[:, None, :].expand(-1, record.shape[1], -1))
+            state = padded.gather(2, (last[kernel] + 1)[:, None, :].expand(-1, record.shape[1], -1))
             layer.conv_states[0], layer.has_previous_state[0] = state, True
+
+    def _last_valid(self, count: int) -> torch.Tensor:
+        """[B, count]: each row's last `count` valid columns in order, -1 where the row has fewer."""
+        valid = self.slots >= 0
+        rank = valid.long().flip(1).cumsum(1).flip(1)            # valid columns from here to the end
+        take = torch.arange(self.physical_length, device=self.device).expand_as(self.slots)
+        chosen = torch.where(valid & (rank <= count), take, -1)
+        return torch.sort(chosen, dim=1).values[:, -count:] if count else take[:, :0]
 
     def _keep_conv_inputs(self, width: int) -> None:
         """After a forward of `width` columns: append the input columns each convolution layer recorded (it holds
         its state and them: at least `width` columns)."""
+        if not self._convolutions:
+            return
         for i, layer in self._conv_layers().items():
             if not layer.is_conv_states_initialized[0]:
                 continue
