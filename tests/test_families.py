@@ -122,6 +122,8 @@ def family(name):
             for module_name, module in model.named_modules():     # positions that decide tokens: a shift shows
                 if module_name.endswith("embed_positions"):
                     module.weight.mul_(30.0)
+                if module_name.endswith(("conv.conv", "conv.in_proj")):     # a convolution's inputs count: a wrong
+                    module.weight.mul_(8.0)                                 # previous input moves the logits
         _MADE[name] = model
     return _MADE[name]
 
