@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spec_adapt.tools import bench as b
-from spec_adapt.tools.bound import agreement_runs, best_schedule, fixed_schedule
+from spec_adapt.tools.bound import agreement_runs, best_fixed_share, best_schedule, fixed_schedule
 
 from conftest import PAD, cached_model, tiny_model
 from tiny_tokenizers import char_tokenizer
@@ -84,6 +84,22 @@ def test_the_bound_is_never_slower_than_plain_or_any_fixed_length(matches, costs
     assert position == max(1, len(matches))
 
 
+def test_the_best_fixed_width_is_read_off_the_same_cost_model():
+    """Runs of agreement of alternating lengths 1 and 5 with cheap drafts: the bound drafts each run to its end
+    (widths 1 and 5), a fixed width cannot; its share of the bound's speedup is the bound's time over its own, and
+    the width it picks is the one with the least time. Where every run has one length, the fixed width matches it."""
+    costs = [1.0 + 0.1 * g for g in range(9)]
+    short_long = runs_of(([True, False] + [True] * 5 + [False]) * 4)
+    seconds, _ = best_schedule(short_long, costs)
+    fixed = [fixed_schedule(short_long, costs, g) for g in range(9)]
+    bound = {"seconds": seconds, "fixed_seconds": fixed, "best_fixed_width": min(range(9), key=fixed.__getitem__)}
+    width, share = best_fixed_share(bound)
+    assert fixed[width] == min(fixed) and share == pytest.approx(seconds / min(fixed)) and share < 0.95
+    even = runs_of([False] + ([True] * 3 + [False]) * 6)       # output token 0 is the prefill's
+    seconds, _ = best_schedule(even, costs)
+    assert min(fixed_schedule(even, costs, g) for g in range(9)) == pytest.approx(seconds)
+
+
 def test_agreement_runs_of_the_target_itself():
     """The target as its own draft predicts all of its greedy output; another model's runs stay within bounds."""
     target = cached_model("llama")
@@ -146,11 +162,14 @@ def test_bench_writes_the_bound_column(pair_folders, capsys):
     bound = saved["bound"]
     assert rows["target", 1]["bound_speedup"] == pytest.approx(bound["plain_seconds"] / bound["seconds"])
     assert len(bound["prompts"]) == 2 and len(bound["costs"]) == 5 and all(p["tokens"] == 10 for p in bound["prompts"])
-    assert 0 < bound["seconds"] <= bound["plain_seconds"]
+    assert 0 < bound["seconds"] <= bound["plain_seconds"] == bound["fixed_seconds"][0]
+    assert len(bound["fixed_seconds"]) == 5 and min(bound["fixed_seconds"]) >= bound["seconds"]
+    assert bound["fixed_seconds"][bound["best_fixed_width"]] == min(bound["fixed_seconds"])
     with open(out / "summary.csv") as f:
         table = {(r["config"], r["batch_size"]): r["of_bound"] for r in csv.DictReader(f)}
     assert table["draft:adaptive (cold)", "2"] == "" and float(table["draft:adaptive (cold)", "1"]) > 0
-    assert "of bound" in capsys.readouterr().out and (out / "bench.png").exists()
+    printed = capsys.readouterr().out
+    assert "of bound" in printed and "best fixed width in hindsight" in printed and (out / "bench.png").exists()
 
 
 def test_no_draft_leaves_the_column_empty():

@@ -480,6 +480,14 @@ def _versus_bound(bound: dict | None, speedup: float) -> dict:
     return {"bound_speedup": reachable, "of_bound": speedup / reachable}
 
 
+def best_fixed(cells: list[Cell]) -> tuple[int, float] | None:
+    """The run's bound's best fixed width and its fraction of the bound (`bound.best_fixed_share`); None: no bound."""
+    from .bound import best_fixed_share
+
+    bound = next((c.bound for c in cells if c.bound is not None), None)
+    return best_fixed_share(bound) if bound is not None else None
+
+
 def write_results(cells: list[Cell], summary: list[dict], out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     bound = next((c.bound for c in cells if c.bound is not None), None)
@@ -540,7 +548,8 @@ def _plot_bound(ax, rows: list[dict]) -> None:
     ax.grid(alpha=0.3, axis="x")
 
 
-def print_table(summary: list[dict]) -> None:
+def print_table(summary: list[dict], best_fixed: tuple[int, float] | None = None) -> None:
+    """The summary as a table; `best_fixed`: the bound's best fixed width and its share (`bound.best_fixed_share`)."""
     eager = any(s.get("speedup_vs_eager") is not None for s in summary)
     bound = next((s["bound_speedup"] for s in summary if s.get("bound_speedup") is not None), None)
     print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} " + ("vs eager " if eager else "")
@@ -559,6 +568,9 @@ def print_table(summary: list[dict]) -> None:
     if bound:
         print(f"of bound: speedup / the hindsight bound's ({bound:.2f}x at B=1: the best draft-length schedule with "
               "--draft over plain decoding, both charged this machine's forward costs; spec_adapt/tools/bound.py)")
+        if best_fixed is not None:
+            print(f"under the same cost model, the best fixed width in hindsight (FixedLength({best_fixed[0]})) reaches "
+                  f"{best_fixed[1]:.0%} of the bound")
     for s in summary:
         if s.get("chains_chosen"):
             print(f"chains chosen by {s['config']} at B={s['batch_size']}: " + "; ".join(

@@ -85,11 +85,13 @@ def prefill_seconds(model, prompt: torch.Tensor, repeats: int = 3) -> float:
 
 def prompt_bound(model, draft, prompt: torch.Tensor, output: torch.Tensor, costs: Sequence[float]) -> dict:
     """The bound for one prompt and the target's greedy `output`: seconds (prefill + best schedule), the same cost
-    model's plain decoding (to read the model against measured stock generate), tokens, steps and widths."""
+    model's plain decoding (to read the model against measured stock generate), every fixed width's
+    (`fixed_seconds[g]`), tokens, steps and widths."""
     runs = agreement_runs(draft, prompt, output, model.config.vocab_size)
     prefill = prefill_seconds(model, prompt)
     seconds, widths = best_schedule(runs, costs)
-    return {"seconds": prefill + seconds, "plain_seconds": prefill + fixed_schedule(runs, costs, 0),
+    fixed = [prefill + fixed_schedule(runs, costs, g) for g in range(len(costs))]
+    return {"seconds": prefill + seconds, "plain_seconds": fixed[0], "fixed_seconds": fixed,
             "tokens": len(output), "steps": len(widths), "widths": widths}
 
 
@@ -103,5 +105,16 @@ def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Ten
     costs = step_costs(model, draft, max_width, context=max(1, context), progress=progress)
     rows = [prompt_bound(model, draft, p, o, costs)
             for p, o in tqdm(list(zip(prompts, outputs)), desc="bound", disable=not progress)]
+    fixed = [sum(r["fixed_seconds"][g] for r in rows) for g in range(max_width + 1)]
     return {"seconds": sum(r["seconds"] for r in rows), "plain_seconds": sum(r["plain_seconds"] for r in rows),
+            "best_fixed_width": min(range(max_width + 1), key=fixed.__getitem__), "fixed_seconds": fixed,
             "max_width": max_width, "context": context, "costs": costs, "prompts": rows}
+
+
+def best_fixed_share(bound: dict) -> tuple[int, float]:
+    """The width a whole run would best have drafted at every step, chosen in hindsight over all prompts, and the
+    fraction of the bound's speedup it reaches under the same cost model. A schedule that does not know where each
+    run of agreement ends (any policy choosing widths before it drafts) is judged against this too: the bound
+    itself places every width at the end of a run."""
+    width = bound["best_fixed_width"]
+    return width, bound["seconds"] / bound["fixed_seconds"][width]
