@@ -140,3 +140,25 @@ def test_the_default_policy_with_the_rule_plans_its_threshold_from_the_cost_mode
     assert ruled and all(pending["width"] > 0 for plan, pending in plans if isinstance(plan, Plan))
     assert all(0 <= plan.stop.threshold <= 1 for plan in ruled)
     assert float(policy.calibration.reached.sum()) > Calibration().reached.sum()    # it learned from the steps
+
+
+def test_a_steep_line_through_wide_steps_never_predicts_a_negative_step_or_threshold():
+    """Drafting steps measured only at wide depths (7 and 8, as a stop rule's steps cluster) with a steep slope put
+    the line below zero at narrow widths. A step costs at least a plain one, so every predicted time stays positive,
+    and a probe planned from them carries a threshold in [0, 1] (a negative one used to raise inside the call)."""
+    from spec_adapt.policies.estimators import LineFit
+
+    policy = Adaptive(stop_rule=True, probe_every=1, max_probe_gap=1)
+    fit = policy.fits[1] = LineFit()
+    for _ in range(4):
+        fit.add(7, 0.5)
+        fit.add(8, 1.0)
+    assert fit(1) < 0                                   # what the line says at width 1
+    policy.measured[(1, 0, False)] = [0.2, 5]
+    assert all(policy.step_time(1, s) >= 0.2 for s in range(policy.max_gamma + 1))
+    info = StepInfo(1, torch.tensor([0]), torch.tensor([5]), torch.tensor([40]), 3, draft_lag=torch.tensor([1]),
+                    closed=True)
+    for _ in range(4):
+        plan = policy.choose(info)
+        if isinstance(plan, Plan) and plan.stop is not None:
+            assert 0 <= plan.stop.threshold <= 1

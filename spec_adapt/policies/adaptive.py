@@ -146,7 +146,10 @@ class Adaptive(Policy):
         widest = width * self.span.get((key, burst), 1.0)      # what a batch asked `width` really proposes
         fit = self.fits.get(key)
         if fit is not None and fit.ready():
-            return fit(widest)
+            # A line through drafting steps of clustered widths can extrapolate below zero at narrow ones; a step
+            # never costs less than a plain one (where measured), and never nothing.
+            plain = self.measured.get((key, 0, False))
+            return max(fit(widest), plain[0] if plain is not None and width else 1e-6)
         if self.table is not None and self.table.step:
             return self.table.step_time(batch, int(round(widest)))
         plain = [v[0] for (k, s, _), v in self.measured.items() if s == 0 and k == key] or \
@@ -257,7 +260,7 @@ class Adaptive(Policy):
             return gammas
         burst = self._pending["burst"]
         marginal = max(0.0, self.step_time(batch, width, burst) - self.step_time(batch, width - 1, burst))
-        threshold = min(1.0, values[width] * marginal / batch)
+        threshold = min(1.0, max(0.0, values[width] * marginal / batch))
         self._pending["stop"] = True
         return Plan(gammas, stop=StopRule(threshold, self.calibration))
 
