@@ -11,6 +11,9 @@ import torch
 # Triton kernels run under Triton's interpreter on machines without a GPU (read when kernels are first imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Default policies stay in memory: a state an earlier session saved must not steer this one's first calls
+# (tests/test_saved_policy.py turns saving on in a folder of its own).
+os.environ["SPEC_ADAPT_POLICY_DIR"] = "off"
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from spec_adapt import FixedLength, ScriptedDrafter
