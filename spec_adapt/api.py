@@ -24,6 +24,7 @@ from .ledger import check_model_kind, check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import MAX_WIDTH, Policy, check_policy
+from .policies import saved
 from .policies.adaptive import Adaptive
 from .verifiers import Verifier, check_trees, check_verifier
 
@@ -143,6 +144,7 @@ def generate(
     )
     sequences = loop.run()
     set_last_stats(stats)
+    saved.save(policy, _SAVED_AS.get(policy))      # a default policy's state, for the next process's first call
     if generation_config.return_dict_in_generate:
         fields = dict(sequences=sequences, scores=loop.outputs("scores"), logits=loop.outputs("logits"))
         if decoder:   # stock's own class: Whisper's generate splits every field per row (stats: `spec_stats=`)
@@ -156,6 +158,7 @@ def generate(
 _ENABLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _DEFAULTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _DEFAULTS_LOCK = threading.Lock()
+_SAVED_AS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # default policy -> its file (policies.saved)
 
 
 def _default_policy(model, drafter, max_width=None) -> Policy:
@@ -167,8 +170,10 @@ def default_policy(model, drafter=None, max_width: int | None = None) -> Adaptiv
     """The process's default `Adaptive` for this target and drafter, in this dtype on this device (drafting at most
     `max_width` tokens a step where given: stock's `num_assistant_tokens` / `prompt_lookup_num_tokens`).
 
-    Made once, seeded from the latency profile `spec-adapt profile` cached for them (if any), then kept: every later
-    call without an explicit policy learns on from where the last one stopped. `reset_default_policies()` forgets."""
+    Made once per process, from what an earlier process's default for them learned (`spec_adapt.policies.saved`:
+    saved after each call, `SPEC_ADAPT_POLICY_DIR=off` turns it off), else from the latency profile
+    `spec-adapt profile` cached for them (if any), then kept: every later call without an explicit policy learns on
+    from where the last one stopped. `reset_default_policies()` forgets."""
     draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
     param = next(model.parameters())
     key = (_drafter_key(drafter), str(param.dtype), str(param.device), max_width)
@@ -176,8 +181,24 @@ def default_policy(model, drafter=None, max_width: int | None = None) -> Adaptiv
         per_model = _DEFAULTS.setdefault(model, {})
         if key not in per_model:
             bound = {} if max_width is None else {"max_gamma": max_width}
-            per_model[key] = Adaptive.for_model(model, draft_model, **bound)
+            policy = per_model[key] = Adaptive.for_model(model, draft_model, **bound)
+            path = _SAVED_AS[policy] = saved.state_path(model, _draft_model(drafter), _drafter_kind(drafter),
+                                                        max_width)
+            saved.restore(policy, path)
         return per_model[key]
+
+
+def _draft_model(drafter):
+    """The model a drafter drafts with (through a cross-tokenizer drafter too), or None."""
+    if isinstance(drafter, CrossTokenizerDrafter):
+        return _draft_model(drafter.inner)
+    return drafter.model if isinstance(drafter, ModelDrafter) else None
+
+
+def _drafter_kind(drafter) -> str:
+    """The drafter's kind in a saved default policy's name (the draft model itself is in the profile key)."""
+    kind = _drafter_key(drafter)
+    return "-".join(str(part) for part in kind if isinstance(part, str) and not part.startswith("torch."))
 
 
 def _drafter_key(drafter) -> tuple:
@@ -192,12 +213,15 @@ def _drafter_key(drafter) -> tuple:
 
 
 def reset_default_policies(model=None) -> None:
-    """Forget what the default policies learned: for `model`, or for every model (the next call starts cold)."""
+    """Forget what the default policies learned, in this process and on disk (`spec_adapt.policies.saved`): for
+    `model`, or for every model (the next call starts cold)."""
     with _DEFAULTS_LOCK:
         if model is None:
             _DEFAULTS.clear()
-        else:
-            _DEFAULTS.pop(model, None)
+            saved.forget()
+            return
+        for policy in _DEFAULTS.pop(model, {}).values():
+            saved.forget(_SAVED_AS.get(policy))
 
 
 def check_parts(model, drafter, policy, verifier) -> tuple:
@@ -371,7 +395,7 @@ def enable(model, assistant_policy: Policy | None = None):
         if draft is None and kwargs.get("drafter") is None and assistant_policy is None and not _stock_drafts(
                 model, kwargs):
             return stock(*args, **kwargs)
-        kwargs.setdefault("drafter", _with_prompt_inputs(_with_tokenizers(draft, kwargs), kwargs))
+        kwargs.setdefault("drafter", _with_prompt_inputs(model, _with_tokenizers(draft, kwargs), args, kwargs))
         kwargs = _stop_strings_as_criteria(model, kwargs)
         streamer = kwargs.pop("streamer", None)
         return stock(
@@ -396,19 +420,33 @@ def _with_tokenizers(draft, kwargs: dict):
     return CrossTokenizerDrafter(draft, draft_tokenizer, kwargs["tokenizer"])
 
 
-# Inputs of a call that are not a draft's images or features, whatever its forward names.
+# Inputs of a call that are not a decoder-only draft's images or features, whatever its forward names.
 _NOT_PROMPT_INPUTS = LEDGER_INPUTS | {"attention_mask", "decoder_attention_mask", "labels"}
 
 
-def _with_prompt_inputs(draft, kwargs: dict):
-    """A multimodal draft model gets the call's inputs its forward names (pixel values, image grids, ...) with the
-    prompt: generate encodes them for the target only, so they are handed on here, where the call still has them."""
+def _with_prompt_inputs(model, draft, args: tuple, kwargs: dict):
+    """A draft model gets what it reads of the call besides the decoder's tokens, handed on here where the call still
+    has it (generate encodes images and runs the encoder for the target only): a multimodal draft the call's inputs
+    its forward names (pixel values, image grids, ...), read with its prompt; an encoder-decoder draft the call's
+    encoder inputs, for its own encoder."""
     if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "get_output_embeddings"):
         return draft
-    names = inspect.signature(draft.forward).parameters
-    shared = {k: v for k, v in kwargs.items() if k in names and k not in _NOT_PROMPT_INPUTS and v is not None
-              and (torch.is_tensor(v) or isinstance(v, dict))}
+    shared = _encoder_inputs(model, draft, args, kwargs) if encoder_decoder(draft) else _image_inputs(draft, kwargs)
     return ModelDrafter(draft, prompt_inputs=shared) if shared else draft
+
+
+def _image_inputs(draft, kwargs: dict) -> dict:
+    names = inspect.signature(draft.forward).parameters
+    return {k: v for k, v in kwargs.items() if k in names and k not in _NOT_PROMPT_INPUTS and v is not None
+            and (torch.is_tensor(v) or isinstance(v, dict))}
+
+
+def _encoder_inputs(model, draft, args: tuple, kwargs: dict) -> dict:
+    """The call's encoder inputs under the names the draft's encoder takes: the target's main input (positional,
+    `inputs=` or by its name: `input_ids`, `input_features`, ...) as the draft's, and the attention mask."""
+    main = args[0] if args else kwargs.get("inputs", kwargs.get(model.main_input_name))
+    found = {draft.main_input_name: main, "attention_mask": kwargs.get("attention_mask")}
+    return {name: value for name, value in found.items() if value is not None}
 
 
 def _stop_strings_as_criteria(model, kwargs: dict) -> dict:

@@ -81,17 +81,23 @@ class ModelInputs:
         return cls(model, keep(first), keep(later), positions, per_token, input_ids.shape[1])
 
     @classmethod
-    def shared_encoder(cls, draft, inputs: "ModelInputs | None") -> "ModelInputs | None":
-        """A draft decoder's inputs from the target's: the target's encoder outputs (and encoder mask), for a draft
-        whose forward takes them (Distil-Whisper's decoder as a causal LM, stock assisted generation's encoder
-        sharing). None where the target has no encoder or the draft reads none: it drafts from the tokens."""
+    def shared_encoder(cls, draft, inputs: "ModelInputs | None", own: dict | None = None) -> "ModelInputs | None":
+        """A draft decoder's inputs: encoder outputs (and the encoder mask) that every draft forward attends to.
+
+        `own`: an encoder-decoder draft's own encoder outputs for the call ({"encoder_outputs", "attention_mask"}),
+        which it attends to as the target does to its own. Without them, the target's (`inputs`), for a draft whose
+        forward takes them (Distil-Whisper's decoder as a causal LM, stock assisted generation's encoder sharing).
+        None where there are none or the draft reads none: it drafts from the tokens."""
         parameters = inspect.signature(draft.forward).parameters
-        if inputs is None or "encoder_outputs" not in inputs.later or "encoder_outputs" not in parameters:
+        found = own if own is not None else inputs.later if inputs is not None else {}
+        if "encoder_outputs" not in found or "encoder_outputs" not in parameters:
             return None
-        shared = {"encoder_outputs": inputs.later["encoder_outputs"]}
-        mask = inputs.later.get("attention_mask")
-        if mask is not None and "encoder_attention_mask" in parameters:
-            shared["encoder_attention_mask"] = mask
+        shared = {"encoder_outputs": found["encoder_outputs"]}
+        mask = found.get("attention_mask")
+        # An encoder-decoder model takes the encoder's mask as its attention_mask (the decoder's has its own name).
+        mask_name = "attention_mask" if encoder_decoder(draft) else "encoder_attention_mask"
+        if mask is not None and mask_name in parameters:
+            shared[mask_name] = mask
         return cls(draft, shared, dict(shared), None, {}, 0)
 
     # -- per forward ---------------------------------------------------------------------------------------------------
@@ -117,7 +123,12 @@ class ModelInputs:
         if self.positions is not None:
             self.positions = self.positions.index_select(-2, index.to(self.positions.device))
         self.per_token = {name: (table[index.to(table.device)], fill) for name, (table, fill) in self.per_token.items()}
-        self.later = {name: _rows(value, index, batch) for name, value in self.later.items()}
+        later = {name: _rows(value, index, batch) for name, value in self.later.items()}
+        # What the first forward shares with the later ones (encoder outputs, their mask) leaves with its rows too: a
+        # ledger that drops its KV (an offloaded draft) runs a first forward again, with the rows that stayed.
+        self.first = {name: later[name] if name in later and value is self.later[name] else value
+                      for name, value in self.first.items()}
+        self.later = later
 
 
 def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

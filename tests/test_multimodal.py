@@ -2,11 +2,14 @@
 Gemma 3 with sliding windows and bidirectional image attention, Idefics3) and encoder-decoder models (T5, BART,
 Whisper), tiny models built from their transformers configs (tests/multimodal_models.py). Each runs at batch 1 and
 batched (left-padded prompts with an image each, or ragged encoder inputs) against stock greedy at the same batch,
-with scripted drafts that are right for some rows and wrong for others, prompt lookup under the default policy, and
-a text-only draft model."""
+with scripted drafts that are right for some rows and wrong for others, prompt lookup under the default policy, a
+text-only draft model, and draft models that read more than tokens: the images, the target's encoder outputs, or an
+encoder of their own (an encoder-decoder draft)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import types
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 
 import spec_adapt
 from spec_adapt import FixedLength, FixedTree, PromptLookupDrafter
+from spec_adapt.drafters import CrossTokenizerDrafter, ModelDrafter
 from spec_adapt.ledger import positions_from_cache
 
 import multimodal_models as mm
@@ -256,11 +260,6 @@ def test_sampling_follows_the_target_distribution(name):
         assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
 
 
-def test_an_encoder_decoder_draft_model_is_refused_with_the_alternatives():
-    with pytest.raises(ValueError, match="encoder-decoder model.*WhisperForCausalLM"):
-        run("t5", 1, mm.model("bart"), FixedLength(2))
-
-
 @pytest.mark.parametrize("name", ["llava", "t5"])
 def test_a_verifier_that_stops_mid_forward_is_refused_at_entry(name):
     with pytest.raises(ValueError, match="FullVerifier"):
@@ -270,8 +269,6 @@ def test_a_verifier_that_stops_mid_forward_is_refused_at_entry(name):
 def test_a_multimodal_draft_reads_the_images_with_its_prompt():
     """The target itself as its own draft accepts every draft when it sees the images too (`prompt_inputs`, which
     `enable` fills from the call); without them it drafts from the tokens alone and misses."""
-    from spec_adapt.drafters import ModelDrafter
-
     model, inputs = mm.model("llava"), mm.batch_inputs("llava", 3, seed=4)
     common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD, eos_token_id=None)
     reference = model.generate(**inputs, **common)
@@ -288,3 +285,233 @@ def test_a_multimodal_draft_reads_the_images_with_its_prompt():
         assert torch.equal(out, reference) and spec_adapt.last_stats().accepted == spec_adapt.last_stats().drafted
     finally:
         spec_adapt.disable(model)
+
+
+# ------------------------------------------------------------------------------ an encoder-decoder draft model
+ENC_DEC_DRAFTS = ["t5", "bart", "whisper", "speech_to_text"]
+
+
+def encoder_inputs(model, inputs) -> dict:
+    """What an encoder-decoder draft's encoder reads of a call's inputs: its main input and the attention mask."""
+    names = (model.main_input_name, "attention_mask")
+    return {name: inputs[name] for name in names if inputs.get(name) is not None}
+
+
+NOISE = {"t5": 0.01}        # T5's greedy choices are the closest: a little noise already changes many
+
+
+@functools.lru_cache(maxsize=None)
+def other_draft(name):
+    """A draft of the target's family and vocabulary, with its own encoder: the target's weights plus noise, right
+    often and not always."""
+    draft = copy.deepcopy(mm.model(name))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * NOISE.get(name, 0.1) * p.std())
+    return draft
+
+
+@functools.lru_cache(maxsize=None)
+def twin_draft(name):
+    """The target's function with an encoder of its own: its encoder's outputs negated, and its cross-attention's
+    key and value weights negated back (exact). Every draft is right if, and only if, it attends to its own
+    encoder's outputs, not the target's."""
+    draft = copy.deepcopy(mm.model(name))
+    draft.get_encoder().register_forward_hook(lambda module, args, out: out.__class__(
+        **{**out, "last_hidden_state": -out.last_hidden_state}))
+    with torch.no_grad():
+        for module_name, module in draft.named_modules():
+            if module_name.endswith(("encoder_attn.k_proj", "encoder_attn.v_proj", "EncDecAttention.k",
+                                     "EncDecAttention.v")):
+                module.weight.neg_()
+    return draft
+
+
+DRAFTS = {"itself": mm.model, "twin": twin_draft}
+
+
+def own_encoder_draft(name, draft, batch, seed=0):
+    return ModelDrafter(draft, prompt_inputs=encoder_inputs(draft, mm.batch_inputs(name, batch, seed)))
+
+
+@pytest.mark.parametrize("name", ENC_DEC_DRAFTS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_an_encoder_decoder_draft_attends_to_its_own_encoder_outputs(name, batch, kind):
+    """The target (or its twin) as the draft, its encoder run on the call's encoder inputs: every draft is accepted
+    only if each row attends to its own encoder's outputs of its own row, at the right positions."""
+    reference, out, stats = run(name, batch, own_encoder_draft(name, DRAFTS[kind](name), batch), FixedLength(3))
+    assert torch.equal(out, reference)
+    assert stats.accepted == stats.drafted > 0 and stats.fallback is None
+
+
+@pytest.mark.parametrize("name", ENC_DEC_DRAFTS)
+def test_a_different_encoder_decoder_draft(name):
+    reference, out, stats = run(name, 3, own_encoder_draft(name, other_draft(name), 3), FixedLength(3))
+    assert torch.equal(out, reference)
+    assert 0 < stats.accepted < stats.drafted and stats.fallback is None
+
+
+class SlotsChecked(ModelDrafter):
+    """After every proposal: each row's cached tokens sit at the cache column of their own index, the position a
+    decoder that numbers tokens by cache column gives them (stock's), with holes only after them."""
+
+    def propose(self, request):
+        proposal = super().propose(request)
+        slots = self.ledger.slots
+        assert bool(((slots == torch.arange(slots.shape[1])) | (slots < 0)).all()), slots
+        assert bool((slots >= 0).all(dim=0)[: int(self.ledger.n_cached.min())].all()), slots
+        return proposal
+
+
+class Ragged(spec_adapt.Policy):
+    """Per-row lengths by step (the last line repeats): rows that draft nothing fall behind in the draft's cache."""
+
+    needs_timing = False
+
+    def __init__(self, *lines):
+        self.lines = lines
+
+    def choose(self, info):
+        return torch.tensor(self.lines[min(info.step, len(self.lines) - 1)][: info.batch_size])
+
+
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+@pytest.mark.parametrize("plan", ["fixed", "ragged", "early exit"])
+def test_the_draft_decoder_numbers_its_tokens_as_stock_does(name, plan):
+    """Bart's and Whisper's decoders number tokens by cache column. With every row drafting alike, with rows that
+    draft nothing for a while (they catch up later next to rows one token behind) and with rows that stop drafting
+    early, each draft token must still sit at its own column; the target as its own draft then loses only what
+    lockstep acceptance takes (a row accepts as many as the row that drafted fewest)."""
+    model = mm.model(name)
+    policy = {"fixed": FixedLength(4), "ragged": Ragged([0, 3, 3], [3, 0, 1], [3, 3, 3])}.get(plan, FixedLength(4))
+    threshold = {"bart": 0.2, "whisper": 0.1}[name] if plan == "early exit" else None     # rows stop unlike
+    drafter = SlotsChecked(model, prompt_inputs=encoder_inputs(model, mm.batch_inputs(name, 3)),
+                           confidence_threshold=threshold)
+    reference, out, stats = run(name, 3, drafter, policy, strict=True)     # strict: a failed check raises
+    assert torch.equal(out, reference) and stats.drafted > 0
+    for record in stats.trace:
+        assert all(a == min(record.drafted) for a in record.accepted), record
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper"])
+def test_enable_hands_an_encoder_decoder_draft_the_calls_encoder_inputs(name):
+    model, inputs = mm.model(name), mm.batch_inputs(name, 3, seed=1)
+    common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD, eos_token_id=None)
+    reference = model.generate(**inputs, **common)
+    spec_adapt.enable(model, assistant_policy=FixedLength(3))
+    try:
+        out = model.generate(**inputs, **common, assistant_model=model)
+        stats = spec_adapt.last_stats()
+        assert torch.equal(out, reference) and stats.accepted == stats.drafted > 0 and stats.fallback is None
+        main = inputs.pop(model.main_input_name)        # the main input positionally, as generate(inputs) takes it
+        out = model.generate(main, **inputs, **common, assistant_model=twin_draft(name))
+        stats = spec_adapt.last_stats()
+        assert torch.equal(out, reference) and stats.accepted == stats.drafted > 0 and stats.fallback is None
+        out = model.generate(main, **inputs, **common, assistant_model=other_draft(name))
+        stats = spec_adapt.last_stats()
+        assert torch.equal(out, reference) and 0 < stats.accepted < stats.drafted
+    finally:
+        spec_adapt.disable(model)
+
+
+def test_the_drafts_encoder_runs_once_per_call_and_only_if_it_drafts():
+    draft = other_draft("t5")
+    rows = []
+    hook = draft.get_encoder().register_forward_hook(
+        lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])), with_kwargs=True)
+    try:
+        reference, out, stats = run("t5", 3, own_encoder_draft("t5", draft, 3), FixedLength(3))
+        assert torch.equal(out, reference)
+        assert rows == [3] and stats.steps > 2 and stats.drafted > 0
+        reference, out, stats = run("t5", 3, own_encoder_draft("t5", draft, 3), FixedLength(0))
+        assert torch.equal(out, reference) and rows == [3]         # a call kept plain never runs the draft
+    finally:
+        hook.remove()
+
+
+class PlainBetween(spec_adapt.Policy):
+    """`gamma` drafts a step, except plain steps `plain` (an offloaded draft is away then)."""
+
+    needs_timing = False
+
+    def __init__(self, gamma, plain):
+        self.gamma, self.plain = gamma, plain
+
+    def choose(self, info):
+        return 0 if info.step in self.plain else self.gamma
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper"])
+@pytest.mark.parametrize("late", [False, True], ids=["drafting", "plain until row 0 ends"])
+def test_rows_that_finish_early_take_the_drafts_encoder_outputs_along(name, late):
+    """Row 0 ends at an EOS the others never reach: the draft's rows that stay keep their own encoder outputs (the
+    target as its own draft is then still always right). Drafting from the start, or only after row 0 ended: the
+    draft's encoder then runs on the two rows left."""
+    model, inputs = mm.model(name), mm.batch_inputs(name, 3, seed=2)
+    common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None))
+    start = free.shape[1] - MAX_NEW
+    others = set(free[1:, start:].flatten().tolist())
+    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)
+    reference = model.generate(**inputs, **common, eos_token_id=eos)
+    stats = spec_adapt.SpecStats()
+    policy = PlainBetween(3, range(6)) if late else FixedLength(3)
+    out = model.generate(**inputs, **common, eos_token_id=eos, custom_generate=spec_adapt.generate,
+                         drafter=own_encoder_draft(name, model, 3, seed=2), assistant_policy=policy, spec_stats=stats)
+    assert torch.equal(out, reference)
+    assert min(stats.per_row_new_tokens) < MAX_NEW == max(stats.per_row_new_tokens)
+    assert stats.accepted == stats.drafted > 0 and stats.fallback is None
+    first = next(record for record in stats.trace if max(record.drafted) > 0)
+    assert len(first.drafted) == (2 if late else 3)
+
+
+@pytest.mark.parametrize("name, shared", [("t5", False), ("whisper", False), ("whisper", True)])
+def test_an_offloaded_draft_reads_the_encoder_outputs_of_the_rows_that_stayed(name, shared, tmp_path):
+    """Row 0 ends while the draft is offloaded; after the reload the draft rebuilds its KV from a first forward,
+    which attends to the encoder outputs of the two rows left."""
+    model, inputs = mm.model(name), mm.batch_inputs(name, 3, seed=2)
+    common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None))
+    start = free.shape[1] - MAX_NEW
+    others = set(free[1:, start:].flatten().tolist())
+    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)
+    reference = model.generate(**inputs, **common, eos_token_id=eos)
+    draft = whisper_decoder_draft(2) if shared else copy.deepcopy(model)       # offloading empties its weights
+    inner = ModelDrafter(draft) if shared else ModelDrafter(draft, prompt_inputs=encoder_inputs(draft, inputs))
+    offload = spec_adapt.DraftOffload(inner, low=1, persist=2, folder=tmp_path / "draft")
+    offload.free_memory = lambda: 0 if 2 <= offload._steps < 5 else 1 << 40      # short of memory in steps 2 to 4
+    stats = spec_adapt.SpecStats()
+    out = model.generate(**inputs, **common, eos_token_id=eos, custom_generate=spec_adapt.generate, drafter=offload,
+                         assistant_policy=PlainBetween(3, range(1, 6)), spec_stats=stats)
+    assert torch.equal(out, reference)
+    assert [e["event"] for e in offload.events] == ["offload", "reload"]
+    assert stats.trace[-1].drafted[0] > 0 and len(stats.trace[-1].drafted) == 2      # drafting again, two rows
+    assert stats.accepted == stats.drafted > 0 and stats.fallback is None
+
+
+def test_an_encoder_decoder_draft_without_encoder_inputs_is_refused_with_both_fixes():
+    with pytest.raises(ValueError, match="encoder-decoder.*spec_adapt.enable.*assistant_model.*prompt_inputs"):
+        run("t5", 1, mm.model("t5"), FixedLength(2))
+
+
+def test_an_encoder_decoder_draft_for_a_decoder_only_target_is_refused():
+    draft = own_encoder_draft("t5", mm.model("t5"), 1)
+    with pytest.raises(ValueError, match="encoder-decoder.*decoder-only"):
+        run("llava", 1, draft, FixedLength(2))
+
+
+def test_an_encoder_decoder_draft_with_its_own_tokenizer_is_refused():
+    from tiny_tokenizers import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    drafter = CrossTokenizerDrafter(mm.model("bart"), tokenizer, tokenizer)
+    with pytest.raises(ValueError, match="encoder-decoder model with a tokenizer of its own"):
+        run("t5", 1, drafter, FixedLength(2))
+
+
+def test_encoder_inputs_for_other_rows_than_the_calls_are_refused():
+    with pytest.raises(ValueError, match="2 rows.*3"):
+        run("t5", 3, own_encoder_draft("t5", mm.model("t5"), 2), FixedLength(2), strict=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..inputs import encoder_decoder
 from ..processors import ScoreProcessor
 from .base import Drafter, DraftRequest, Proposal, check_proposal, left_padding
 from .model import ModelDrafter, _vocab_size
@@ -142,6 +143,10 @@ class CrossTokenizerDrafter(Drafter):
                              f"{target_vocab}: pass the target's own tokenizer as target_tokenizer (tokenizer=).")
         self.vocab = len(self.bridge.draft)
         if isinstance(self.inner, ModelDrafter):
+            if encoder_decoder(self.inner.model):
+                raise ValueError(f"The draft {type(self.inner.model).__name__} is an encoder-decoder model with a "
+                                 "tokenizer of its own: its encoder would need the call's source in its own tokens. "
+                                 "Draft with an encoder-decoder model of the target's tokenizer, or a causal LM.")
             draft_vocab = _vocab_size(self.inner.model)
             if len(self.bridge.draft) > draft_vocab:
                 raise ValueError(f"draft_tokenizer has {len(self.bridge.draft)} tokens but the draft's head scores "

@@ -6,7 +6,7 @@ import torch
 
 from ..estimators import ema
 from ..inputs import ModelInputs, encoder_decoder
-from ..ledger import KVLedger
+from ..ledger import KVLedger, positions_from_cache
 from .base import Drafter, DraftRequest, Proposal, left_padding
 from .head import ShortHead, check_short_head
 
@@ -46,7 +46,11 @@ class ModelDrafter(Drafter):
         `prompt_inputs`: what a multimodal draft takes with the prompt besides its tokens (`pixel_values`,
         `image_grid_thw`, ..., for the batch the call generates): the draft then reads the prompt at the start of
         the call, with them, as its own `prepare_inputs_for_generation` says (after `enable`, the inputs a call
-        passes that the draft's forward names are handed on this way)."""
+        passes that the draft's forward names are handed on this way). Of an encoder-decoder draft (a smaller T5 or
+        Whisper), its encoder's inputs for the call's rows: `{draft.main_input_name: ..., "attention_mask": ...}`
+        (`input_ids` for T5 and BART, `input_features` for Whisper). Its encoder runs on them once per call, and its
+        decoder drafts the target's decoder tokens attending to them (after `enable`, the call's encoder inputs are
+        handed on this way)."""
         if prompt_inputs is not None and not isinstance(prompt_inputs, dict):
             raise TypeError(f"prompt_inputs must be a dict of the draft's inputs, got {type(prompt_inputs).__name__}.")
         self.prompt_inputs = prompt_inputs or {}
@@ -64,16 +68,15 @@ class ModelDrafter(Drafter):
         self.short = ShortHead(model, head_tokens) if head_tokens is not None else None
         self.threshold = confidence_threshold
         self.ledger: KVLedger | None = None
+        self.by_column = False       # numbers tokens by cache column, under a lockstep target (validate): `_align`
         self.target_inputs = None    # the call's target inputs (share_inputs): a shared encoder's outputs
+        self.unencoded = None        # an encoder-decoder draft's rows of prompt_inputs until its encoder runs
         self.vocab = None
         self.kv_writes = 0          # draft tokens whose KV was written (all calls), to measure early exit
 
     def validate(self, target) -> None:
         if encoder_decoder(self.model):
-            raise ValueError(
-                f"The draft {type(self.model).__name__} is an encoder-decoder model: it would need its own encoder's "
-                "inputs, which generate does not hand on. Draft with a decoder that attends to the target's encoder "
-                "outputs (Distil-Whisper's decoder as WhisperForCausalLM), a causal LM, or prompt lookup.")
+            self._check_encoder_inputs(target)
         target_vocab, draft_vocab = _vocab_size(target), _vocab_size(self.model)
         if draft_vocab < target_vocab:
             raise ValueError(
@@ -90,8 +93,30 @@ class ModelDrafter(Drafter):
                 )
         # A larger draft vocabulary is a padded superset (embedding rows rounded up): its logits are sliced.
         self.vocab = target_vocab
+        self.by_column = positions_from_cache(target) is not None and positions_from_cache(self.model) is not None
         if self.short is not None:
             check_short_head(self.short)
+
+    def _check_encoder_inputs(self, target) -> None:
+        """An encoder-decoder draft runs its own encoder on the call's encoder inputs: the target must have an
+        encoder, and the draft those inputs (generate hands a custom_generate function the target's encoder outputs,
+        not the inputs they came from)."""
+        name, main = type(self.model).__name__, self.model.main_input_name
+        if not encoder_decoder(target):
+            raise ValueError(
+                f"The draft {name} is an encoder-decoder model, but the target {type(target).__name__} is "
+                "decoder-only: its call has no encoder inputs for the draft's encoder. Draft with a causal LM of the "
+                "target's vocabulary, or with prompt lookup.")
+        if main not in self.prompt_inputs:
+            raise ValueError(
+                f"The draft {name} is an encoder-decoder model: it runs its own encoder on the call's encoder inputs, "
+                "which generate does not hand a custom_generate function (only the target's encoder outputs). Call "
+                "spec_adapt.enable(model) and pass the draft as model.generate(**inputs, assistant_model=draft), or "
+                f"pass drafter=ModelDrafter(draft, prompt_inputs={{'{main}': ..., 'attention_mask': ...}}) with the "
+                "call's encoder inputs.")
+        if self.short is not None:
+            raise ValueError(f"head_tokens cuts a causal LM's head; the draft {name} is an encoder-decoder model: "
+                             "leave head_tokens=None.")
 
     @property
     def runner(self):
@@ -100,14 +125,34 @@ class ModelDrafter(Drafter):
 
     def begin(self, input_ids, attention_mask):
         # Nothing is cached yet: the prompt is fed by the first proposal's catch-up. So a call (or a batch size)
-        # the policy keeps plain never runs the draft at all; an eager prefill of the prompt can cost more than the
-        # call's drafts save.
+        # the policy keeps plain never runs the draft at all (an encoder-decoder draft's encoder included); an eager
+        # prefill of the prompt can cost more than the call's drafts save.
         self._learn(input_ids)
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
-        self.ledger.use_inputs(ModelInputs.shared_encoder(self.runner, self.target_inputs))
+        self.ledger.lockstep = self.by_column        # never compacted: that would move tokens to other columns
         self.calib = torch.ones(len(input_ids), 2, device=self.ledger.device)
+        if encoder_decoder(self.model):              # its own encoder's outputs, at its first forward (`_encode`)
+            given = len(self.prompt_inputs[self.model.main_input_name])
+            if given != len(input_ids):
+                raise ValueError(f"prompt_inputs hold the encoder inputs of {given} rows, but the call generates "
+                                 f"{len(input_ids)}: pass the call's own encoder inputs.")
+            self.unencoded = torch.arange(given)
+            return
+        self.ledger.use_inputs(ModelInputs.shared_encoder(self.runner, self.target_inputs))
         if self.prompt_inputs:    # a multimodal draft reads its prompt now, with the images of exactly these rows
             self._read_prompt(input_ids.to(self.ledger.device), attention_mask)
+
+    def _encode(self) -> None:
+        """Run an encoder-decoder draft's own encoder on the encoder inputs of the rows still in the batch, once per
+        call (as stock assisted generation runs such an assistant's), and attend to its outputs from now on."""
+        rows, device, dtype = self.unencoded, self.model.device, self.model.dtype
+        given = len(self.prompt_inputs[self.model.main_input_name])
+        inputs = {k: _rows_on(v, rows, given, device, dtype) for k, v in self.prompt_inputs.items()}
+        with torch.no_grad():
+            outputs = self.model.get_encoder()(**inputs, return_dict=True)
+        own = {"encoder_outputs": outputs, "attention_mask": inputs.get("attention_mask")}
+        self.ledger.use_inputs(ModelInputs.shared_encoder(self.runner, None, own))
+        self.unencoded = None
 
     def _read_prompt(self, input_ids, attention_mask) -> None:
         ledger = self.ledger
@@ -120,6 +165,9 @@ class ModelDrafter(Drafter):
         self.target_inputs = inputs
 
     def add_rows(self, input_ids, attention_mask, rows):
+        if encoder_decoder(self.model) or self.ledger.inputs is not None and self.ledger.inputs.cross:
+            raise NotImplementedError(f"{type(self.model).__name__} drafts attending to encoder outputs, which rows "
+                                      "joining a running batch do not bring.")
         # Positional: the draft's ledger follows the active rows; row numbers only matter to the processors.
         self._learn(input_ids)
         self.calib = torch.cat([self.calib, self.calib.new_ones(len(input_ids), 2)])
@@ -134,6 +182,10 @@ class ModelDrafter(Drafter):
         tokens = request.tokens.to(device)
         lengths, gammas = request.lengths.to(device), request.gammas.to(device)
         batch, most = tokens.shape[0], int(gammas.max())
+        if self.unencoded is not None:
+            self._encode()
+        if self.by_column:
+            self._align(lengths, gammas > 0)
         # Catch up on committed tokens the draft has not cached yet (rows that draft nothing skip it).
         pending = torch.where(gammas > 0, lengths - self.ledger.n_cached, 0)             # [B]
         last = self._catch_up(tokens, pending)                                           # [B, V']
@@ -177,6 +229,20 @@ class ModelDrafter(Drafter):
         return Proposal(drafts.to(target_device), drafted.to(target_device), out_probs,
                         confidence=confidence[:, :width].to(target_device))
 
+    def _align(self, lengths, fed) -> None:
+        """Keep each row's token i at cache column i, the position a draft that numbers tokens by cache column
+        (Bart's, T5's and Whisper's decoders) must see. A lockstep target's rows hold as many tokens each, so the rows
+        that catch up (`fed`) all restart from the column of the one furthest behind: the forward has its width
+        anyway, and no row gets holes that would shift its later tokens. Rows of different lengths (left padding)
+        cannot share columns: their positions stay off, which costs acceptance, never correctness."""
+        ledger = self.ledger
+        done, todo = (ledger.n_cached - ledger.pad)[fed], (lengths - ledger.pad)[fed]
+        if not len(done) or bool((todo != todo[0]).any()):
+            return
+        start = int(done.min())
+        if ledger.physical_length != start:
+            ledger.rollback(ledger.pad + start)
+
     def _catch_up(self, tokens, pending) -> torch.Tensor:
         """Feed each row its pending committed tokens; the logits after each row's last one [B, V'].
 
@@ -186,7 +252,9 @@ class ModelDrafter(Drafter):
         (at batch 4 a joiner's 147-token prompt then costs one row's forward, not four)."""
         ledger = self.ledger
         fresh = (ledger.n_cached == ledger.pad) & (pending > 0)
-        if not bool(fresh.any()) or bool(fresh.all()) or int(pending[~fresh].max()) >= int(pending[fresh].max()):
+        # A ledger with inputs (encoder outputs) holds them for its rows together: its rows are never run apart.
+        together = ledger.inputs is not None or not bool(fresh.any()) or bool(fresh.all())
+        if together or int(pending[~fresh].max()) >= int(pending[fresh].max()):
             return _forward_pending(ledger, tokens, pending)
         joined, others = fresh.nonzero().squeeze(1), (~fresh).nonzero().squeeze(1)
         apart = KVLedger.empty(self.runner, ledger.pad[joined], ledger.device)
@@ -233,13 +301,24 @@ class ModelDrafter(Drafter):
 
     def select_rows(self, index):
         self.ledger.select_rows(index)
+        if self.unencoded is not None:
+            self.unencoded = self.unencoded[index.cpu()]
         self.calib = self.calib[index.to(self.calib.device)]
 
     def end(self, tokens=None, lengths=None):
         if tokens is not None and lengths is not None:      # what the target committed: scored in later calls
             written = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths.to(tokens.device)[:, None]
             self._learn(tokens[written])
-        self.ledger = None
+        self.ledger = self.unencoded = None
+
+
+def _rows_on(value, rows: torch.Tensor, batch: int, device, dtype):
+    """A prompt input's `rows` (a tensor of `batch` rows), on the draft's device, floats in its dtype."""
+    if not torch.is_tensor(value):
+        return value
+    if value.dim() and value.shape[0] == batch:
+        value = value[rows.to(value.device)]
+    return value.to(device, dtype) if value.is_floating_point() else value.to(device)
 
 
 def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
