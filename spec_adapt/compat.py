@@ -84,6 +84,15 @@ def prepare_inputs(model, input_ids, cache, **kwargs) -> dict:
     return model.prepare_inputs_for_generation(input_ids, **{_prepare_cache_argument(prepare): cache}, **kwargs)
 
 
+def generation_positions(model, input_ids, model_kwargs: dict):
+    """The position ids `generate` prepares for a decoder-only model's prompt (`_prepare_position_ids_for_generation`,
+    which multimodal models override: Qwen2-VL's M-RoPE), or None for a model whose forward takes none."""
+    if getattr(model.config, "is_encoder_decoder", False) or \
+            "position_ids" not in inspect.signature(model.forward).parameters:
+        return None
+    return model._prepare_position_ids_for_generation(input_ids, dict(model_kwargs))
+
+
 def output_cache(output):
     """The cache a model forward returned (`cache` on >= 5.24, `past_key_values` before)."""
     # Only the fields the output holds: reading the old name's alias logs a deprecation notice.

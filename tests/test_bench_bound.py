@@ -100,6 +100,21 @@ def test_the_best_fixed_width_is_read_off_the_same_cost_model():
     assert min(fixed_schedule(even, costs, g) for g in range(9)) == pytest.approx(seconds)
 
 
+def test_the_prefill_is_timed_as_generate_runs_it():
+    """The head over the last position only, with a cache: a head over every prompt position costs more than the
+    layers at a large vocabulary and would pad both sides of the bound's ratio with time generate never spends."""
+    from spec_adapt.tools.bound import prefill_seconds
+
+    model, seen = cached_model("llama"), []
+    handle = model.register_forward_hook(lambda module, args, kwargs, out: seen.append((kwargs, out)),
+                                         with_kwargs=True)
+    try:
+        assert prefill_seconds(model, torch.tensor([5, 17, 33, 9]), repeats=2) > 0
+    finally:
+        handle.remove()
+    assert len(seen) == 2 and all(k.get("logits_to_keep") == 1 and out.logits.shape[1] == 1 for k, out in seen)
+
+
 def test_agreement_runs_of_the_target_itself():
     """The target as its own draft predicts all of its greedy output; another model's runs stay within bounds."""
     target = cached_model("llama")

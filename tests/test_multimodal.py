@@ -266,13 +266,16 @@ def test_a_verifier_that_stops_mid_forward_is_refused_at_entry(name):
         run(name, 2, PromptLookupDrafter(2, 1), FixedLength(2), verifier=spec_adapt.EarlyExitVerifier(top_k=2))
 
 
-def test_a_multimodal_draft_reads_the_images_with_its_prompt():
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_a_multimodal_draft_reads_the_images_with_its_prompt(name):
     """The target itself as its own draft accepts every draft when it sees the images too (`prompt_inputs`, which
-    `enable` fills from the call); without them it drafts from the tokens alone and misses."""
-    model, inputs = mm.model("llava"), mm.batch_inputs("llava", 3, seed=4)
+    `enable` fills from the call), and with Qwen2-VL only if it also places them as generate does (M-RoPE positions
+    on the image grid); without them it drafts from the tokens alone and misses."""
+    model, inputs = mm.model(name), mm.batch_inputs(name, 3, seed=4)
     common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD, eos_token_id=None)
     reference = model.generate(**inputs, **common)
-    seeing = ModelDrafter(model, prompt_inputs={"pixel_values": inputs["pixel_values"]})
+    images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    seeing = ModelDrafter(model, prompt_inputs=images)
     for drafter, all_accepted in ((seeing, True), (model, False)):
         stats = spec_adapt.SpecStats()
         out = model.generate(**inputs, **common, custom_generate=spec_adapt.generate, drafter=drafter,
@@ -285,6 +288,39 @@ def test_a_multimodal_draft_reads_the_images_with_its_prompt():
         assert torch.equal(out, reference) and spec_adapt.last_stats().accepted == spec_adapt.last_stats().drafted
     finally:
         spec_adapt.disable(model)
+
+
+def test_a_qwen2_vl_draft_reads_its_prompt_at_the_m_rope_positions():
+    """A multimodal draft's forwards get the positions generate gives the target: its prompt on the image grid
+    (M-RoPE: 4 channels, the text after the image numbered past the grid, not by token count), and each drafted
+    token the last prompt position + 1, + 2, ... (a tiny model's argmax barely moves with positions, so the forwards
+    are read, not only the acceptance)."""
+    import copy
+
+    from spec_adapt import compat
+
+    model, inputs = mm.model("qwen2_vl"), mm.batch_inputs("qwen2_vl", 3, seed=4)
+    draft, seen = copy.deepcopy(model), []
+    handle = draft.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("position_ids")),
+                                             with_kwargs=True)
+    images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    expected = compat.generation_positions(model, inputs["input_ids"], dict(images,
+                                           attention_mask=inputs["attention_mask"]))
+    try:
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD, eos_token_id=None,
+                             custom_generate=spec_adapt.generate, drafter=ModelDrafter(draft, prompt_inputs=images),
+                             assistant_policy=FixedLength(3))
+    finally:
+        handle.remove()
+    assert torch.equal(out, model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD,
+                                           eos_token_id=None))
+    assert not torch.equal(expected[1:], expected[:1].expand_as(expected[1:]))    # the grid is not the text range
+    pad = (inputs["attention_mask"] == 0).sum(dim=1)
+    for row, skip in enumerate(pad.tolist()):              # the draft feeds each row's real tokens from column 0
+        length = expected.shape[-1] - skip
+        assert torch.equal(seen[0][:, row, :length], expected[:, row, skip:]), row
+    later = seen[1]                                        # the next forward: each row's next positions
+    assert later.shape[0] == 4 and bool((later[..., 0] == expected[..., -1] + 1).all())
 
 
 # ------------------------------------------------------------------------------ an encoder-decoder draft model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
 from ..estimators import ema
 from ..inputs import ModelInputs, encoder_decoder
 from ..ledger import KVLedger, positions_from_cache
@@ -158,7 +159,10 @@ class ModelDrafter(Drafter):
         ledger = self.ledger
         mask = attention_mask.to(ledger.device) if attention_mask is not None else None
         inputs = {k: v.to(ledger.device) if torch.is_tensor(v) else v for k, v in self.prompt_inputs.items()}
-        ledger.use_inputs(ModelInputs.of_call(self.runner, input_ids, mask, ledger.cache, inputs, None))
+        # The positions generate would give this model for the call (Qwen2-VL's M-RoPE places image tokens on a grid
+        # and the text after them past it), so its drafts see the positions the target verifies them at.
+        positions = compat.generation_positions(self.model, input_ids, dict(inputs, attention_mask=mask))
+        ledger.use_inputs(ModelInputs.of_call(self.runner, input_ids, mask, ledger.cache, inputs, positions))
         _forward_pending(ledger, input_ids, input_ids.shape[1] - ledger.pad)
 
     def share_inputs(self, inputs):
