@@ -56,10 +56,11 @@ test-latest: setup
 	$(LATEST)/bin/python -m pytest -q -x $(COMPAT_SUITE)
 
 bench: setup
-	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --draft-dtype fastest --prepare \
-		--workload humaneval-chat \
+	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --xdraft smollm2-135m \
+		--draft-dtype fastest --prepare --workload humaneval-chat \
 		--num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
-		--configs target hf-assisted draft:adaptive draft:fixed3 draft:fixed5
+		--configs target hf-assisted hf-uag draft:adaptive draft:adaptive-stop draft:fixed3 draft:fixed5 \
+		xdraftc:adaptive --bound --cold
 
 clean:
 	rm -rf $(STAMP) $(OLDEST) $(LATEST)
