@@ -60,7 +60,7 @@ bench: setup
 		--draft-dtype fastest --prepare --workload humaneval-chat \
 		--num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
 		--configs target hf-assisted hf-uag draft:adaptive draft:adaptive-stop draft:fixed3 draft:fixed5 \
-		xdraftc:adaptive --bound --cold
+		xdraftc:adaptive --bound --cold --out results/bench-qwen-bf16-draft-b1/humaneval-chat
 
 clean:
 	rm -rf $(STAMP) $(OLDEST) $(LATEST)
