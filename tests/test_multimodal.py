@@ -480,6 +480,16 @@ class PlainBetween(spec_adapt.Policy):
         return 0 if info.step in self.plain else self.gamma
 
 
+def row_zero_ends_first(model, inputs, common) -> tuple[int, torch.Tensor]:
+    """An EOS token that row 0 generates (after its first two tokens) and the other rows never do, and stock's
+    output with it: row 0 then finishes first."""
+    free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None))
+    start = free.shape[1] - MAX_NEW
+    others = set(free[1:, start:].flatten().tolist())
+    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)
+    return eos, model.generate(**inputs, **common, eos_token_id=eos)
+
+
 @pytest.mark.parametrize("name", ["t5", "whisper"])
 @pytest.mark.parametrize("late", [False, True], ids=["drafting", "plain until row 0 ends"])
 def test_rows_that_finish_early_take_the_drafts_encoder_outputs_along(name, late):
@@ -488,11 +498,7 @@ def test_rows_that_finish_early_take_the_drafts_encoder_outputs_along(name, late
     draft's encoder then runs on the two rows left."""
     model, inputs = mm.model(name), mm.batch_inputs(name, 3, seed=2)
     common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD)
-    free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None))
-    start = free.shape[1] - MAX_NEW
-    others = set(free[1:, start:].flatten().tolist())
-    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)
-    reference = model.generate(**inputs, **common, eos_token_id=eos)
+    eos, reference = row_zero_ends_first(model, inputs, common)
     stats = spec_adapt.SpecStats()
     policy = PlainBetween(3, range(6)) if late else FixedLength(3)
     out = model.generate(**inputs, **common, eos_token_id=eos, custom_generate=spec_adapt.generate,
@@ -510,11 +516,7 @@ def test_an_offloaded_draft_reads_the_encoder_outputs_of_the_rows_that_stayed(na
     which attends to the encoder outputs of the two rows left."""
     model, inputs = mm.model(name), mm.batch_inputs(name, 3, seed=2)
     common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD)
-    free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None))
-    start = free.shape[1] - MAX_NEW
-    others = set(free[1:, start:].flatten().tolist())
-    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)
-    reference = model.generate(**inputs, **common, eos_token_id=eos)
+    eos, reference = row_zero_ends_first(model, inputs, common)
     draft = whisper_decoder_draft(2) if shared else copy.deepcopy(model)       # offloading empties its weights
     inner = ModelDrafter(draft) if shared else ModelDrafter(draft, prompt_inputs=encoder_inputs(draft, inputs))
     offload = spec_adapt.DraftOffload(inner, low=1, persist=2, folder=tmp_path / "draft")

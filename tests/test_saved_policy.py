@@ -73,6 +73,21 @@ def test_a_file_that_is_not_a_state_is_ignored_with_a_warning(folder, content):
     assert json.loads(path.read_text())["steps"] == default_policy(model, ModelDrafter(draft)).steps > 0
 
 
+def test_a_file_too_large_to_be_a_state_is_not_read(folder, monkeypatch):
+    """A file over the size a saved policy can have is refused by its size, before it is parsed."""
+    from spec_adapt.policies import saved
+
+    model, draft = cached_model("llama"), cached_model("llama", seed=1)
+    call(model, draft)
+    path = next(folder.glob("*.json"))
+    with open(path, "r+b") as f:
+        f.truncate(saved.MAX_STATE_BYTES + 1)             # sparse: nothing is written
+    monkeypatch.setattr(type(path), "read_text", lambda *a, **k: pytest.fail("a file over the limit was read"))
+    new_process()
+    with pytest.warns(UserWarning, match="more than a saved policy"):
+        default_policy(model, ModelDrafter(draft))
+
+
 def test_a_folder_that_cannot_be_written_never_fails_a_call(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

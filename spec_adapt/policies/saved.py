@@ -20,6 +20,9 @@ from ..loading import cache_dir
 from .estimators import profile_key
 
 OFF = ("off", "0", "none", "false")
+# A saved Adaptive holds a few tables per batch-size bucket and per row of its largest batch: kilobytes to a few MB.
+# A larger file is not one (it is not read: parsing it would allocate what it claims).
+MAX_STATE_BYTES = 64 << 20
 
 
 def state_dir() -> Path | None:
@@ -45,6 +48,9 @@ def restore(policy, path: Path | None) -> bool:
     if path is None or not path.exists():
         return False
     try:
+        size = path.stat().st_size
+        if size > MAX_STATE_BYTES:
+            raise ValueError(f"{size} bytes, more than a saved policy's {MAX_STATE_BYTES}")
         policy.load_state_dict(json.loads(path.read_text()))
     except (OSError, ValueError) as exc:            # json.JSONDecodeError is a ValueError
         warnings.warn(f"Ignoring the saved default policy {path} ({exc}); this call starts cold. Delete the file, or "
