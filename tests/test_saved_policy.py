@@ -14,6 +14,7 @@ import spec_adapt
 from spec_adapt import api
 from spec_adapt.api import default_policy
 from spec_adapt.drafters import ModelDrafter, PromptLookupDrafter
+from spec_adapt.policies import saved
 
 from conftest import PAD, cached_model, ragged_batch, stock_greedy
 
@@ -75,8 +76,6 @@ def test_a_file_that_is_not_a_state_is_ignored_with_a_warning(folder, content):
 
 def test_a_file_too_large_to_be_a_state_is_not_read(folder, monkeypatch):
     """A file over the size a saved policy can have is refused by its size, before it is parsed."""
-    from spec_adapt.policies import saved
-
     model, draft = cached_model("llama"), cached_model("llama", seed=1)
     call(model, draft)
     path = next(folder.glob("*.json"))
@@ -101,7 +100,8 @@ def test_a_folder_that_cannot_be_written_never_fails_a_call(tmp_path, monkeypatc
 @pytest.mark.parametrize("value", ["off", "OFF", "0", ""])
 def test_off_keeps_defaults_in_memory(tmp_path, monkeypatch, value):
     monkeypatch.setenv("SPEC_ADAPT_POLICY_DIR", value)
-    monkeypatch.setattr(spec_adapt.loading, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(saved, "cache_dir", lambda: tmp_path)          # where it would write if not off
+    monkeypatch.chdir(tmp_path)                                         # and a folder named "off" would go
     new_process()
     call(cached_model("llama"), cached_model("llama", seed=1))
     assert not list(tmp_path.rglob("*.json"))
