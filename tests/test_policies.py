@@ -435,3 +435,18 @@ def _fuzz_state() -> dict:
         policy.choose(info)
         policy.observe(StepRecord(2, [0, 1], [2, 2], [2, 2], [1, 2], [2, 3], 0.1, 0.02, 0.08))
     return json.loads(json.dumps(policy.state_dict()))
+
+
+def test_row_states_that_are_not_flat_are_refused_whole():
+    """Row states saved as a nested list (shape [2, 0]) with row tables of two rows: refused with a ValueError that
+    names them, and the policy keeps what it had (not an IndexError halfway through loading)."""
+    from spec_adapt import Adaptive
+
+    policy = Adaptive()
+    before = policy.state_dict()
+    state = Adaptive().state_dict()
+    rows = [[[0.0] * policy.max_gamma] * 3] * 2
+    state["row_states"] = [rows, rows, [[], []]]
+    with pytest.raises(ValueError, match="row states must be a flat list"):
+        policy.load_state_dict(state)
+    assert policy.state_dict() == before

@@ -429,6 +429,8 @@ class Adaptive(Policy):
         row_tried = _counts(row_tried, None, "row tried").view(-1, *size)
         row_accepted = _counts(row_accepted, None, "row accepted").view(-1, *size)
         row_state = torch.tensor(row_state, dtype=torch.long)
+        if row_state.dim() != 1:
+            raise ValueError(f"row states must be a flat list of ints, got shape {tuple(row_state.shape)}")
         out_of_range = bool(((row_state < 0) | (row_state >= STATES)).any())
         if not (len(row_tried) == len(row_accepted) == len(row_state)) or out_of_range:
             raise ValueError("row tables of different lengths, or a row state out of range")

@@ -52,7 +52,8 @@ def restore(policy, path: Path | None) -> bool:
         if size > MAX_STATE_BYTES:
             raise ValueError(f"{size} bytes, more than a saved policy's {MAX_STATE_BYTES}")
         policy.load_state_dict(json.loads(path.read_text()))
-    except (OSError, ValueError) as exc:            # json.JSONDecodeError is a ValueError
+    except Exception as exc:        # noqa: BLE001 - a cache file never fails a call (JSONDecodeError is a ValueError)
+        policy.reset()              # whatever a half-read state left: cold
         warnings.warn(f"Ignoring the saved default policy {path} ({exc}); this call starts cold. Delete the file, or "
                       "set SPEC_ADAPT_POLICY_DIR=off to keep default policies in memory only.", stacklevel=3)
         return False
