@@ -450,3 +450,14 @@ def test_row_states_that_are_not_flat_are_refused_whole():
     with pytest.raises(ValueError, match="row states must be a flat list"):
         policy.load_state_dict(state)
     assert policy.state_dict() == before
+
+
+def test_a_saved_step_time_of_zero_is_refused():
+    """A measured step of 0 seconds (goodput divides by it) is refused whole, like any other invalid value."""
+    from spec_adapt import Adaptive
+
+    state = _fuzz_state()
+    state["measured"][0][1][0] = 0
+    policy = Adaptive(seed=1, trees=True)
+    with pytest.raises(ValueError, match="not positive"):
+        policy.load_state_dict(state)

@@ -558,6 +558,6 @@ def _finite(*values, what: str) -> tuple:
 def _times(value, what: str) -> list:
     seconds, samples = value
     _finite(seconds, samples, what=what)
-    if seconds < 0 or samples < 0:
-        raise ValueError(f"{what} holds a negative time or count: {value}")
+    if seconds <= 0 or samples < 0:      # no step takes no time: goodput divides by it
+        raise ValueError(f"{what} holds a time that is not positive or a negative count: {value}")
     return [seconds, samples]
