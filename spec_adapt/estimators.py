@@ -89,6 +89,23 @@ class Calibration:
         index = self._bin(confidence).cpu()
         return (self.accepted[index] / self.reached[index]).to(confidence.device, confidence.dtype)
 
+    def state_dict(self) -> dict:
+        return {"reached": self.reached.tolist(), "accepted": self.accepted.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Counts `state_dict` saved, checked first: as many bins, finite, 0 <= accepted <= reached, reached > 0."""
+        import torch
+
+        reached = torch.tensor(state["reached"], dtype=torch.float64)
+        accepted = torch.tensor(state["accepted"], dtype=torch.float64)
+        if reached.shape != (self.bins,) or accepted.shape != (self.bins,):
+            raise ValueError(f"a calibration of {self.bins} bins needs {self.bins} counts each, got "
+                             f"{tuple(reached.shape)} and {tuple(accepted.shape)}")
+        if not bool(torch.isfinite(reached).all() & torch.isfinite(accepted).all()) or bool((reached <= 0).any()) \
+                or bool((accepted < 0).any()) or bool((accepted > reached).any()):
+            raise ValueError("calibration counts must be finite, with 0 <= accepted <= reached and reached > 0")
+        self.reached, self.accepted = reached, accepted
+
     def update(self, confidence, drafted, accepted) -> None:
         """One step's outcome: confidence [B, S] of each drafted token, drafted [B] and accepted [B] counts."""
         import torch
@@ -103,25 +120,47 @@ class Calibration:
 
 
 class StopRule:
-    """Where a row stops drafting within a step: before the first token whose survival (the probability that it
-    and every draft before it are accepted, each read from `calibration` at the draft's confidence) falls below
-    `threshold`. A policy sets the threshold from its cost model: one more draft token pays when its survival exceeds
-    the tokens per row the step's marginal time would have committed otherwise."""
+    """Where a row stops drafting within a step: before the first token after its first whose survival (the
+    probability that it and every draft before it are accepted, each read from `calibration` at the draft's
+    confidence) falls below the threshold of its position. A policy sets the thresholds from its cost model: one
+    more draft token pays when its survival exceeds the tokens per row that its marginal time would have committed
+    otherwise. `threshold`: one number for every position, or one per position from the first (positions past the
+    end use the last); each in [0, 1].
 
-    def __init__(self, threshold: float, calibration: Calibration):
+    A row asked to draft always drafts its first token: the calibration learns only from drafted tokens, so a rule
+    free to decline first tokens would never learn that an unsure draft (a flat distribution over a large vocabulary,
+    sampling at a high temperature) is right, and whether drafting pays at all is the policy's call."""
+
+    MAX_POSITIONS = 1024
+
+    def __init__(self, threshold, calibration: Calibration):
         if not isinstance(calibration, Calibration):
             raise TypeError(f"StopRule needs a Calibration, got {type(calibration).__name__}.")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
-            raise ValueError(f"StopRule(threshold) must be a number in [0, 1], got {threshold!r}.")
-        self.threshold, self.calibration = float(threshold), calibration
+        values = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold]
+        if not 1 <= len(values) <= self.MAX_POSITIONS or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in values):
+            raise ValueError(f"StopRule(threshold) must be a number in [0, 1] or 1 to {self.MAX_POSITIONS} of them "
+                             f"(one per draft position), got {threshold!r}.")
+        self.thresholds, self.calibration = tuple(float(v) for v in values), calibration
+
+    def at(self, position: int) -> float:
+        """The threshold of draft position `position` (0 = a row's first token)."""
+        return self.thresholds[min(position, len(self.thresholds) - 1)]
 
     def survival(self, survived, confidence):
         """The survival after one more draft token of `confidence`, given `survived` before it."""
         return survived * self.calibration(confidence)
+
+    def keeps(self, survival, position: int):
+        """[B] bool: whether each row drafts its token at `position` (0 = its first), of this survival."""
+        return (survival >= self.at(position)) | (position == 0)
 
     def depths(self, confidence):
         """[B] drafts per row the rule keeps, of a chain of confidences [B, S] (a whole chain at once)."""
         import torch
 
         survival = torch.cumprod(self.calibration(confidence), dim=1)
-        return (survival >= self.threshold).long().cumprod(dim=1).sum(dim=1)
+        if not confidence.shape[1]:
+            return torch.zeros(confidence.shape[0], dtype=torch.long, device=confidence.device)
+        kept = torch.stack([self.keeps(survival[:, k], k) for k in range(confidence.shape[1])], dim=1)
+        return kept.long().cumprod(dim=1).sum(dim=1)

@@ -138,7 +138,7 @@ def test_the_default_policy_with_the_rule_plans_its_threshold_from_the_cost_mode
         assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=24))
     ruled = [plan for plan, pending in plans if isinstance(plan, Plan) and plan.stop is not None]
     assert ruled and all(pending["width"] > 0 for plan, pending in plans if isinstance(plan, Plan))
-    assert all(0 <= plan.stop.threshold <= 1 for plan in ruled)
+    assert all(0 <= t <= 1 for plan in ruled for t in plan.stop.thresholds)
     assert float(policy.calibration.reached.sum()) > Calibration().reached.sum()    # it learned from the steps
 
 
@@ -161,4 +161,4 @@ def test_a_steep_line_through_wide_steps_never_predicts_a_negative_step_or_thres
     for _ in range(4):
         plan = policy.choose(info)
         if isinstance(plan, Plan) and plan.stop is not None:
-            assert 0 <= plan.stop.threshold <= 1
+            assert all(0 <= t <= 1 for t in plan.stop.thresholds)

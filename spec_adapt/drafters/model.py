@@ -216,7 +216,7 @@ class ModelDrafter(Drafter):
             confidence[:, k] = q.gather(1, token[:, None]).squeeze(1)
             if request.stop is not None:              # the plan's rule: stop where the draft stops paying
                 survival = request.stop.survival(survival, confidence[:, k])
-                drafting &= survival >= request.stop.threshold
+                drafting &= request.stop.keeps(survival, k)
             if probs is not None:
                 probs[:, k] = q
             drafts[:, k] = torch.where(drafting, token, 0)

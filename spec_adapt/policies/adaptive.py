@@ -46,7 +46,7 @@ class Adaptive(Policy):
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
                  baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
                  closed_batches: bool = True, trees: bool | tuple = False, recheck_every: int = 64,
-                 max_recheck_gap: int = 1024, stop_rule: bool = False):
+                 max_recheck_gap: int = 1024, stop_rule: bool = True):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1, MAX_WIDTH)
         for name, value, low, high in (("explore", explore, 0, 1), ("explore_margin", explore_margin, 0, math.inf),
                                        ("row_floor", row_floor, 0, 1), ("shrink", shrink, 0, math.inf),
@@ -79,8 +79,8 @@ class Adaptive(Policy):
         self.closed_batches = closed_batches
         if not isinstance(stop_rule, bool):
             raise ValueError(f"Adaptive(stop_rule) must be True or False, got {stop_rule!r}.")
-        # stop_rule: the width becomes each row's most, and a draft model stops a row inside the step where one more
-        # token stops paying (a StopRule from this policy's cost model and its calibration of the draft's confidence).
+        # stop_rule: a draft model that reports its confidence stops each row inside the step where one more token
+        # stops paying (a StopRule from this policy's cost model and its calibration of the draft's confidence).
         self.stop_rule = stop_rule
         trees = tuple(trees) if isinstance(trees, list) else trees     # as saved in JSON
         if not isinstance(trees, (bool, tuple)):
@@ -111,6 +111,7 @@ class Adaptive(Policy):
         self._pending: dict | None = None
         self.tree_shapes = TreeShapes(self.tree_factors) if self.trees else None
         self.calibration = Calibration() if self.stop_rule else None    # draft confidence -> acceptance
+        self.confident = False                  # the drafter reported its confidence: it stops rows by the rule
 
     def begin(self, batch_size):
         self.row_tried = torch.zeros(batch_size, STATES, self.max_gamma)      # [rows, state, S]
@@ -252,17 +253,24 @@ class Adaptive(Policy):
         return self._stopping(self._shaped(gammas, batch), values, batch)
 
     def _stopping(self, gammas, values, batch: int):
-        """With stop_rule, a chain plan of width s > 0 carries where rows stop within it: one more draft token of a
-        row pays when its survival beats G(s) x dT / B, the tokens per row the step's marginal time dT = T(B, s) -
-        T(B, s - 1) commits at the predicted goodput G(s) (docs/policies.md, rule 10)."""
-        width = self._pending["width"]
-        if not self.stop_rule or width == 0 or isinstance(gammas, Plan):
+        """With stop_rule, a chain plan of width s > 0 carries where rows stop within it: a row's draft token at depth
+        k > 1 pays when its survival beats G x (T(B, k) - T(B, k - 1)) / B, the tokens per row that the step's
+        marginal time commits at goodput G (docs/policies.md, rule 10). T is the step-time curve, held
+        non-decreasing (a measured wider step that came out faster does not make a token free); G the predicted
+        goodput at s. Only for a drafter that has reported its confidence, and then the rule alone ends a row's
+        chain: the plan's width becomes max_gamma, so a long run of agreement is not cut at a width chosen before
+        drafting."""
+        pending = self._pending
+        width = pending["width"]
+        if not (self.stop_rule and self.confident) or width == 0 or isinstance(gammas, Plan):
             return gammas
-        burst = self._pending["burst"]
-        marginal = max(0.0, self.step_time(batch, width, burst) - self.step_time(batch, width - 1, burst))
-        threshold = min(1.0, max(0.0, values[width] * marginal / batch))
-        self._pending["stop"] = True
-        return Plan(gammas, stop=StopRule(threshold, self.calibration))
+        curve = [self.step_time(batch, k, pending["burst"]) for k in range(1, self.max_gamma + 1)]
+        curve = torch.tensor(curve).cummax(dim=0).values
+        marginal = torch.cat([torch.zeros(1), curve.diff()])       # position 0 (a row's first token) always drafts
+        thresholds = (values[width] * marginal / batch).clamp(0.0, 1.0).tolist()
+        pending["stop"] = True
+        gammas = torch.where(torch.as_tensor(gammas) > 0, self.max_gamma, 0)
+        return Plan(gammas, stop=StopRule(thresholds, self.calibration))
 
     def _shaped(self, gammas, batch: int):
         """With trees: the chain's widths, or a tree of `factor` times as many nodes at the chain's depth, a pooled
@@ -297,23 +305,16 @@ class Adaptive(Policy):
             return
         batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
         widest = max(record.drafted, default=0)
+        ruled = pending.get("stop", False)
         if self.calibration is not None and record.confidence is not None:
             self.calibration.update(record.confidence, record.drafted, record.accepted)
-        self._count(record, ruled=pending.get("stop", False))
-        seconds = record.step_time
-        if pending["lag"] > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
-            extra = max(0.0, seconds - self.step_time(batch, width, burst))
-            self.catchup.setdefault(key, LineFit(window=32, min_samples=3)).add(pending["lag"], extra)
-            seconds -= extra
-        else:
-            if widest:     # drafting steps only: a long plain run would push every drafting width out of the window
-                self.fits.setdefault(key, LineFit()).add(widest, seconds)
-            slot = (key, width, burst and width > 0)
-            old = self.measured.get(slot)
-            if old is not None and old[1] >= STALL_AFTER:   # a stall (GC, the OS) is not what this width costs
-                seconds = min(seconds, STALL * old[0])
-            self.measured[slot] = [ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
-        if width:
+            self.confident = self.confident or record.confidence.shape[-1] > 0
+        self._count(record, ruled=ruled)
+        if ruled:       # the rule chose the depth: the step's time is that of the widest chain drafted, not asked
+            width = widest
+        if widest or not ruled:    # (a rule that declined every first token ran a plain step, perhaps with a catch-up)
+            self._measure(record, key, width, burst, pending["lag"], ruled)
+        if width and not ruled:
             self.span[(key, burst)] = ema(self.span.get((key, burst)), widest / width, self.ema)
         if pending.get("recheck") is not None:
             # Plain decoding measured again while drafting: the gap to the next recheck doubles when it lost; when it
@@ -328,6 +329,21 @@ class Adaptive(Policy):
             # for a draft model the call has not run yet) has to pay for that too, or it keeps being retried.
             lost = record.step_time / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
             self.probes.result(won=not lost)
+
+    def _measure(self, record: StepRecord, key: int, width: int, burst: bool, lag: int, ruled: bool) -> None:
+        """A step's time into the model: a catch-up's extra into the switching cost, the rest into T(B, width)."""
+        seconds, widest = record.step_time, max(record.drafted, default=0)
+        if lag > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
+            extra = max(0.0, seconds - self.step_time(record.batch_size, width, burst))
+            self.catchup.setdefault(key, LineFit(window=32, min_samples=3)).add(lag, extra)
+            return
+        if widest:     # drafting steps only: a long plain run would push every drafting width out of the window
+            self.fits.setdefault(key, LineFit()).add(widest, seconds)
+        slot = (key, width, burst and width > 0)
+        old = self.measured.get(slot)
+        if old is not None and old[1] >= STALL_AFTER:   # a stall (GC, the OS) is not what this width costs
+            seconds = min(seconds, STALL * old[0])
+        self.measured[slot] = [ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
 
     def batch_rows(self, live: int, held: int) -> int:
         """Rows the target's batch keeps when rows finish (docs/policies.md, rule 9): the size in [live, held] whose
@@ -392,6 +408,8 @@ class Adaptive(Policy):
             "measured": [[list(k), v] for k, v in self.measured.items()],
             "catchup": [[k, list(map(list, f.samples))] for k, f in self.catchup.items()],
             "span": [[list(k), v] for k, v in self.span.items()],
+            "calibration": self.calibration.state_dict() if self.calibration is not None else None,
+            "confident": self.confident,
             "shapes": [[list(k), v] for k, v in self.shapes.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
             "probe_gap": self.probes.gap, "idle": self.probes.idle, "steps": self.steps,
@@ -451,10 +469,20 @@ class Adaptive(Policy):
         rng.setstate(_tupled(state["rng"]))
         return {"tried": tried, "accepted": accepted, "measured": measured, "fits": fits, "catchup": catchup,
                 "span": {state_key(k, (int, bool), "span"): _finite(v, what="span")[0] for k, v in state["span"]},
+                "calibration": self._parse_calibration(state.get("calibration")),
+                "confident": _flag(state.get("confident", False), "confident") and self.stop_rule,
                 "shapes": {state_key(k, (int, int), "shapes"): _times(v, "shapes") for k, v in state.get("shapes", [])},
                 "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,
                 "_probes": (gap, idle, steps), "_rechecks": rechecks,
                 "tree_shapes": self._parse_trees(state.get("tree_shapes"))}
+
+    def _parse_calibration(self, saved) -> Calibration | None:
+        if not self.stop_rule:
+            return None
+        calibration = Calibration()
+        if saved is not None:
+            calibration.load_state_dict(saved)
+        return calibration
 
     def _parse_trees(self, saved) -> TreeShapes | None:
         if not self.trees:
@@ -553,6 +581,12 @@ def _finite(*values, what: str) -> tuple:
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
         raise ValueError(f"{what} holds a value that is not a finite number: {values}")
     return values
+
+
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, got {value!r}")
+    return value
 
 
 def _times(value, what: str) -> list:

@@ -207,11 +207,16 @@ class LineFit(WindowFit):
     def varying(self, x):
         return x
 
-    def __call__(self, x: float) -> float:
+    def slope(self) -> float:
+        """d: what one more unit of x adds to y (>= 0)."""
         (n, sx), (_, sxx) = self.gram
         sy, sxy = self.moments
-        d = max(0.0, (n * sxy - sx * sy) / max(n * sxx - sx * sx, 1e-12))
-        return (sy - d * sx) / n + d * x
+        return max(0.0, (n * sxy - sx * sy) / max(n * sxx - sx * sx, 1e-12))
+
+    def __call__(self, x: float) -> float:
+        (n, sx), _ = self.gram
+        d = self.slope()
+        return (self.moments[0] - d * sx) / n + d * x
 
     def proportional(self, x: float) -> float:
         """y in proportion to x (sum y / sum x): what the samples say before two distinct x are in."""

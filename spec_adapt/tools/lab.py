@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics import StepRecord
-from ..policies.base import Policy, StepInfo, check_gammas
+from ..policies.base import Policy, StepInfo, check_plan
 from ..policies.estimators import LatencyTable
 
 
@@ -154,7 +154,7 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
                         torch.tensor([r["pos"] for r in active]), remaining, result.steps, lags, closed=closed)
         info.oracle = [r["runs"][r["pos"]] for r in active]
         start = time.perf_counter()
-        gammas = torch.minimum(check_gammas(policy, policy.choose(info), batch), remaining - 1).tolist()
+        gammas = torch.minimum(_chain_widths(policy, policy.choose(info), batch), remaining - 1).tolist()
         result.decision_seconds += time.perf_counter() - start
         drafted = [g if r["lengths"] is None else min(g, r["lengths"][r["pos"]]) for g, r in zip(gammas, active)]
         accepted = [min(d, r["runs"][r["pos"]]) for d, r in zip(drafted, active)]
@@ -273,3 +273,14 @@ def record_traces(model, tok, prompts: list[str], drafter, new_tokens: int = 128
             drafter.end(row, torch.tensor([prompt_len + len(generated)]))
             requests.append(Request(runs, name=f"prompt-{start + b}", lengths=lengths))
     return requests
+
+
+def _chain_widths(policy: Policy, answer, batch: int) -> torch.Tensor:
+    """[B] the widths a policy's answer drafts here. Recorded traces carry no draft confidences, so a plan's stop
+    rule has nothing to read and the rows draft its widths, as a drafter without probabilities does; trees are not
+    simulated."""
+    plan = check_plan(policy, answer, batch)
+    if plan.depth is not None:
+        raise ValueError(f"{type(policy).__name__} planned a token tree; the lab simulates chains only (build the "
+                         "policy without trees).")
+    return plan.gammas
