@@ -10,6 +10,8 @@ The estimators only policies use (step-time fits, acceptance counts, tree shapes
 
 from __future__ import annotations
 
+import numbers
+
 
 def ema(old, new, weight: float):
     """`new` weighted `weight` against `old` (floats or tensors); with no `old` yet (None), `new` itself."""
@@ -138,7 +140,7 @@ class StopRule:
             raise TypeError(f"StopRule needs a Calibration, got {type(calibration).__name__}.")
         values = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold]
         if not 1 <= len(values) <= self.MAX_POSITIONS or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in values):
+                isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v <= 1 for v in values):
             raise ValueError(f"StopRule(threshold) must be a number in [0, 1] or 1 to {self.MAX_POSITIONS} of them "
                              f"(one per draft position), got {threshold!r}.")
         self.thresholds, self.calibration = tuple(float(v) for v in values), calibration

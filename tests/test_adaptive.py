@@ -557,7 +557,9 @@ def _choices(policy) -> list:
 
 
 @pytest.mark.parametrize("poison", ["measured key of two", "measured key of four", "span key of three",
-                                    "shapes key with a bool", "negative tree gap", "tree key of one"])
+                                    "shapes key with a bool", "negative tree gap", "tree key of one",
+                                    "calibration accepting more than it reached", "calibration of 3 bins",
+                                    "confident as a number"])
 def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
     source = Adaptive(seed=3, trees=True) if "tree" in poison else _learned()
     state = json.loads(json.dumps(source.state_dict()))
@@ -568,6 +570,14 @@ def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
         state["span"].append([[1, True, 3], 1.0])
     elif poison.startswith("shapes"):
         state["shapes"].append([[True, 2], [0.1, 3]])
+    elif poison.startswith("calibration"):
+        calibration = state["calibration"]
+        if "3 bins" in poison:
+            calibration["reached"], calibration["accepted"] = [4.0] * 3, [2.0] * 3
+        else:
+            calibration["accepted"][0] = calibration["reached"][0] + 1
+    elif poison.startswith("confident"):
+        state["confident"] = 1
     elif poison == "negative tree gap":
         state["tree_shapes"]["gaps"].append([[1, 2], [-5, 0]])
     else:
@@ -578,6 +588,25 @@ def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
         target.load_state_dict(state)
     assert json.dumps(target.state_dict()) == before          # nothing changed
     assert _choices(target)                                    # and every later decision still runs
+
+
+def test_the_calibration_of_the_draft_confidence_is_saved_and_restored():
+    """A policy that learned how often its draft's confidences are accepted plans the same stop rule after a round
+    trip through JSON (a new process's default starts with it)."""
+    policy = Adaptive(seed=3)
+    confidence = torch.tensor([[0.9, 0.8, 0.3], [0.6, 0.2, 0.1]])
+    for step in range(40):
+        info = spec_adapt.policies.StepInfo(2, torch.arange(2), torch.full((2,), step), torch.full((2,), 500), step,
+                                            draft_lag=torch.ones(2, dtype=torch.long))
+        policy.choose(info)
+        policy.observe(spec_adapt.metrics.StepRecord(2, [0, 1], [3, 3], [3, 3], [2, 0], [3, 1], 0.3, 0.1, 0.2,
+                                                     confidence=confidence))
+    assert policy.confident and float(policy.calibration(torch.tensor([0.35]))) < 0.2      # 0.3 is always rejected
+    loaded = Adaptive(seed=3)
+    loaded.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    assert loaded.confident
+    assert torch.equal(loaded.calibration.reached, policy.calibration.reached)
+    assert [_decision(p) for p in _choices(loaded)] == [_decision(p) for p in _choices(policy)]
 
 
 def test_a_state_round_trips_and_decides_alike():
@@ -604,3 +633,28 @@ def test_an_export_batch_out_of_range_is_refused(max_batch):
         speculative_config(_learned(), "ngram", max_batch=max_batch)
     with pytest.raises(ValueError, match="max_batch"):
         _learned().to_vllm_schedule(max_batch)
+
+
+class _Planned(FixedLength):
+    """FixedLength(k) that answers with a Plan: a stop rule (chains) or a tree depth."""
+
+    def __init__(self, k, tree=False):
+        super().__init__(k)
+        self.tree = tree
+
+    def choose(self, info):
+        from spec_adapt.estimators import Calibration, StopRule
+
+        gammas = super().choose(info)
+        return Plan(gammas, depth=2) if self.tree else Plan(gammas, stop=StopRule(0.5, Calibration()))
+
+
+def test_the_lab_runs_a_stop_rule_plan_at_its_widths_and_refuses_trees():
+    """Recorded traces carry no draft confidences: a plan's stop rule has nothing to read, and the lab drafts its
+    widths, as a drafter without probabilities does. Trees are not simulated: refused with the fix."""
+    requests = synthetic_requests(4, 40, 0.8, seed=2)
+    ruled = simulate(_Planned(3), requests, latency(0.15, 0.9), Static(2))
+    plain = simulate(FixedLength(3), requests, latency(0.15, 0.9), Static(2))
+    assert ruled.history == plain.history and ruled.goodput == pytest.approx(plain.goodput, rel=0.05)
+    with pytest.raises(ValueError, match="chains only"):
+        simulate(_Planned(3, tree=True), requests, latency(0.15, 0.9), Static(2))

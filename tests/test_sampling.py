@@ -190,3 +190,29 @@ def test_cross_tokenizer_point_mass_drafts_follow_target_distribution(small):
     script = ScriptedDrafter(lambda row, context, gamma: draft_tokenizer.encode("$&#'%", add_special_tokens=False))
     drafter = CrossTokenizerDrafter(script, draft_tokenizer, char_tokenizer(VOCAB_SMALL))
     assert_follows_target(target, drafter, 6000)
+
+
+class RuledWidth(FixedLength):
+    """FixedLength(k) whose rows stop inside the step at a survival threshold of the draft's own confidences: depths
+    that differ per row and per step, decided from what the draft sampled."""
+
+    def __init__(self, k, thresholds):
+        super().__init__(k)
+        from spec_adapt.estimators import Calibration, StopRule
+
+        self.rule = StopRule(thresholds, Calibration())
+
+    def choose(self, info):
+        from spec_adapt.policies.base import Plan
+
+        return Plan(super().choose(info), stop=self.rule)
+
+
+def test_rows_stopped_by_the_draft_confidence_follow_target_distribution(small):
+    """Depth decided inside the step (the default policy's stop rule) reads only the draft's own probabilities of the
+    tokens it sampled, so the sampled tokens keep the target's distribution with ragged per-row depths."""
+    target, draft = small
+    assert_follows_target(target, draft, 6000, policy=RuledWidth(3, [0.0, 0.003, 0.0002]))   # unsure: ~0.05 a token
+    trace = spec_adapt.last_stats().trace
+    assert any(0 < d < g for r in trace for d, g in zip(r.drafted, r.gammas))      # some rows stopped early
+    assert any(d == g > 1 for r in trace for d, g in zip(r.drafted, r.gammas))     # and some drafted their most

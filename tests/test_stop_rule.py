@@ -74,7 +74,8 @@ def test_the_calibration_is_a_probability_that_reads_only_reached_tokens(confide
     assert bool(((values >= 0) & (values <= 1)).all())
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True, "0.3"])
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True, "0.3", [], [0.2, 2.0], [0.1] * 2000, [True],
+                                 (0.1, None)])
 def test_a_stop_rule_refuses_a_threshold_that_is_not_a_probability(bad):
     with pytest.raises(ValueError, match="threshold"):
         StopRule(bad, Calibration())
@@ -162,3 +163,81 @@ def test_a_steep_line_through_wide_steps_never_predicts_a_negative_step_or_thres
         plan = policy.choose(info)
         if isinstance(plan, Plan) and plan.stop is not None:
             assert all(0 <= t <= 1 for t in plan.stop.thresholds)
+
+
+def _ruled_plan(policy, batch=1):
+    info = StepInfo(batch, torch.arange(batch), torch.full((batch,), 5), torch.full((batch,), 40), 3,
+                    draft_lag=torch.ones(batch, dtype=torch.long), closed=True)
+    return policy.choose(info)
+
+
+def test_the_threshold_is_the_goodput_the_rule_reached_times_the_time_per_drafted_token():
+    """G x dT / B: dT the slope of the line through drafting steps (here 0.05 s per drafted token), G the tokens per
+    second the rule's own steps committed (here 8 per 0.5 s), not the counts' prediction, which the rule's
+    selective drafting makes optimistic: a threshold set too high lowers the goodput and the next threshold."""
+    from spec_adapt.metrics import StepRecord
+
+    policy = Adaptive(explore=0.0)
+    policy.measured[(1, 0, False)] = [0.25, 5]
+    policy.confident = True
+    for depth in (2, 4, 6, 2, 4, 6):
+        plan = _ruled_plan(policy)
+        assert isinstance(plan, Plan) and plan.stop is not None and int(plan.gammas.max()) == policy.max_gamma
+        accepted = depth - 1
+        policy.observe(StepRecord(1, [0], [policy.max_gamma], [depth], [accepted], [accepted + 1],
+                                  0.3 + 0.05 * depth, 0.05 * depth, 0.3, confidence=torch.full((1, depth), 0.9)))
+    goodput = None
+    for depth in (2, 4, 6, 2, 4, 6):          # the EMA (weight 0.1) of each step's committed tokens per second
+        rate = depth / (0.3 + 0.05 * depth)
+        goodput = rate if goodput is None else 0.9 * goodput + 0.1 * rate
+    assert policy.goodput[1] == pytest.approx(goodput)
+    assert _ruled_plan(policy).stop.thresholds == pytest.approx((goodput * 0.05,), rel=1e-6)
+
+
+def test_a_row_always_drafts_its_first_token():
+    """The rule never declines a row's first token, whatever its survival: the calibration learns only from drafted
+    tokens, and whether to draft at all is the policy's decision."""
+    rule = StopRule([0.9], Calibration())
+    assert rule.depths(torch.tensor([[0.01, 0.99], [0.99, 0.99]])).tolist() == [1, 2]
+    assert rule.depths(torch.zeros(2, 0)).tolist() == [0, 0]
+
+
+def test_an_unsure_draft_that_is_right_learns_to_draft_deep():
+    """The target as its own draft, on a tiny random model: every token is accepted, at a confidence of ~0.05 (a flat
+    distribution). A rule free to decline first tokens never drafts one and never learns; with the first token
+    always drafted, the calibration learns that low confidence is accepted here and rows draft several tokens."""
+    target = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=4)
+    policy = Adaptive(explore=0.0)
+    for _ in range(2):
+        stats = spec_adapt.SpecStats()
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
+                              eos_token_id=None, custom_generate=spec_adapt.generate, drafter=target,
+                              assistant_policy=policy, spec_stats=stats)
+        assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=24))
+        if any(r.confidence is not None and r.confidence.shape[1] for r in stats.trace):
+            break
+    confidences = torch.cat([r.confidence.flatten() for r in stats.trace if r.confidence is not None])
+    assert float(confidences.max()) < 0.2                               # the draft is unsure of every token
+    assert policy.calibration(torch.tensor([0.05])).item() > 0.5        # and learned that it is right anyway
+    assert max(max(r.drafted) for r in stats.trace) > 2
+
+
+def test_a_drafter_without_confidences_keeps_width_plans():
+    """Prompt lookup reports no probabilities: the default policy plans widths for it, never a stop rule, so its
+    rows draft the width the cost model chose (a rule would have nothing to read and the width would be max_gamma)."""
+    target = cached_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    policy = Adaptive()
+    plans = []
+    choose = policy.choose
+
+    def spy(info):
+        plans.append(choose(info))
+        return plans[-1]
+
+    policy.choose = spy
+    target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                    pad_token_id=PAD, eos_token_id=None, custom_generate=spec_adapt.generate,
+                    drafter=spec_adapt.PromptLookupDrafter(), assistant_policy=policy)
+    assert plans and not any(isinstance(p, Plan) for p in plans) and not policy.confident

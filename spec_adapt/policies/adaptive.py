@@ -112,6 +112,7 @@ class Adaptive(Policy):
         self.tree_shapes = TreeShapes(self.tree_factors) if self.trees else None
         self.calibration = Calibration() if self.stop_rule else None    # draft confidence -> acceptance
         self.confident = False                  # the drafter reported its confidence: it stops rows by the rule
+        self.goodput: dict[int, float] = {}     # bucket -> EMA tokens / s of the drafting steps the rule stopped
 
     def begin(self, batch_size):
         self.row_tried = torch.zeros(batch_size, STATES, self.max_gamma)      # [rows, state, S]
@@ -253,24 +254,27 @@ class Adaptive(Policy):
         return self._stopping(self._shaped(gammas, batch), values, batch)
 
     def _stopping(self, gammas, values, batch: int):
-        """With stop_rule, a chain plan of width s > 0 carries where rows stop within it: a row's draft token at depth
-        k > 1 pays when its survival beats G x (T(B, k) - T(B, k - 1)) / B, the tokens per row that the step's
-        marginal time commits at goodput G (docs/policies.md, rule 10). T is the step-time curve, held
-        non-decreasing (a measured wider step that came out faster does not make a token free); G the predicted
-        goodput at s. Only for a drafter that has reported its confidence, and then the rule alone ends a row's
-        chain: the plan's width becomes max_gamma, so a long run of agreement is not cut at a width chosen before
-        drafting."""
+        """With stop_rule, a chain plan of width s > 0 carries where rows stop within it: a row's draft token after
+        its first pays when its survival beats G x dT / B, the tokens per row that the step's marginal time dT
+        commits at goodput G (docs/policies.md, rule 10). dT is the line fit's time per drafted token (T(B, s) -
+        T(B, s - 1) until it is ready); G the goodput the rule's own steps reached (the prediction at s until one
+        ran), so a threshold set too high lowers G and with it the next threshold. Only for a drafter that has
+        reported its confidence, and then the rule alone ends a row's chain: the plan's width becomes max_gamma, so
+        a long run of agreement is not cut at a width chosen before drafting."""
         pending = self._pending
         width = pending["width"]
         if not (self.stop_rule and self.confident) or width == 0 or isinstance(gammas, Plan):
             return gammas
-        curve = [self.step_time(batch, k, pending["burst"]) for k in range(1, self.max_gamma + 1)]
-        curve = torch.tensor(curve).cummax(dim=0).values
-        marginal = torch.cat([torch.zeros(1), curve.diff()])       # position 0 (a row's first token) always drafts
-        thresholds = (values[width] * marginal / batch).clamp(0.0, 1.0).tolist()
+        key, burst = bucket(batch), pending["burst"]
+        fit = self.fits.get(key)
+        if fit is not None and fit.ready():
+            marginal = fit.slope()
+        else:
+            marginal = max(0.0, self.step_time(batch, width, burst) - self.step_time(batch, width - 1, burst))
+        threshold = min(1.0, max(0.0, self.goodput.get(key, values[width]) * marginal / batch))
         pending["stop"] = True
         gammas = torch.where(torch.as_tensor(gammas) > 0, self.max_gamma, 0)
-        return Plan(gammas, stop=StopRule(thresholds, self.calibration))
+        return Plan(gammas, stop=StopRule(threshold, self.calibration))
 
     def _shaped(self, gammas, batch: int):
         """With trees: the chain's widths, or a tree of `factor` times as many nodes at the chain's depth, a pooled
@@ -339,6 +343,8 @@ class Adaptive(Policy):
             return
         if widest:     # drafting steps only: a long plain run would push every drafting width out of the window
             self.fits.setdefault(key, LineFit()).add(widest, seconds)
+            if ruled:
+                self.goodput[key] = ema(self.goodput.get(key), sum(record.committed) / max(seconds, 1e-9), self.ema)
         slot = (key, width, burst and width > 0)
         old = self.measured.get(slot)
         if old is not None and old[1] >= STALL_AFTER:   # a stall (GC, the OS) is not what this width costs
@@ -409,6 +415,7 @@ class Adaptive(Policy):
             "catchup": [[k, list(map(list, f.samples))] for k, f in self.catchup.items()],
             "span": [[list(k), v] for k, v in self.span.items()],
             "calibration": self.calibration.state_dict() if self.calibration is not None else None,
+            "goodput": [[k, v] for k, v in self.goodput.items()],
             "confident": self.confident,
             "shapes": [[list(k), v] for k, v in self.shapes.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
@@ -470,6 +477,8 @@ class Adaptive(Policy):
         return {"tried": tried, "accepted": accepted, "measured": measured, "fits": fits, "catchup": catchup,
                 "span": {state_key(k, (int, bool), "span"): _finite(v, what="span")[0] for k, v in state["span"]},
                 "calibration": self._parse_calibration(state.get("calibration")),
+                "goodput": {state_key([k], (int,), "goodput")[0]: _times([v, 1], "goodput")[0]
+                            for k, v in state.get("goodput", [])},
                 "confident": _flag(state.get("confident", False), "confident") and self.stop_rule,
                 "shapes": {state_key(k, (int, int), "shapes"): _times(v, "shapes") for k, v in state.get("shapes", [])},
                 "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,

@@ -1,0 +1,183 @@
+"""Depth inside the step, replayed on the real pair: how close each length rule comes to the hindsight bound.
+
+    python benchmarks/stop_rule_replay.py
+    python benchmarks/stop_rule_replay.py --num-prompts 6 --new-tokens 48 --orders 6
+
+For each prompt of each workload: the target's greedy output, then one teacher-forced draft forward over prompt +
+output, which gives at every output position whether the draft's token is the target's and the draft's probability
+of its token (its confidence). Each rule is then replayed over those outputs at batch 1 under this machine's step
+costs (`spec_adapt.tools.bound.step_costs`: verify g + 1 tokens and draft g), a drafting step after plain steps
+also paying the draft's catch-up (its measured prompt forward, per token of lag). Printed: each rule's share of the
+bound's decode time (the bound drafts every step exactly to the end of the draft's run of agreement and pays no
+catch-up), and the AUC of the draft's confidence for telling its accepted tokens from its rejected ones.
+
+Rules: every fixed width; a survival rule at fixed thresholds (the draft's confidence read as its acceptance, up to
+8 tokens); `Adaptive(stop_rule=False)` and the default `Adaptive()`, each on a fresh policy's first call (cold) and
+on calls after it has seen every prompt once (warm), over `--orders` shuffled orders. Past a token the target
+rejects, the replay reads the teacher-forced confidence of that position (the draft's own continuation is not
+run), which a real draft would have seen after its own tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from spec_adapt import Adaptive, prepare
+from spec_adapt.estimators import Calibration, StopRule
+from spec_adapt.metrics import StepRecord
+from spec_adapt.policies.base import Plan, StepInfo
+from spec_adapt.recipes import workloads
+from spec_adapt.tools.bound import best_schedule, fixed_schedule, step_costs
+from spec_adapt.tools.cli import _fastest_draft
+from spec_adapt.tools.models import load_model
+
+MAX_WIDTH = 8
+
+
+def observe_pair(model, draft, tok, workload: str, prompts: int, new_tokens: int) -> list[dict]:
+    """Per prompt: match[i], conf[i] over the output, and the draft's prompt forward in seconds."""
+    vocab = model.config.vocab_size
+    data = workloads.with_inputs(workloads.load(workload, prompts), tok)
+    out = []
+    for text in data["input_text"]:
+        ids = tok(text, return_tensors="pt").input_ids[0]
+        gen = model.generate(ids[None], max_new_tokens=new_tokens, do_sample=False)[0, len(ids):]
+        with torch.no_grad():
+            start = time.perf_counter()
+            draft(input_ids=ids[None])
+            catchup = time.perf_counter() - start
+            q = draft(input_ids=torch.cat([ids, gen])[None]).logits[0, len(ids) - 1: len(ids) - 1 + len(gen), :vocab]
+        q = q.float().softmax(-1)
+        out.append({"match": (q.argmax(-1) == gen).tolist(), "conf": q.max(-1).values.tolist(),
+                    "per_token": catchup / len(ids), "prompt": len(ids)})
+    return out
+
+
+def runs_of(match: list[bool]) -> list[int]:
+    runs = [0] * (len(match) + 1)
+    for i in range(len(match) - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if match[i] else 0
+    return runs
+
+
+def replay(policy, prompt: dict, costs: list[float]) -> float:
+    """Decode seconds of one batch-1 call under `policy` (tokens after the prefill's first one)."""
+    match, conf = prompt["match"], prompt["conf"]
+    runs, n = runs_of(match), len(match)
+    policy.begin(1)
+    i, seconds, lag = 1, 0.0, prompt["prompt"] + 1
+    while i < n:
+        info = StepInfo(1, torch.tensor([0]), torch.tensor([i]), torch.tensor([n - i]), 0,
+                        draft_lag=torch.tensor([lag]), closed=True)
+        plan = policy.choose(info)
+        stop = plan.stop if isinstance(plan, Plan) else None
+        asked = plan.gammas if isinstance(plan, Plan) else plan
+        asked = max(0, min(int(torch.as_tensor(asked).reshape(-1)[0]), n - 1 - i))
+        drafted, survival = 0, torch.ones(1)
+        for k in range(asked):
+            if stop is not None:
+                survival = stop.survival(survival, torch.tensor([conf[i + k]]))
+                if not bool(stop.keeps(survival, k)):
+                    break
+            drafted += 1
+        catchup = prompt["per_token"] * lag if drafted and lag > 2 else 0.0
+        step = costs[drafted] + catchup
+        accepted = min(runs[i], drafted)
+        confidence = torch.tensor([conf[i: i + drafted]]) if drafted else None
+        policy.observe(StepRecord(1, [0], [asked], [drafted], [accepted], [accepted + 1], step, 0.0, step,
+                                  confidence=confidence))
+        lag = (2 if accepted == drafted else 1) if drafted else lag + 1
+        i += accepted + 1
+        seconds += step
+    return seconds
+
+
+class Rule:
+    """Up to MAX_WIDTH tokens, each row stopping where its survival (confidence read as acceptance) < threshold."""
+
+    def __init__(self, threshold: float):
+        self.rule = StopRule(threshold, Calibration(prior=1e9))      # a calibration that stays on the diagonal
+
+    def begin(self, batch):
+        pass
+
+    def choose(self, info):
+        return Plan(torch.full((1,), MAX_WIDTH), stop=self.rule)
+
+    def observe(self, record):
+        pass
+
+
+class Fixed(Rule):
+    def __init__(self, width: int):
+        self.width = width
+
+    def choose(self, info):
+        return torch.full((1,), self.width)
+
+
+def auc(data: list[dict]) -> float:
+    hits = [c for p in data for c, m in zip(p["conf"], p["match"]) if m]
+    misses = [c for p in data for c, m in zip(p["conf"], p["match"]) if not m]
+    return sum((h > x) + 0.5 * (h == x) for h in hits for x in misses) / max(1, len(hits) * len(misses))
+
+
+def share(data, costs, make, orders: int) -> tuple[float, float]:
+    """(cold, warm) mean share of the bound over prompts and `orders` shuffled orders."""
+    bound = [best_schedule(runs_of(p["match"]), costs)[0] for p in data]
+    cold, warm = [], []
+    for seed in range(orders):
+        order = list(range(len(data)))
+        random.Random(seed).shuffle(order)
+        policy = make()
+        for k, j in enumerate(order * 2):
+            value = bound[j] / replay(policy, data[j], costs)
+            if k == 0:
+                cold.append(value)
+            elif k >= len(order):
+                warm.append(value)
+    return statistics.mean(cold), statistics.mean(warm)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    p.add_argument("--workloads", nargs="+", default=["humaneval-chat", "sharegpt"])
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--orders", type=int, default=6, help="shuffled prompt orders per adaptive policy")
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    model, tok = load_model(args.model, dtype=torch.float32)
+    draft = _fastest_draft(load_model(args.draft, dtype=torch.float32)[0], True)
+    prepare(model)
+    prepare(draft)
+    data = {w: observe_pair(model, draft, tok, w, args.num_prompts, args.new_tokens) for w in args.workloads}
+    prompt = statistics.median(p["prompt"] for ps in data.values() for p in ps)
+    costs = step_costs(model, draft, MAX_WIDTH, context=int(prompt + args.new_tokens // 2))
+    print("step costs (s):", " ".join(f"{c:.3f}" for c in costs))
+    for w, ps in data.items():
+        agree = statistics.mean(m for p in ps for m in p["match"])
+        print(f"\n{w}: {len(ps)} prompts, agreement {agree:.2f}, confidence AUC {auc(ps):.2f}, draft catch-up "
+              f"{1000 * statistics.mean(p['per_token'] for p in ps):.1f} ms per prompt token")
+        fixed = {g: statistics.mean(best_schedule(runs_of(p["match"]), costs)[0] /
+                                    fixed_schedule(runs_of(p["match"]), costs, g) for p in ps)
+                 for g in range(MAX_WIDTH + 1)}
+        best = max(fixed, key=fixed.get)
+        print(f"  best fixed width in hindsight (no catch-up): {best}, {fixed[best]:.3f} of the bound")
+        rows = [(f"FixedLength({g})", lambda g=g: Fixed(g)) for g in (3, 4, 5)]
+        rows += [(f"survival rule at {t}", lambda t=t: Rule(t)) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
+        rows += [("Adaptive(stop_rule=False)", lambda: Adaptive(stop_rule=False)), ("Adaptive()", Adaptive)]
+        for name, make in rows:
+            cold, warm = share(ps, costs, make, args.orders)
+            print(f"  {name:<28} cold {cold:.3f}  warm {warm:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Depth decided inside the step: the default policy lets the 0.5B draft each row until one more token stops paying
+(its calibrated confidence against the step's measured marginal time), where `Adaptive(stop_rule=False)` drafts a
+width chosen before drafting. Prints, per step, how many tokens each policy drafted and how many were accepted.
+
+    make setup && python examples/depth_rule.py
+"""
+
+import torch
+
+import spec_adapt
+from spec_adapt import Adaptive
+from spec_adapt.tools.models import load_model
+
+target, tok = load_model("qwen2.5-coder-1.5b")
+draft, _ = load_model("qwen2.5-coder-0.5b")
+message = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+inputs = tok([tok.apply_chat_template(message, add_generation_prompt=True, tokenize=False)], return_tensors="pt")
+stock = target.generate(**inputs, max_new_tokens=48, do_sample=False)
+
+for name, policy in (("default (depth rule)", Adaptive()), ("stop_rule=False (width)", Adaptive(stop_rule=False))):
+    for call in range(2):       # the second call starts from what the first learned
+        out = target.generate(**inputs, max_new_tokens=48, do_sample=False, custom_generate=spec_adapt.generate,
+                              drafter=draft, assistant_policy=policy)
+    trace = spec_adapt.last_stats().trace
+    steps = " ".join(f"{r.accepted[0]}/{r.drafted[0]}" for r in trace)
+    print(f"{name}: {len(trace)} steps, accepted/drafted per step: {steps}")
+    print("  identical to stock generate:", torch.equal(out, stock))
