@@ -59,7 +59,7 @@ bench: setup
 	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --xdraft smollm2-135m \
 		--draft-dtype fastest --prepare --workload humaneval-chat \
 		--num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
-		--configs target hf-assisted hf-uag draft:adaptive draft:adaptive-width draft:fixed3 draft:fixed5 \
+		--configs target hf-assisted hf-uag draft:adaptive draft:adaptive-stop draft:fixed3 draft:fixed5 \
 		xdraftc:adaptive --bound --cold --out results/bench-qwen-bf16-draft-b1/humaneval-chat
 
 clean:

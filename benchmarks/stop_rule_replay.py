@@ -80,11 +80,11 @@ def replay(policy, prompt: dict, costs: list[float]) -> float:
         asked = max(0, min(int(torch.as_tensor(asked).reshape(-1)[0]), n - 1 - i))
         drafted, survival = 0, torch.ones(1)
         for k in range(asked):
+            if stop is not None and not bool(stop.keeps(survival, k)):
+                break
+            drafted += 1
             if stop is not None:
                 survival = stop.survival(survival, torch.tensor([conf[i + k]]))
-                if not bool(stop.keeps(survival, k)):
-                    break
-            drafted += 1
         catchup = prompt["per_token"] * lag if drafted and lag > 2 else 0.0
         step = costs[drafted] + catchup
         accepted = min(runs[i], drafted)

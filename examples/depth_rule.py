@@ -1,6 +1,6 @@
-"""Depth decided inside the step: the default policy lets the 0.5B draft each row until one more token stops paying
-(its calibrated confidence against the step's measured marginal time), where `Adaptive(stop_rule=False)` drafts a
-width chosen before drafting. Prints, per step, how many tokens each policy drafted and how many were accepted.
+"""Depth decided inside the step: `Adaptive(stop_rule=True)` lets the 0.5B draft each row until one more token stops
+paying (its calibrated confidence against the step's marginal time), where the default `Adaptive()` drafts a width
+chosen before drafting. Prints, per step, how many tokens each policy drafted and how many were accepted.
 
     make setup && python examples/depth_rule.py
 """
@@ -17,7 +17,7 @@ message = [{"role": "user", "content": "Write a Python function that returns the
 inputs = tok([tok.apply_chat_template(message, add_generation_prompt=True, tokenize=False)], return_tensors="pt")
 stock = target.generate(**inputs, max_new_tokens=48, do_sample=False)
 
-for name, policy in (("default (depth rule)", Adaptive()), ("stop_rule=False (width)", Adaptive(stop_rule=False))):
+for name, policy in (("stop_rule=True (depth)", Adaptive(stop_rule=True)), ("default (width)", Adaptive())):
     for call in range(2):       # the second call starts from what the first learned
         out = target.generate(**inputs, max_new_tokens=48, do_sample=False, custom_generate=spec_adapt.generate,
                               drafter=draft, assistant_policy=policy)

@@ -122,16 +122,16 @@ class Calibration:
 
 
 class StopRule:
-    """Where a row stops drafting within a step: before the first token after its first whose survival (the
-    probability that it and every draft before it are accepted, each read from `calibration` at the draft's
-    confidence) falls below the threshold of its position. A policy sets the thresholds from its cost model: one
-    more draft token pays when its survival exceeds the tokens per row that its marginal time would have committed
-    otherwise. `threshold`: one number for every position, or one per position from the first (positions past the
-    end use the last); each in [0, 1].
+    """Where a row stops drafting within a step: after the first token whose survival (the probability that it and
+    every draft before it are accepted, each read from `calibration` at the draft's confidence) falls below the
+    threshold of the next position. That token is still proposed: the draft already paid its forward, and the next
+    one, which would tell its confidence, is the forward the rule saves. A policy sets the thresholds from its cost
+    model: one more draft token pays while the survival so far exceeds the tokens per row that its time would have
+    committed otherwise. `threshold`: one number for every position, or one per position from the first (positions
+    past the end use the last); each in [0, 1].
 
-    A row asked to draft always drafts its first token: the calibration learns only from drafted tokens, so a rule
-    free to decline first tokens would never learn that an unsure draft (a flat distribution over a large vocabulary,
-    sampling at a high temperature) is right, and whether drafting pays at all is the policy's call."""
+    A row asked to draft always drafts its first token (its survival before it is 1): the calibration learns only
+    from drafted tokens, and whether drafting pays at all is the policy's call."""
 
     MAX_POSITIONS = 1024
 
@@ -154,7 +154,8 @@ class StopRule:
         return survived * self.calibration(confidence)
 
     def keeps(self, survival, position: int):
-        """[B] bool: whether each row drafts its token at `position` (0 = its first), of this survival."""
+        """[B] bool: whether each row drafts its token at `position` (0 = its first), given the survival of the
+        tokens before it."""
         return (survival >= self.at(position)) | (position == 0)
 
     def depths(self, confidence):
@@ -162,7 +163,8 @@ class StopRule:
         import torch
 
         survival = torch.cumprod(self.calibration(confidence), dim=1)
+        before = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], dim=1)
         if not confidence.shape[1]:
             return torch.zeros(confidence.shape[0], dtype=torch.long, device=confidence.device)
-        kept = torch.stack([self.keeps(survival[:, k], k) for k in range(confidence.shape[1])], dim=1)
+        kept = torch.stack([self.keeps(before[:, k], k) for k in range(confidence.shape[1])], dim=1)
         return kept.long().cumprod(dim=1).sum(dim=1)

@@ -561,7 +561,9 @@ def _choices(policy) -> list:
                                     "calibration accepting more than it reached", "calibration of 3 bins",
                                     "confident as a number"])
 def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
-    source = Adaptive(seed=3, trees=True) if "tree" in poison else _learned()
+    ruled = poison.startswith(("calibration", "confident"))
+    source = Adaptive(seed=3, trees=True) if "tree" in poison else Adaptive(seed=3, stop_rule=True) if ruled \
+        else _learned()
     state = json.loads(json.dumps(source.state_dict()))
     if poison.startswith("measured"):
         key = state["measured"][0][0]
@@ -582,7 +584,7 @@ def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
         state["tree_shapes"]["gaps"].append([[1, 2], [-5, 0]])
     else:
         state["tree_shapes"]["value"].append([[1], [0.5, 2]])
-    target = Adaptive(seed=3, trees=True)
+    target = Adaptive(seed=3, trees=True, stop_rule=ruled)
     before = json.dumps(target.state_dict())
     with pytest.raises(ValueError, match="Not a valid Adaptive state"):
         target.load_state_dict(state)
@@ -593,7 +595,7 @@ def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
 def test_the_calibration_of_the_draft_confidence_is_saved_and_restored():
     """A policy that learned how often its draft's confidences are accepted plans the same stop rule after a round
     trip through JSON (a new process's default starts with it)."""
-    policy = Adaptive(seed=3)
+    policy = Adaptive(seed=3, stop_rule=True)
     confidence = torch.tensor([[0.9, 0.8, 0.3], [0.6, 0.2, 0.1]])
     for step in range(40):
         info = spec_adapt.policies.StepInfo(2, torch.arange(2), torch.full((2,), step), torch.full((2,), 500), step,
@@ -602,7 +604,7 @@ def test_the_calibration_of_the_draft_confidence_is_saved_and_restored():
         policy.observe(spec_adapt.metrics.StepRecord(2, [0, 1], [3, 3], [3, 3], [2, 0], [3, 1], 0.3, 0.1, 0.2,
                                                      confidence=confidence))
     assert policy.confident and float(policy.calibration(torch.tensor([0.35]))) < 0.2      # 0.3 is always rejected
-    loaded = Adaptive(seed=3)
+    loaded = Adaptive(seed=3, stop_rule=True)
     loaded.load_state_dict(json.loads(json.dumps(policy.state_dict())))
     assert loaded.confident
     assert torch.equal(loaded.calibration.reached, policy.calibration.reached)

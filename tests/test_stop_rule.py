@@ -177,7 +177,7 @@ def test_the_threshold_is_the_goodput_the_rule_reached_times_the_time_per_drafte
     selective drafting makes optimistic: a threshold set too high lowers the goodput and the next threshold."""
     from spec_adapt.metrics import StepRecord
 
-    policy = Adaptive(explore=0.0)
+    policy = Adaptive(explore=0.0, stop_rule=True)
     policy.measured[(1, 0, False)] = [0.25, 5]
     policy.confident = True
     for depth in (2, 4, 6, 2, 4, 6):
@@ -208,7 +208,7 @@ def test_an_unsure_draft_that_is_right_learns_to_draft_deep():
     always drafted, the calibration learns that low confidence is accepted here and rows draft several tokens."""
     target = cached_model("llama")
     ids, mask = ragged_batch(3, seed=4)
-    policy = Adaptive(explore=0.0)
+    policy = Adaptive(explore=0.0, stop_rule=True)
     for _ in range(2):
         stats = spec_adapt.SpecStats()
         out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
@@ -228,7 +228,7 @@ def test_a_drafter_without_confidences_keeps_width_plans():
     rows draft the width the cost model chose (a rule would have nothing to read and the width would be max_gamma)."""
     target = cached_model("llama")
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
-    policy = Adaptive()
+    policy = Adaptive(stop_rule=True)
     plans = []
     choose = policy.choose
 

@@ -205,24 +205,26 @@ class ModelDrafter(Drafter):
         probs = torch.zeros(batch, most, self.vocab, device=device) if request.sampling else None
         confidence = torch.zeros(batch, most, device=device)     # the draft's probability of each drafted token
         survival = torch.ones(batch, device=device)              # of the row's drafts so far (request.stop)
+        ruled_in = torch.ones(batch, dtype=torch.bool, device=device)    # rows the plan's rule lets go on
         drafted = torch.zeros_like(gammas)            # per row: tokens drafted so far
         for k in range(most):
             scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))
             q = scores.softmax(dim=-1)
             token = torch.multinomial(q, 1).squeeze(1) if request.sampling else scores.argmax(dim=-1)
-            drafting = (drafted == k) & (k < gammas)
+            drafting = (drafted == k) & (k < gammas) & ruled_in
             if self.threshold is not None:            # early exit: stop before a low-confidence token
                 drafting &= q.max(dim=-1).values >= self.threshold
             confidence[:, k] = q.gather(1, token[:, None]).squeeze(1)
-            if request.stop is not None:              # the plan's rule: stop where the draft stops paying
-                survival = request.stop.survival(survival, confidence[:, k])
-                drafting &= request.stop.keeps(survival, k)
             if probs is not None:
                 probs[:, k] = q
             drafts[:, k] = torch.where(drafting, token, 0)
             drafted += drafting.long()
             context.scatter_(1, (lengths + k)[:, None].clamp(max=context.shape[1] - 1), drafts[:, k : k + 1])
             feed = drafting & (k + 1 < gammas)        # the last draft token is not fed: pending if accepted
+            if request.stop is not None:    # the plan's rule: a row whose survival fell below it drafts no more, so
+                survival = request.stop.survival(survival, confidence[:, k])    # its last token is not fed either
+                ruled_in &= request.stop.keeps(survival, k + 1)
+                feed &= ruled_in
             if k + 1 == most or not bool(feed.any()):
                 break
             self.kv_writes += int(feed.sum())

@@ -46,7 +46,7 @@ class Adaptive(Policy):
                  row_floor: float = 0.1, shrink: float = 4.0, decay: float = 0.98, ema: float = 0.1, seed: int = 0,
                  baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
                  closed_batches: bool = True, trees: bool | tuple = False, recheck_every: int = 64,
-                 max_recheck_gap: int = 1024, stop_rule: bool = True):
+                 max_recheck_gap: int = 1024, stop_rule: bool = False):
         self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1, MAX_WIDTH)
         for name, value, low, high in (("explore", explore, 0, 1), ("explore_margin", explore_margin, 0, math.inf),
                                        ("row_floor", row_floor, 0, 1), ("shrink", shrink, 0, math.inf),

@@ -270,7 +270,7 @@ def parse_policy(name: str, latency=None):
     presets = {
         "adaptive": lambda: Adaptive(latency=latency),
         "adaptive-tree": lambda: Adaptive(latency=latency, trees=True),
-        "adaptive-width": lambda: Adaptive(latency=latency, stop_rule=False),
+        "adaptive-stop": lambda: Adaptive(latency=latency, stop_rule=True),
         "nightjar": lambda: Nightjar(max_gamma=8, latency=latency),
         "nightjar-local": lambda: Nightjar(max_gamma=8, latency=latency, exploration="local"),
         "ucb": lambda: BanditSpecUCB(max_gamma=8),
@@ -292,7 +292,7 @@ def parse_policy(name: str, latency=None):
         return Heuristic()
     if name.startswith("heuristic"):
         return Heuristic(initial=int(name[9:]))
-    raise ValueError(f"Unknown policy {name!r}: use adaptive, adaptive-tree, adaptive-width, fixed<k>, tree<N>x<D>[p], heuristic or "
+    raise ValueError(f"Unknown policy {name!r}: use adaptive, adaptive-tree, adaptive-stop, fixed<k>, tree<N>x<D>[p], heuristic or "
                      "heuristic<initial>.")
 
 
