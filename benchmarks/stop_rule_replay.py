@@ -12,7 +12,7 @@ bound's decode time (the bound drafts every step exactly to the end of the draft
 catch-up), and the AUC of the draft's confidence for telling its accepted tokens from its rejected ones.
 
 Rules: every fixed width; a survival rule at fixed thresholds (the draft's confidence read as its acceptance, up to
-8 tokens); `Adaptive(stop_rule=False)` and the default `Adaptive()`, each on a fresh policy's first call (cold) and
+8 tokens); the default `Adaptive()` and `Adaptive(stop_rule=True)`, each on a fresh policy's first call (cold) and
 on calls after it has seen every prompt once (warm), over `--orders` shuffled orders. Past a token the target
 rejects, the replay reads the teacher-forced confidence of that position (the draft's own continuation is not
 run), which a real draft would have seen after its own tokens.
@@ -101,7 +101,7 @@ class Rule:
     """Up to MAX_WIDTH tokens, each row stopping where its survival (confidence read as acceptance) < threshold."""
 
     def __init__(self, threshold: float):
-        self.rule = StopRule(threshold, Calibration(prior=1e9))      # a calibration that stays on the diagonal
+        self.rule = StopRule(threshold, Calibration(prior=1e5))      # never updated: it stays on the diagonal
 
     def begin(self, batch):
         pass
@@ -173,7 +173,7 @@ def main():
         print(f"  best fixed width in hindsight (no catch-up): {best}, {fixed[best]:.3f} of the bound")
         rows = [(f"FixedLength({g})", lambda g=g: Fixed(g)) for g in (3, 4, 5)]
         rows += [(f"survival rule at {t}", lambda t=t: Rule(t)) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
-        rows += [("Adaptive(stop_rule=False)", lambda: Adaptive(stop_rule=False)), ("Adaptive()", Adaptive)]
+        rows += [("Adaptive() (default)", Adaptive), ("Adaptive(stop_rule=True)", lambda: Adaptive(stop_rule=True))]
         for name, make in rows:
             cold, warm = share(ps, costs, make, args.orders)
             print(f"  {name:<28} cold {cold:.3f}  warm {warm:.3f}")

@@ -155,8 +155,8 @@ class StopRule:
 
     def keeps(self, survival, position: int):
         """[B] bool: whether each row drafts its token at `position` (0 = its first), given the survival of the
-        tokens before it."""
-        return (survival >= self.at(position)) | (position == 0)
+        tokens before it (1 before the first: a threshold is at most 1, so every row drafts its first token)."""
+        return survival >= self.at(position)
 
     def depths(self, confidence):
         """[B] drafts per row the rule keeps, of a chain of confidences [B, S] (a whole chain at once)."""

@@ -204,8 +204,8 @@ def test_a_row_always_drafts_its_first_token():
 
 def test_an_unsure_draft_that_is_right_learns_to_draft_deep():
     """The target as its own draft, on a tiny random model: every token is accepted, at a confidence of ~0.05 (a flat
-    distribution). A rule free to decline first tokens never drafts one and never learns; with the first token
-    always drafted, the calibration learns that low confidence is accepted here and rows draft several tokens."""
+    distribution). The calibration learns only from drafted tokens; every asked row drafts at least its first, so
+    it learns that low confidence is accepted here, and rows go on to draft several tokens."""
     target = cached_model("llama")
     ids, mask = ragged_batch(3, seed=4)
     policy = Adaptive(explore=0.0, stop_rule=True)
@@ -241,3 +241,24 @@ def test_a_drafter_without_confidences_keeps_width_plans():
                     pad_token_id=PAD, eos_token_id=None, custom_generate=spec_adapt.generate,
                     drafter=spec_adapt.PromptLookupDrafter(), assistant_policy=policy)
     assert plans and not any(isinstance(p, Plan) for p in plans) and not policy.confident
+
+
+def test_a_row_the_rule_stops_proposes_its_last_token_without_another_draft_forward():
+    """The rule stops a row after its first token here (a threshold of 1 at the second position): the draft runs
+    one forward per step (its catch-up, which yields the first token's logits) and proposes that token; feeding
+    the token to read the next one's confidence would cost a second forward for a token never proposed."""
+    target, draft = cached_model("llama"), cached_model("llama", seed=1)
+    ids, mask = ragged_batch(2, seed=5)
+    forwards = []
+    hook = draft.register_forward_hook(lambda *args: forwards.append(1))
+    policy = Ruled(4, [0.0, 1.0])
+    try:
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                              pad_token_id=PAD, eos_token_id=None, custom_generate=spec_adapt.generate,
+                              drafter=draft, assistant_policy=policy)
+    finally:
+        hook.remove()
+    assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=12))
+    drafting = [r for r in policy.records if max(r.drafted)]
+    assert drafting and all(max(r.drafted) == 1 for r in drafting)
+    assert len(forwards) == len(drafting)
