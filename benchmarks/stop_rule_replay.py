@@ -27,13 +27,13 @@ import time
 
 import torch
 
-from spec_adapt import Adaptive, prepare
+from spec_adapt import Adaptive, FixedLength, prepare
 from spec_adapt.estimators import Calibration, StopRule
+from spec_adapt.execution import fastest
 from spec_adapt.metrics import StepRecord
 from spec_adapt.policies.base import Plan, StepInfo
 from spec_adapt.recipes import workloads
-from spec_adapt.tools.bound import best_schedule, fixed_schedule, step_costs
-from spec_adapt.tools.cli import _fastest_draft
+from spec_adapt.tools.bound import best_schedule, fixed_schedule, runs_of_matches, step_costs
 from spec_adapt.tools.models import load_model
 
 MAX_WIDTH = 8
@@ -58,17 +58,10 @@ def observe_pair(model, draft, tok, workload: str, prompts: int, new_tokens: int
     return out
 
 
-def runs_of(match: list[bool]) -> list[int]:
-    runs = [0] * (len(match) + 1)
-    for i in range(len(match) - 1, -1, -1):
-        runs[i] = runs[i + 1] + 1 if match[i] else 0
-    return runs
-
-
 def replay(policy, prompt: dict, costs: list[float]) -> float:
     """Decode seconds of one batch-1 call under `policy` (tokens after the prefill's first one)."""
     match, conf = prompt["match"], prompt["conf"]
-    runs, n = runs_of(match), len(match)
+    runs, n = runs_of_matches(match), len(match)
     policy.begin(1)
     i, seconds, lag = 1, 0.0, prompt["prompt"] + 1
     while i < n:
@@ -78,13 +71,7 @@ def replay(policy, prompt: dict, costs: list[float]) -> float:
         stop = plan.stop if isinstance(plan, Plan) else None
         asked = plan.gammas if isinstance(plan, Plan) else plan
         asked = max(0, min(int(torch.as_tensor(asked).reshape(-1)[0]), n - 1 - i))
-        drafted, survival = 0, torch.ones(1)
-        for k in range(asked):
-            if stop is not None and not bool(stop.keeps(survival, k)):
-                break
-            drafted += 1
-            if stop is not None:
-                survival = stop.survival(survival, torch.tensor([conf[i + k]]))
+        drafted = asked if stop is None else int(stop.depths(torch.tensor([conf[i: i + asked]]))[0])
         catchup = prompt["per_token"] * lag if drafted and lag > 2 else 0.0
         step = costs[drafted] + catchup
         accepted = min(runs[i], drafted)
@@ -97,28 +84,15 @@ def replay(policy, prompt: dict, costs: list[float]) -> float:
     return seconds
 
 
-class Rule:
+class Rule(FixedLength):
     """Up to MAX_WIDTH tokens, each row stopping where its survival (confidence read as acceptance) < threshold."""
 
     def __init__(self, threshold: float):
+        super().__init__(MAX_WIDTH)
         self.rule = StopRule(threshold, Calibration(prior=1e5))      # never updated: it stays on the diagonal
 
-    def begin(self, batch):
-        pass
-
     def choose(self, info):
-        return Plan(torch.full((1,), MAX_WIDTH), stop=self.rule)
-
-    def observe(self, record):
-        pass
-
-
-class Fixed(Rule):
-    def __init__(self, width: int):
-        self.width = width
-
-    def choose(self, info):
-        return torch.full((1,), self.width)
+        return Plan(super().choose(info), stop=self.rule)
 
 
 def auc(data: list[dict]) -> float:
@@ -129,7 +103,7 @@ def auc(data: list[dict]) -> float:
 
 def share(data, costs, make, orders: int) -> tuple[float, float]:
     """(cold, warm) mean share of the bound over prompts and `orders` shuffled orders."""
-    bound = [best_schedule(runs_of(p["match"]), costs)[0] for p in data]
+    bound = [best_schedule(runs_of_matches(p["match"]), costs)[0] for p in data]
     cold, warm = [], []
     for seed in range(orders):
         order = list(range(len(data)))
@@ -155,9 +129,8 @@ def main():
     args = p.parse_args()
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model, dtype=torch.float32)
-    draft = _fastest_draft(load_model(args.draft, dtype=torch.float32)[0], True)
+    draft = fastest(load_model(args.draft, dtype=torch.float32)[0])[0]     # prepared, bf16 where native
     prepare(model)
-    prepare(draft)
     data = {w: observe_pair(model, draft, tok, w, args.num_prompts, args.new_tokens) for w in args.workloads}
     prompt = statistics.median(p["prompt"] for ps in data.values() for p in ps)
     costs = step_costs(model, draft, MAX_WIDTH, context=int(prompt + args.new_tokens // 2))
@@ -166,12 +139,12 @@ def main():
         agree = statistics.mean(m for p in ps for m in p["match"])
         print(f"\n{w}: {len(ps)} prompts, agreement {agree:.2f}, confidence AUC {auc(ps):.2f}, draft catch-up "
               f"{1000 * statistics.mean(p['per_token'] for p in ps):.1f} ms per prompt token")
-        fixed = {g: statistics.mean(best_schedule(runs_of(p["match"]), costs)[0] /
-                                    fixed_schedule(runs_of(p["match"]), costs, g) for p in ps)
+        fixed = {g: statistics.mean(best_schedule(runs_of_matches(p["match"]), costs)[0] /
+                                    fixed_schedule(runs_of_matches(p["match"]), costs, g) for p in ps)
                  for g in range(MAX_WIDTH + 1)}
         best = max(fixed, key=fixed.get)
         print(f"  best fixed width in hindsight (no catch-up): {best}, {fixed[best]:.3f} of the bound")
-        rows = [(f"FixedLength({g})", lambda g=g: Fixed(g)) for g in (3, 4, 5)]
+        rows = [(f"FixedLength({g})", lambda g=g: FixedLength(g)) for g in (3, 4, 5)]
         rows += [(f"survival rule at {t}", lambda t=t: Rule(t)) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
         rows += [("Adaptive() (default)", Adaptive), ("Adaptive(stop_rule=True)", lambda: Adaptive(stop_rule=True))]
         for name, make in rows:

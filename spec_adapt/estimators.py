@@ -79,9 +79,14 @@ class Calibration:
             raise ValueError(f"Calibration needs an int 1 <= bins <= 1000 and 0 < prior < 1e6, got {bins!r}, "
                              f"{prior!r}.")
         middle = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
-        self.bins = bins
+        self.bins, self.prior = bins, float(prior)
         self.reached = torch.full((bins,), float(prior), dtype=torch.float64)
         self.accepted = middle * prior
+
+    @property
+    def seen(self) -> bool:
+        """Whether any drafted token has been counted (beyond the prior)."""
+        return float(self.reached.sum()) > self.bins * self.prior
 
     def _bin(self, confidence):
         return (confidence.double().clamp(0, 1) * self.bins).long().clamp(max=self.bins - 1)

@@ -558,10 +558,9 @@ def _choices(policy) -> list:
 
 @pytest.mark.parametrize("poison", ["measured key of two", "measured key of four", "span key of three",
                                     "shapes key with a bool", "negative tree gap", "tree key of one",
-                                    "calibration accepting more than it reached", "calibration of 3 bins",
-                                    "confident as a number"])
+                                    "calibration accepting more than it reached", "calibration of 3 bins"])
 def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
-    ruled = poison.startswith(("calibration", "confident"))
+    ruled = poison.startswith("calibration")
     source = Adaptive(seed=3, trees=True) if "tree" in poison else Adaptive(seed=3, stop_rule=True) if ruled \
         else _learned()
     state = json.loads(json.dumps(source.state_dict()))
@@ -578,8 +577,6 @@ def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
             calibration["reached"], calibration["accepted"] = [4.0] * 3, [2.0] * 3
         else:
             calibration["accepted"][0] = calibration["reached"][0] + 1
-    elif poison.startswith("confident"):
-        state["confident"] = 1
     elif poison == "negative tree gap":
         state["tree_shapes"]["gaps"].append([[1, 2], [-5, 0]])
     else:

@@ -179,7 +179,7 @@ def test_the_threshold_is_the_goodput_the_rule_reached_times_the_time_per_drafte
 
     policy = Adaptive(explore=0.0, stop_rule=True)
     policy.measured[(1, 0, False)] = [0.25, 5]
-    policy.confident = True
+    policy.calibration.update(torch.full((1, 2), 0.9), [2], [2])      # the drafter has reported its confidence
     for depth in (2, 4, 6, 2, 4, 6):
         plan = _ruled_plan(policy)
         assert isinstance(plan, Plan) and plan.stop is not None and int(plan.gammas.max()) == policy.max_gamma

@@ -111,7 +111,6 @@ class Adaptive(Policy):
         self._pending: dict | None = None
         self.tree_shapes = TreeShapes(self.tree_factors) if self.trees else None
         self.calibration = Calibration() if self.stop_rule else None    # draft confidence -> acceptance
-        self.confident = False                  # the drafter reported its confidence: it stops rows by the rule
         self.goodput: dict[int, float] = {}     # bucket -> EMA tokens / s of the drafting steps the rule stopped
 
     def begin(self, batch_size):
@@ -253,6 +252,11 @@ class Adaptive(Policy):
         gammas = torch.where(hopeless, 0, width) if bool(hopeless.any()) else width
         return self._stopping(self._shaped(gammas, batch), values, batch)
 
+    @property
+    def confident(self) -> bool:
+        """Whether the drafter has reported its confidence of tokens it drafted: it stops rows by the rule."""
+        return self.calibration is not None and self.calibration.seen
+
     def _stopping(self, gammas, values, batch: int):
         """With stop_rule, a chain plan of width s > 0 carries where rows stop within it: a row's draft token after
         its first pays when its survival beats G x dT / B, the tokens per row that the step's marginal time dT
@@ -312,12 +316,10 @@ class Adaptive(Policy):
         ruled = pending.get("stop", False)
         if self.calibration is not None and record.confidence is not None:
             self.calibration.update(record.confidence, record.drafted, record.accepted)
-            self.confident = self.confident or record.confidence.shape[-1] > 0
         self._count(record, ruled=ruled)
         if ruled:       # the rule chose the depth: the step's time is that of the widest chain drafted, not asked
             width = widest
-        if widest or not ruled:    # (a rule that declined every first token ran a plain step, perhaps with a catch-up)
-            self._measure(record, key, width, burst, pending["lag"], ruled)
+        self._measure(record, key, width, burst, pending["lag"], ruled)
         if width and not ruled:
             self.span[(key, burst)] = ema(self.span.get((key, burst)), widest / width, self.ema)
         if pending.get("recheck") is not None:
@@ -416,7 +418,6 @@ class Adaptive(Policy):
             "span": [[list(k), v] for k, v in self.span.items()],
             "calibration": self.calibration.state_dict() if self.calibration is not None else None,
             "goodput": [[k, v] for k, v in self.goodput.items()],
-            "confident": self.confident,
             "shapes": [[list(k), v] for k, v in self.shapes.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
             "probe_gap": self.probes.gap, "idle": self.probes.idle, "steps": self.steps,
@@ -479,7 +480,6 @@ class Adaptive(Policy):
                 "calibration": self._parse_calibration(state.get("calibration")),
                 "goodput": {state_key([k], (int,), "goodput")[0]: _times([v, 1], "goodput")[0]
                             for k, v in state.get("goodput", [])},
-                "confident": _flag(state.get("confident", False), "confident") and self.stop_rule,
                 "shapes": {state_key(k, (int, int), "shapes"): _times(v, "shapes") for k, v in state.get("shapes", [])},
                 "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,
                 "_probes": (gap, idle, steps), "_rechecks": rechecks,
@@ -590,12 +590,6 @@ def _finite(*values, what: str) -> tuple:
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
         raise ValueError(f"{what} holds a value that is not a finite number: {values}")
     return values
-
-
-def _flag(value, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{what} must be true or false, got {value!r}")
-    return value
 
 
 def _times(value, what: str) -> list:

@@ -292,8 +292,8 @@ def parse_policy(name: str, latency=None):
         return Heuristic()
     if name.startswith("heuristic"):
         return Heuristic(initial=int(name[9:]))
-    raise ValueError(f"Unknown policy {name!r}: use adaptive, adaptive-tree, adaptive-stop, fixed<k>, tree<N>x<D>[p], heuristic or "
-                     "heuristic<initial>.")
+    raise ValueError(f"Unknown policy {name!r}: use adaptive, adaptive-tree, adaptive-stop, fixed<k>, "
+                     "tree<N>x<D>[p], heuristic or heuristic<initial>.")
 
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,

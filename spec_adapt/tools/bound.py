@@ -23,9 +23,13 @@ def agreement_runs(draft, prompt: torch.Tensor, output: torch.Tensor, vocab: int
     ids = torch.cat([prompt, output])[None]
     with torch.no_grad():
         logits = draft(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(output), :vocab]
-    match = (logits.argmax(-1) == output).tolist()
-    runs = [0] * (len(output) + 1)
-    for i in range(len(output) - 1, -1, -1):
+    return runs_of_matches((logits.argmax(-1) == output).tolist())
+
+
+def runs_of_matches(match: Sequence[bool]) -> list[int]:
+    """run[i]: how many positions from i on match in a row (len(match) + 1 entries; the last is 0)."""
+    runs = [0] * (len(match) + 1)
+    for i in range(len(match) - 1, -1, -1):
         runs[i] = runs[i + 1] + 1 if match[i] else 0
     return runs
 
