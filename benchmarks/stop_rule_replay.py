@@ -2,14 +2,17 @@
 
     python benchmarks/stop_rule_replay.py
     python benchmarks/stop_rule_replay.py --num-prompts 6 --new-tokens 48 --orders 6
+    python benchmarks/stop_rule_replay.py --bench results/bench-qwen-bf16-draft-b1
 
 For each prompt of each workload: the target's greedy output, then one teacher-forced draft forward over prompt +
 output, which gives at every output position whether the draft's token is the target's and the draft's probability
 of its token (its confidence). Each rule is then replayed over those outputs at batch 1 under this machine's step
-costs (`spec_adapt.tools.bound.step_costs`: verify g + 1 tokens and draft g), a drafting step after plain steps
-also paying the draft's catch-up (its measured prompt forward, per token of lag). Printed: each rule's share of the
-bound's decode time (the bound drafts every step exactly to the end of the draft's run of agreement and pays no
-catch-up), and the AUC of the draft's confidence for telling its accepted tokens from its rejected ones.
+costs: with `--bench`, those a `spec-adapt bench --bound` run measured on its own steps; else profiled now
+(`spec_adapt.tools.bound.step_costs`: verify g + 1 tokens and draft g). The first drafting step pays the draft's
+prompt forward, a drafting step after plain steps the draft's catch-up (both at the measured prompt forward's
+seconds per token). Printed: each rule's share of the bound's decode time (the bound drafts every step exactly to
+the end of the draft's run of agreement and pays the draft's prompt forward once, no catch-up), and the AUC of the
+draft's confidence for telling its accepted tokens from its rejected ones.
 
 Rules: every fixed width; a survival rule at fixed thresholds (the draft's confidence read as its acceptance, up to
 8 tokens); the default `Adaptive()` and `Adaptive(stop_rule=True)`, each on a fresh policy's first call (cold) and
@@ -21,9 +24,11 @@ run), which a real draft would have seen after its own tokens.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,7 +38,7 @@ from spec_adapt.execution import fastest
 from spec_adapt.metrics import StepRecord
 from spec_adapt.policies.base import Plan, StepInfo
 from spec_adapt.recipes import workloads
-from spec_adapt.tools.bound import best_schedule, fixed_schedule, runs_of_matches, step_costs
+from spec_adapt.tools.bound import best_drafting_schedule, fixed_schedule, runs_of_matches, step_costs
 from spec_adapt.tools.models import load_model
 
 MAX_WIDTH = 8
@@ -95,15 +100,35 @@ class Rule(FixedLength):
         return Plan(super().choose(info), stop=self.rule)
 
 
+def run_costs(folder: str, workload: str) -> list[float]:
+    """A bench run's step costs for `workload` (`summary.json`'s bound, taken from the run's own steps)."""
+    bound = json.loads((Path(folder) / workload / "summary.json").read_text())["bound"]
+    if bound is None or bound.get("cost_source") != "run" or len(bound["costs"]) < MAX_WIDTH + 1:
+        raise SystemExit(f"{folder}/{workload}/summary.json has no bound with step costs from its own run up to "
+                         f"width {MAX_WIDTH}: run `spec-adapt bench ... --bound` (it takes them from the run)")
+    return bound["costs"][: MAX_WIDTH + 1]
+
+
 def auc(data: list[dict]) -> float:
     hits = [c for p in data for c, m in zip(p["conf"], p["match"]) if m]
     misses = [c for p in data for c, m in zip(p["conf"], p["match"]) if not m]
     return sum((h > x) + 0.5 * (h == x) for h in hits for x in misses) / max(1, len(hits) * len(misses))
 
 
+def bound_seconds(prompt: dict, costs: list[float]) -> float:
+    """The bound's decode seconds for one prompt: the best schedule, plus the draft's prompt forward if it drafts."""
+    return best_drafting_schedule(runs_of_matches(prompt["match"]), costs, prompt["per_token"] * prompt["prompt"])[0]
+
+
+def fixed_seconds(prompt: dict, costs: list[float], width: int) -> float:
+    """A fixed width's decode seconds under the bound's model (the draft's prompt forward paid where it drafts)."""
+    forward = prompt["per_token"] * prompt["prompt"] if width else 0.0
+    return forward + fixed_schedule(runs_of_matches(prompt["match"]), costs, width)
+
+
 def share(data, costs, make, orders: int) -> tuple[float, float]:
     """(cold, warm) mean share of the bound over prompts and `orders` shuffled orders."""
-    bound = [best_schedule(runs_of_matches(p["match"]), costs)[0] for p in data]
+    bound = [bound_seconds(p, costs) for p in data]
     cold, warm = [], []
     for seed in range(orders):
         order = list(range(len(data)))
@@ -126,29 +151,33 @@ def main():
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--orders", type=int, default=6, help="shuffled prompt orders per adaptive policy")
+    p.add_argument("--bench", metavar="DIR", help="take each workload's step costs from a `spec-adapt bench --bound` "
+                   "run saved in DIR/<workload>/summary.json (its own timed steps) instead of profiling them now")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model, dtype=torch.float32)
     draft = fastest(load_model(args.draft, dtype=torch.float32)[0])[0]     # prepared, bf16 where native
     prepare(model)
     data = {w: observe_pair(model, draft, tok, w, args.num_prompts, args.new_tokens) for w in args.workloads}
-    prompt = statistics.median(p["prompt"] for ps in data.values() for p in ps)
-    costs = step_costs(model, draft, MAX_WIDTH, context=int(prompt + args.new_tokens // 2))
-    print("step costs (s):", " ".join(f"{c:.3f}" for c in costs))
+    costs = {w: run_costs(args.bench, w) if args.bench else None for w in args.workloads}
+    if None in costs.values():
+        prompt = statistics.median(p["prompt"] for ps in data.values() for p in ps)
+        profiled = step_costs(model, draft, MAX_WIDTH, context=int(prompt + args.new_tokens // 2))
+        costs = {w: c or profiled for w, c in costs.items()}
     for w, ps in data.items():
         agree = statistics.mean(m for p in ps for m in p["match"])
         print(f"\n{w}: {len(ps)} prompts, agreement {agree:.2f}, confidence AUC {auc(ps):.2f}, draft catch-up "
               f"{1000 * statistics.mean(p['per_token'] for p in ps):.1f} ms per prompt token")
-        fixed = {g: statistics.mean(best_schedule(runs_of_matches(p["match"]), costs)[0] /
-                                    fixed_schedule(runs_of_matches(p["match"]), costs, g) for p in ps)
+        fixed = {g: statistics.mean(bound_seconds(p, costs[w]) / fixed_seconds(p, costs[w], g) for p in ps)
                  for g in range(MAX_WIDTH + 1)}
         best = max(fixed, key=fixed.get)
-        print(f"  best fixed width in hindsight (no catch-up): {best}, {fixed[best]:.3f} of the bound")
+        print(f"  step costs (s): {' '.join(f'{c:.3f}' for c in costs[w])}")
+        print(f"  best fixed width in hindsight (no catch-up after the prompt): {best}, {fixed[best]:.3f} of the bound")
         rows = [(f"FixedLength({g})", lambda g=g: FixedLength(g)) for g in (3, 4, 5)]
         rows += [(f"survival rule at {t}", lambda t=t: Rule(t)) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
         rows += [("Adaptive() (default)", Adaptive), ("Adaptive(stop_rule=True)", lambda: Adaptive(stop_rule=True))]
         for name, make in rows:
-            cold, warm = share(ps, costs, make, args.orders)
+            cold, warm = share(ps, costs[w], make, args.orders)
             print(f"  {name:<28} cold {cold:.3f}  warm {warm:.3f}")
 
 

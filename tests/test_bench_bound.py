@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import statistics
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spec_adapt.tools import bench as b
-from spec_adapt.tools.bound import agreement_runs, best_fixed_share, best_schedule, fixed_schedule
+from spec_adapt.tools.bound import (MIN_STEPS, agreement_runs, best_drafting_schedule, best_fixed_share,
+                                    best_schedule, fixed_schedule, measured_costs)
 
 from conftest import PAD, cached_model, tiny_model
 from tiny_tokenizers import char_tokenizer
@@ -84,6 +86,31 @@ def test_the_bound_is_never_slower_than_plain_or_any_fixed_length(matches, costs
     assert position == max(1, len(matches))
 
 
+def test_the_draft_prompt_forward_is_paid_once_by_a_schedule_that_drafts():
+    """A draft always right over 11 tokens, plain steps at 1.0 and width-4 steps at 1.2: drafting saves 10 - 2 * 1.2
+    = 7.6 s minus the draft's prompt forward. At 1 s the forward is paid once; at 8 s plain decoding is cheaper."""
+    runs, costs = runs_of([True] * 11), [1.0, 1.05, 1.1, 1.15, 1.2]
+    seconds, widths = best_drafting_schedule(runs, costs, draft_prefill=1.0)
+    assert widths == [4, 4] and seconds == pytest.approx(2 * 1.2 + 1.0)
+    seconds, widths = best_drafting_schedule(runs, costs, draft_prefill=8.0)
+    assert widths == [0] * 10 and seconds == pytest.approx(10.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(matches=st.lists(st.booleans(), min_size=1, max_size=40),
+       costs=st.lists(st.floats(0.01, 2.0), min_size=1, max_size=9), draft_prefill=st.floats(0.0, 20.0))
+def test_the_drafting_bound_is_never_slower_than_plain_or_any_fixed_length(matches, costs, draft_prefill):
+    """Plain decoding never pays the draft's forward, every fixed width above 0 pays it once: the bound is at most
+    each, and at least the bound without the forward."""
+    runs = runs_of(matches)
+    seconds, widths = best_drafting_schedule(runs, costs, draft_prefill)
+    assert seconds <= fixed_schedule(runs, costs, 0) + 1e-9
+    for width in range(1, len(costs)):
+        assert seconds <= draft_prefill + fixed_schedule(runs, costs, width) + 1e-9
+    assert seconds >= best_schedule(runs, costs)[0] - 1e-9
+    assert seconds == pytest.approx(sum(costs[g] for g in widths) + (draft_prefill if any(widths) else 0.0))
+
+
 def test_the_best_fixed_width_is_read_off_the_same_cost_model():
     """Runs of agreement of alternating lengths 1 and 5 with cheap drafts: the bound drafts each run to its end
     (widths 1 and 5), a fixed width cannot; its share of the bound's speedup is the bound's time over its own, and
@@ -98,6 +125,37 @@ def test_the_best_fixed_width_is_read_off_the_same_cost_model():
     even = runs_of([False] + ([True] * 3 + [False]) * 6)       # output token 0 is the prefill's
     seconds, _ = best_schedule(even, costs)
     assert min(fixed_schedule(even, costs, g) for g in range(9)) == pytest.approx(seconds)
+
+
+def test_measured_costs_take_each_well_timed_width_median_and_fill_the_rest_from_a_line():
+    """Widths 2 and 4 timed often (medians 0.5 and 0.7 despite one slow outlier each), width 3 timed once: the
+    medians stand, width 3 and widths 1, 5, 6 come from the line through them (0.1 a token), width 0 is the plain
+    time given. The line never falls with the width (noise can tilt it) nor below a plain step."""
+    times = {2: [0.5, 0.5, 0.5, 3.0], 4: [0.7, 0.7, 0.7, 2.0], 3: [9.0]}
+    assert measured_costs(times, plain=0.25, max_width=6) == pytest.approx([0.25, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    falling = measured_costs({2: [0.7] * 3, 4: [0.5] * 3}, plain=0.25, max_width=6)
+    assert falling[1] == falling[3] == falling[6] == pytest.approx(0.6)
+    steep = measured_costs({5: [0.5] * 3, 6: [0.7] * 3}, plain=0.25, max_width=6)
+    assert steep[1] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("times, plain", [({2: [0.5] * 5}, 0.25),                   # one width: no line
+                                          ({2: [0.5] * 5, 4: [0.7] * (MIN_STEPS - 1)}, 0.25),
+                                          ({2: [0.5] * 5, 4: [0.7] * 5}, 0.0),       # prefills ate the run
+                                          ({9: [0.5] * 5, 12: [0.7] * 5}, 0.25)])    # beyond max_width
+def test_measured_costs_refuse_what_a_run_cannot_give(times, plain):
+    assert measured_costs(times, plain, max_width=8) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(intercept=st.floats(0.05, 1.0), slope=st.floats(0.0, 0.3), widths=st.sets(st.integers(1, 8), min_size=2),
+       count=st.integers(MIN_STEPS, 6))
+def test_measured_costs_recover_a_linear_cost_curve(intercept, slope, widths, count):
+    """Steps that cost intercept + slope * g exactly, timed at any two or more widths: every width's cost is the
+    curve's (a plain step costs less than any of them)."""
+    times = {g: [intercept + slope * g] * count for g in widths}
+    costs = measured_costs(times, plain=0.04, max_width=8)
+    assert costs[1:] == pytest.approx([intercept + slope * g for g in range(1, 9)], rel=1e-6, abs=1e-9)
 
 
 def test_the_prefill_is_timed_as_generate_runs_it():
@@ -162,11 +220,11 @@ def test_bench_writes_the_bound_column(pair_folders, capsys):
     bench("--model", str(pair_folders / "target"), "--draft", str(pair_folders / "draft"),
           "--prompts", str(pair_folders / "prompts.jsonl"), "--num-prompts", "2", "--rows", "2",
           "--batch-sizes", "1", "2", "--new-tokens", "10", "--repeats", "1", "--ignore-eos",
-          "--configs", "target", "draft:fixed2", "draft:adaptive", "lookup:fixed2", "--bound", "4", "--cold",
-          "--out", str(out))
+          "--configs", "target", "draft:fixed1", "draft:fixed2", "draft:adaptive", "lookup:fixed2", "--bound", "4",
+          "--cold", "--out", str(out))
     saved = json.loads((out / "summary.json").read_text())
     rows = {(s["config"], s["batch_size"]): s for s in saved["summary"]}
-    configs = ["target", "draft:fixed2", "draft:adaptive", "draft:adaptive (cold)", "lookup:fixed2"]
+    configs = ["target", "draft:fixed1", "draft:fixed2", "draft:adaptive", "draft:adaptive (cold)", "lookup:fixed2"]
     assert set(rows) == {(c, batch) for c in configs for batch in (1, 2)}
     for config in configs:
         assert 0 < rows[config, 1]["of_bound"] <= 3, config
@@ -180,11 +238,25 @@ def test_bench_writes_the_bound_column(pair_folders, capsys):
     assert 0 < bound["seconds"] <= bound["plain_seconds"] == bound["fixed_seconds"][0]
     assert len(bound["fixed_seconds"]) == 5 and min(bound["fixed_seconds"]) >= bound["seconds"]
     assert bound["fixed_seconds"][bound["best_fixed_width"]] == min(bound["fixed_seconds"])
+    # The costs are the run's own: plain decoding is stock generate as timed (one repeat of 2 x 10 tokens), and each
+    # width timed often enough costs the median of the batch-1 draft configurations' steps at that width.
+    assert bound["cost_source"] == "run"
+    assert bound["plain_seconds"] == pytest.approx(rows["target", 1]["ms_per_token"] * 20 / 1000)
+    steps = {}
+    for cell in json.loads((out / "traces.json").read_text()):
+        if cell["batch_size"] == 1 and cell["config"].startswith("draft:"):
+            for step in cell["trace"]:
+                steps.setdefault(max(step["drafted"], default=0), []).append(step["step_time"])
+    timed = [g for g in range(1, 5) if len(steps.get(g, ())) >= MIN_STEPS]
+    assert len(timed) >= 2
+    assert all(bound["costs"][g] == pytest.approx(statistics.median(steps[g])) for g in timed)
     with open(out / "summary.csv") as f:
         table = {(r["config"], r["batch_size"]): r["of_bound"] for r in csv.DictReader(f)}
     assert table["draft:adaptive (cold)", "2"] == "" and float(table["draft:adaptive (cold)", "1"]) > 0
     printed = capsys.readouterr().out
     assert "of bound" in printed and "best fixed width in hindsight" in printed and (out / "bench.png").exists()
+    assert "step costs from this run's own timed steps" in printed
+    assert "cost model check: draft:fixed2 measured" in printed and "cost model check: draft:fixed1" in printed
 
 
 def test_no_draft_leaves_the_column_empty():

@@ -350,14 +350,32 @@ def _keeping_outputs(fn, kept: dict):
 
 def _add_bound(row: dict, model, draft, batches: list, outputs: dict, max_width: int, progress: bool) -> None:
     """The hindsight bound over these batch-1 inputs, from the target's outputs kept while timing, set on every cell
-    of the row (each reads its fraction of it)."""
+    of the row (each reads its fraction of it). Its step costs are this run's own (`bound.measured_costs`): the
+    timed steps of the configurations that draft chains with the draft model, and stock generate's time."""
     from .bound import hindsight
 
     prompts = [enc["input_ids"][0] for enc in batches]
     new = [outputs[id(enc)][0, len(p):] for enc, p in zip(batches, prompts)]
-    result = hindsight(model, draft, prompts, new, max_width, progress)
+    result = hindsight(model, draft, prompts, new, max_width, progress, step_times=_draft_step_times(row),
+                       plain_seconds=statistics.median(row["target"].times))
     for cell in row.values():
         cell.bound = result
+
+
+def _draft_step_times(row: dict) -> dict[int, list[float]]:
+    """Seconds of every timed step by its widest row's draft, over the configurations whose steps the bound models:
+    chains drafted by the draft model itself (draft, draftc) and verified in full (no tree, no early exit)."""
+    times: dict[int, list[float]] = {}
+    for name, cell in row.items():
+        config, _, verifier = name.removesuffix(COLD).partition("+")
+        drafter, _, policy = config.partition(":")
+        if drafter not in ("draft", "draftc") or verifier or policy.startswith(("tree", "adaptive-tree")):
+            continue
+        for step in cell.trace:
+            width = max(step["drafted"], default=0)
+            if width:
+                times.setdefault(width, []).append(step["step_time"])
+    return times
 
 
 def _policy_file(folder, name: str, batch: int, fn, load: bool) -> bool | None:
@@ -480,17 +498,34 @@ def _versus_bound(bound: dict | None, speedup: float) -> dict:
     return {"bound_speedup": reachable, "of_bound": speedup / reachable}
 
 
-def best_fixed(cells: list[Cell]) -> tuple[int, float] | None:
-    """The run's bound's best fixed width and its fraction of the bound (`bound.best_fixed_share`); None: no bound."""
+def run_bound(cells: list[Cell]) -> dict | None:
+    """The run's hindsight bound (`bound.hindsight`, the same on every batch-1 cell); None: none was computed."""
+    return next((c.bound for c in cells if c.bound is not None), None)
+
+
+def _print_bound_notes(summary: list[dict], run: dict, bound: float) -> None:
+    """What the bound is charged, the best fixed width under it, and the cost model against the run: each timed
+    fixed width's speedup beside the speedup the model predicts for it."""
     from .bound import best_fixed_share
 
-    bound = next((c.bound for c in cells if c.bound is not None), None)
-    return best_fixed_share(bound) if bound is not None else None
+    source = ("this run's own timed steps and stock generate's time" if run.get("cost_source") == "run"
+              else "a profile taken after the run (too few timed steps to take them from the run)")
+    print(f"of bound: speedup / the hindsight bound's ({bound:.2f}x at B=1: the best draft-length schedule with "
+          f"--draft over plain decoding, step costs from {source}; spec_adapt/tools/bound.py)")
+    width, share = best_fixed_share(run)
+    print(f"under the same cost model, the best fixed width in hindsight (FixedLength({width})) reaches {share:.0%} "
+          "of the bound")
+    for s in summary:
+        drafter, _, policy = s["config"].partition(":")
+        if s["batch_size"] == 1 and drafter == "draft" and policy[5:].isdigit() and policy.startswith("fixed") \
+                and int(policy[5:]) < len(run["fixed_seconds"]):
+            predicted = run["plain_seconds"] / run["fixed_seconds"][int(policy[5:])]
+            print(f"cost model check: {s['config']} measured {s['speedup']:.2f}x, the model predicts {predicted:.2f}x")
 
 
 def write_results(cells: list[Cell], summary: list[dict], out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    bound = next((c.bound for c in cells if c.bound is not None), None)
+    bound = run_bound(cells)
     (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary, "bound": bound}, indent=1))
     (out_dir / "traces.json").write_text(json.dumps(
         [{"config": c.config, "batch_size": c.batch_size, "trace": c.trace} for c in cells if c.trace]))
@@ -548,8 +583,8 @@ def _plot_bound(ax, rows: list[dict]) -> None:
     ax.grid(alpha=0.3, axis="x")
 
 
-def print_table(summary: list[dict], best_fixed: tuple[int, float] | None = None) -> None:
-    """The summary as a table; `best_fixed`: the bound's best fixed width and its share (`bound.best_fixed_share`)."""
+def print_table(summary: list[dict], run: dict | None = None) -> None:
+    """The summary as a table; `run`: the run's hindsight bound (`run_bound`), for its notes below the table."""
     eager = any(s.get("speedup_vs_eager") is not None for s in summary)
     bound = next((s["bound_speedup"] for s in summary if s.get("bound_speedup") is not None), None)
     print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} " + ("vs eager " if eager else "")
@@ -565,12 +600,8 @@ def print_table(summary: list[dict], best_fixed: tuple[int, float] | None = None
         same = "n/a" if s["identical"] is None else s["identical"]
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
               f"{versus}{share}{alpha:>6} {length:>7} {ratio:>5} {plain:>5} {same}")
-    if bound:
-        print(f"of bound: speedup / the hindsight bound's ({bound:.2f}x at B=1: the best draft-length schedule with "
-              "--draft over plain decoding, both charged this machine's forward costs; spec_adapt/tools/bound.py)")
-        if best_fixed is not None:
-            print(f"under the same cost model, the best fixed width in hindsight (FixedLength({best_fixed[0]})) reaches "
-                  f"{best_fixed[1]:.0%} of the bound")
+    if bound and run is not None:
+        _print_bound_notes(summary, run, bound)
     for s in summary:
         if s.get("chains_chosen"):
             print(f"chains chosen by {s['config']} at B={s['batch_size']}: " + "; ".join(

@@ -4,8 +4,15 @@ Greedy decoding fixes the output (it is the target's), so the draft's agreement 
 teacher-forced draft forward over prompt + output gives, at every output position i, run[i] = how many output tokens
 from i the draft predicts in a row. A step at i that drafts g tokens commits min(run[i], g) + 1 of them and costs
 T(g) = verify(g + 1 tokens) + g draft tokens, measured on this machine at batch 1 (`profile`). The least total time
-over all schedules is a dynamic program over i. It bounds every length policy with this draft: it knows the future
-and is charged no per-step overhead, no draft prefill or catch-up beyond one draft token per drafted token.
+over all schedules is a dynamic program over i. Every schedule pays the target's prefill, and one that drafts at all
+also the draft's forward over the prompt (any draft must read the prompt before it drafts). It bounds every length
+policy with this draft: it knows the future and is charged no catch-up beyond one draft token per drafted token.
+
+Where T(g) comes from decides how far the bound can be trusted. `spec-adapt bench` takes it from the same run
+(`measured_costs`): the median time of the timed steps that drafted g tokens, and plain decoding's per-token time
+from stock `generate`'s measured time less the prefills. The bound is then the best schedule of the loop as it ran,
+and its plain decoding is stock `generate` as it ran. A separate profile (`step_costs`, the fallback) is one
+measurement taken at another moment; on a busy 2-core machine its costs have been 25% off the run's own steps.
 """
 
 from __future__ import annotations
@@ -55,6 +62,16 @@ def best_schedule(runs: Sequence[int], costs: Sequence[float]) -> tuple[float, l
     return best[1] if n > 1 else 0.0, widths
 
 
+def best_drafting_schedule(runs: Sequence[int], costs: Sequence[float], draft_prefill: float) -> tuple[float, list[int]]:
+    """`best_schedule` where a schedule that drafts at all first pays `draft_prefill` seconds (the draft's forward over
+    the prompt): the cheaper of plain decoding and the best schedule plus that forward."""
+    seconds, widths = best_schedule(runs, costs)
+    plain = fixed_schedule(runs, costs, 0)
+    if any(widths) and seconds + draft_prefill >= plain:
+        return plain, [0] * max(0, len(runs) - 2)
+    return seconds + (draft_prefill if any(widths) else 0.0), widths
+
+
 def fixed_schedule(runs: Sequence[int], costs: Sequence[float], width: int) -> float:
     """Seconds to commit output tokens 1..n-1 drafting `width` tokens at every step (fewer near the end), with the
     same costs as `best_schedule`: what a fixed length would cost under the bound's model."""
@@ -76,6 +93,28 @@ def step_costs(model, draft, max_width: int, context: int = 256, progress: bool 
     return [table.step_time(1, g) for g in range(max_width + 1)]
 
 
+MIN_STEPS = 3    # a width's median step time is used when at least this many timed steps drafted that width
+
+
+def measured_costs(step_times: dict[int, list[float]], plain: float, max_width: int) -> list[float] | None:
+    """costs[g], g = 0..max_width, from a run's own timed steps: costs[0] = `plain` (seconds per plainly decoded
+    token), costs[g] = the median of `step_times[g]` (seconds of each step whose widest row drafted g) where at least
+    MIN_STEPS steps drafted g, else the count-weighted least-squares line through those medians (its slope at least
+    0, its values at least a plain step's: drafting never makes a step cheaper). None where the run cannot give them:
+    fewer than two widths measured that often, or a plain time that is not positive."""
+    measured = {g: statistics.median(t) for g, t in step_times.items() if 1 <= g <= max_width and len(t) >= MIN_STEPS}
+    if len(measured) < 2 or not plain > 0:
+        return None
+    weights = {g: len(step_times[g]) for g in measured}
+    total = sum(weights.values())
+    mean_g = sum(w * g for g, w in weights.items()) / total
+    mean_t = sum(w * measured[g] for g, w in weights.items()) / total
+    slope = max(0.0, sum(w * (g - mean_g) * (measured[g] - mean_t) for g, w in weights.items())
+                / sum(w * (g - mean_g) ** 2 for g, w in weights.items()))
+    line = lambda g: max(plain, mean_t + slope * (g - mean_g))      # noqa: E731
+    return [plain] + [measured.get(g, line(g)) for g in range(1, max_width + 1)]
+
+
 def prefill_seconds(model, prompt: torch.Tensor, repeats: int = 3) -> float:
     """The target's forward over the prompt (median of `repeats`), as generate runs it: with a cache, and the head
     over the last position only (the head over every position of a 150k vocabulary costs more than the layers).
@@ -94,32 +133,46 @@ def prefill_seconds(model, prompt: torch.Tensor, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def prompt_bound(model, draft, prompt: torch.Tensor, output: torch.Tensor, costs: Sequence[float]) -> dict:
-    """The bound for one prompt and the target's greedy `output`: seconds (prefill + best schedule), the same cost
-    model's plain decoding (to read the model against measured stock generate), every fixed width's
-    (`fixed_seconds[g]`), tokens, steps and widths."""
+def prompt_bound(model, draft, prompt: torch.Tensor, output: torch.Tensor, costs: Sequence[float],
+                 prefill: float | None = None) -> dict:
+    """The bound for one prompt and the target's greedy `output`: seconds (the target's prefill, the draft's if the
+    best schedule drafts, and the schedule's steps), the same cost model's plain decoding (to read the model against
+    measured stock generate), every fixed width's (`fixed_seconds[g]`), tokens, steps and widths. `prefill`: the
+    target's measured prefill seconds (None: measured here)."""
     runs = agreement_runs(draft, prompt, output, model.config.vocab_size)
-    prefill = prefill_seconds(model, prompt)
-    seconds, widths = best_schedule(runs, costs)
-    fixed = [prefill + fixed_schedule(runs, costs, g) for g in range(len(costs))]
+    prefill = prefill_seconds(model, prompt) if prefill is None else prefill
+    draft_prefill = prefill_seconds(draft, prompt)
+    seconds, widths = best_drafting_schedule(runs, costs, draft_prefill)
+    fixed = [prefill + fixed_schedule(runs, costs, g) + (draft_prefill if g else 0.0) for g in range(len(costs))]
     return {"seconds": prefill + seconds, "plain_seconds": fixed[0], "fixed_seconds": fixed,
-            "tokens": len(output), "steps": len(widths), "widths": widths}
+            "draft_prefill_seconds": draft_prefill, "tokens": len(output), "steps": len(widths), "widths": widths}
 
 
 def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Tensor], max_width: int = 8,
-              progress: bool = True) -> dict:
-    """The bound over prompts (1-D ids) and the target's greedy outputs (1-D new tokens), with step costs measured
-    at a typical context of these calls (a median prompt plus half a median output)."""
+              progress: bool = True, step_times: dict[int, list[float]] | None = None,
+              plain_seconds: float | None = None) -> dict:
+    """The bound over prompts (1-D ids) and the target's greedy outputs (1-D new tokens). Step costs from the run
+    itself where given (`step_times`: seconds of its timed drafting steps by width; `plain_seconds`: stock
+    `generate`'s time over all these prompts; see `measured_costs`), else profiled now at a typical context of these
+    calls (a median prompt plus half a median output). `cost_source` says which ("run" or "profile")."""
     from tqdm import tqdm
 
     context = int(statistics.median(len(p) for p in prompts) + statistics.median(len(o) for o in outputs) // 2)
-    costs = step_costs(model, draft, max_width, context=max(1, context), progress=progress)
-    rows = [prompt_bound(model, draft, p, o, costs)
-            for p, o in tqdm(list(zip(prompts, outputs)), desc="bound", disable=not progress)]
+    prefills = [prefill_seconds(model, p) for p in prompts]
+    costs = None
+    if step_times is not None and plain_seconds is not None:
+        decoded = sum(max(0, len(o) - 1) for o in outputs)      # token 0 of each output comes from the prefill
+        plain = (plain_seconds - sum(prefills)) / decoded if decoded else 0.0
+        costs = measured_costs(step_times, plain, max_width)
+    source = "run" if costs is not None else "profile"
+    if costs is None:
+        costs = step_costs(model, draft, max_width, context=max(1, context), progress=progress)
+    rows = [prompt_bound(model, draft, p, o, costs, prefill)
+            for p, o, prefill in tqdm(list(zip(prompts, outputs, prefills)), desc="bound", disable=not progress)]
     fixed = [sum(r["fixed_seconds"][g] for r in rows) for g in range(max_width + 1)]
     return {"seconds": sum(r["seconds"] for r in rows), "plain_seconds": sum(r["plain_seconds"] for r in rows),
             "best_fixed_width": min(range(max_width + 1), key=fixed.__getitem__), "fixed_seconds": fixed,
-            "max_width": max_width, "context": context, "costs": costs, "prompts": rows}
+            "max_width": max_width, "context": context, "costs": costs, "cost_source": source, "prompts": rows}
 
 
 def best_fixed_share(bound: dict) -> tuple[int, float]:

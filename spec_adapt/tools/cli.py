@@ -104,7 +104,7 @@ def bench(args) -> None:
                         rows=args.rows, latency=latency, ignore_eos=args.ignore_eos, policy_state=args.policy_state,
                         xdraft=xdraft, bound=args.bound)
     summary = b.summarize(cells)
-    b.print_table(summary, b.best_fixed(cells))
+    b.print_table(summary, b.run_bound(cells))
     name = Path(args.prompts).stem if args.prompts else args.workload
     meta = {"workload": name, "model": args.model, "draft": args.draft, "xdraft": args.xdraft, "dtype": args.dtype,
             "prepared": args.prepare, "cpu": cpu_name(), "target_memory_mb": args.target_memory,
