@@ -14,8 +14,8 @@ seconds per token). Printed: each rule's share of the bound's decode time (the b
 the end of the draft's run of agreement and pays the draft's prompt forward once, no catch-up), and the AUC of the
 draft's confidence for telling its accepted tokens from its rejected ones.
 
-Rules: every fixed width; a survival rule at fixed thresholds (the draft's confidence read as its acceptance, up to
-8 tokens); the default `Adaptive()` and `Adaptive(stop_rule=True)`, each on a fresh policy's first call (cold) and
+Rules: fixed widths; a survival rule at fixed thresholds (the draft's confidence read as its acceptance, up to 4, 5
+or 8 tokens), and the best of those fixed rules in hindsight; the default `Adaptive()` and `Adaptive(stop_rule=True)`, each on a fresh policy's first call (cold) and
 on calls after it has seen every prompt once (warm), over `--orders` shuffled orders. Past a token the target
 rejects, the replay reads the teacher-forced confidence of that position (the draft's own continuation is not
 run), which a real draft would have seen after its own tokens.
@@ -90,10 +90,10 @@ def replay(policy, prompt: dict, costs: list[float]) -> float:
 
 
 class Rule(FixedLength):
-    """Up to MAX_WIDTH tokens, each row stopping where its survival (confidence read as acceptance) < threshold."""
+    """Up to `width` tokens, each row stopping where its survival (confidence read as acceptance) < threshold."""
 
-    def __init__(self, threshold: float):
-        super().__init__(MAX_WIDTH)
+    def __init__(self, threshold: float, width: int = MAX_WIDTH):
+        super().__init__(width)
         self.rule = StopRule(threshold, Calibration(prior=1e5))      # never updated: it stays on the diagonal
 
     def choose(self, info):
@@ -174,11 +174,17 @@ def main():
         print(f"  step costs (s): {' '.join(f'{c:.3f}' for c in costs[w])}")
         print(f"  best fixed width in hindsight (no catch-up after the prompt): {best}, {fixed[best]:.3f} of the bound")
         rows = [(f"FixedLength({g})", lambda g=g: FixedLength(g)) for g in (3, 4, 5)]
-        rows += [(f"survival rule at {t}", lambda t=t: Rule(t)) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
+        rows += [(f"survival rule at {t}, up to {g}", lambda t=t, g=g: Rule(t, g))
+                 for g in (4, 5, MAX_WIDTH) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
+        fixed_rules = len(rows)
         rows += [("Adaptive() (default)", Adaptive), ("Adaptive(stop_rule=True)", lambda: Adaptive(stop_rule=True))]
+        shares = []
         for name, make in rows:
             cold, warm = share(ps, costs[w], make, args.orders)
-            print(f"  {name:<28} cold {cold:.3f}  warm {warm:.3f}")
+            shares.append((warm, name))
+            print(f"  {name:<32} cold {cold:.3f}  warm {warm:.3f}")
+        print(f"  the best fixed rule above in hindsight: {max(shares[:fixed_rules])[1]}, "
+              f"{max(shares[:fixed_rules])[0]:.3f} of the bound")
 
 
 if __name__ == "__main__":
