@@ -3,7 +3,7 @@
 Greedy decoding fixes the output (it is the target's), so the draft's agreement with it is fixed too: one
 teacher-forced draft forward over prompt + output gives, at every output position i, run[i] = how many output tokens
 from i the draft predicts in a row. A step at i that drafts g tokens commits min(run[i], g) + 1 of them and costs
-T(g) = verify(g + 1 tokens) + g draft tokens, measured on this machine at batch 1 (`profile`). The least total time
+T(g) = verify(g + 1 tokens) + g draft tokens, measured on this machine at batch 1. The least total time
 over all schedules is a dynamic program over i. Every schedule pays the target's prefill, and one that drafts at all
 also the draft's forward over the prompt (any draft must read the prompt before it drafts). It bounds every length
 policy with this draft: it knows the future and is charged no catch-up beyond one draft token per drafted token.
@@ -12,7 +12,7 @@ Where T(g) comes from decides how far the bound can be trusted. `spec-adapt benc
 (`measured_costs`): the median time of the timed steps that drafted g tokens, and plain decoding's per-token time
 from stock `generate`'s measured time less the prefills. The bound is then the best schedule of the loop as it ran,
 and its plain decoding is stock `generate` as it ran. A separate profile (`step_costs`, the fallback) is one
-measurement taken at another moment; on a busy 2-core machine its costs have been 25% off the run's own steps.
+measurement taken at another moment, under other load, so its costs can differ from the steps the run timed.
 """
 
 from __future__ import annotations
