@@ -278,3 +278,12 @@ def test_cold_rows_follow_their_warm_row():
     assert b.cold_rows(["target", "draft:adaptive", "lookup:adaptive+ee", "draft:fixed3"]) == [
         "target", "draft:adaptive", "draft:adaptive (cold)", "lookup:adaptive+ee", "lookup:adaptive+ee (cold)",
         "draft:fixed3"]
+
+
+def test_configuration_names_split_into_drafter_policy_and_verifier():
+    assert b.split_config("draft:adaptive+ee10@14 (cold)") == ("draft", "adaptive", "ee10@14")
+    assert b.split_config("lookup:fixed3") == ("lookup", "fixed3", "")
+    assert [b.fixed_width(p) for p in ("fixed", "fixed3", "fixed12", "fixedx", "adaptive")] == [4, 3, 12, None, None]
+    assert b.parse_policy("fixed5").k == 5 and b.parse_policy("fixed").k == 4
+    with pytest.raises(ValueError, match="Unknown policy 'fixedx'"):
+        b.parse_policy("fixedx")

@@ -209,8 +209,9 @@ class RuledWidth(FixedLength):
 
 
 def test_rows_stopped_by_the_draft_confidence_follow_target_distribution(small):
-    """Depth decided inside the step (the default policy's stop rule) reads only the draft's own probabilities of the
-    tokens it sampled, so the sampled tokens keep the target's distribution with ragged per-row depths."""
+    """Depth decided inside the step (a stop rule, as `Adaptive(stop_rule=True)` plans) reads only the draft's own
+    probabilities of the tokens it sampled, so the sampled tokens keep the target's distribution with ragged per-row
+    depths."""
     target, draft = small
     assert_follows_target(target, draft, 6000, policy=RuledWidth(3, [0.0, 0.1, 0.005]))   # unsure: ~0.05-0.2 a token
     trace = spec_adapt.last_stats().trace

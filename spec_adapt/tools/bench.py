@@ -134,10 +134,8 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
         return lambda enc: (model.generate(**enc, **common, assistant_model=xdraft[0], tokenizer=tok,
                                            assistant_tokenizer=xdraft[1]), None)
     cold = name.endswith(COLD)
-    # "+ee": EarlyExitVerifier (cost-gated); "+ee-always"
-    name, _, verify_name = name.removesuffix(COLD).partition("+")
+    drafter_name, policy_name, verify_name = split_config(name)
     verifier = parse_verifier(verify_name)
-    drafter_name, _, policy_name = name.partition(":")
     make_drafter = drafter_factory(drafter_name, tok, draft, xdraft)
     # One policy object per configuration: what it learns carries over from call to call, as in serving.
     if policy_name == "chain":            # the scheduler steers one chain object, kept across calls
@@ -161,13 +159,28 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
 COLD = " (cold)"     # the suffix of a configuration whose every call starts from a fresh policy
 
 
+def split_config(name: str) -> tuple[str, str, str]:
+    """A spec_adapt configuration's (drafter, policy, verifier) names: "<drafter>:<policy>[+<verifier>][ (cold)]"
+    ("+ee": EarlyExitVerifier, cost-gated; "+ee-always"; no verifier: "")."""
+    config, _, verifier = name.removesuffix(COLD).partition("+")
+    drafter, _, policy = config.partition(":")
+    return drafter, policy, verifier
+
+
+def fixed_width(policy: str) -> int | None:
+    """The width of a "fixed<k>" policy name ("fixed": 4), None for any other policy."""
+    if not policy.startswith("fixed") or not (policy[5:] == "" or policy[5:].isdigit()):
+        return None
+    return int(policy[5:] or 4)
+
+
 def cold_rows(configs: list[str]) -> list[str]:
     """`configs` with a cold row after each one running the default policy (<drafter>:adaptive[+verifier]): the
     plain row times later calls of one policy object (warm), the cold row first calls of fresh ones."""
     out = []
     for name in configs:
         out.append(name)
-        if name.partition("+")[0].partition(":")[2] == "adaptive" and not name.endswith(COLD):
+        if split_config(name)[1] == "adaptive" and not name.endswith(COLD):
             out.append(name + COLD)
     if len(out) == len(configs):
         raise ValueError("a cold row needs a <drafter>:adaptive configuration (the default policy) in the configs")
@@ -281,8 +294,8 @@ def parse_policy(name: str, latency=None):
     }
     if name in presets:
         return presets[name]()
-    if name.startswith("fixed"):
-        return FixedLength(int(name[5:] or 4))
+    if fixed_width(name) is not None:
+        return FixedLength(fixed_width(name))
     if name.startswith("tree") and "x" in name:
         from spec_adapt import FixedTree
 
@@ -367,8 +380,7 @@ def _draft_step_times(row: dict) -> dict[int, list[float]]:
     chains drafted by the draft model itself (draft, draftc) and verified in full (no tree, no early exit)."""
     times: dict[int, list[float]] = {}
     for name, cell in row.items():
-        config, _, verifier = name.removesuffix(COLD).partition("+")
-        drafter, _, policy = config.partition(":")
+        drafter, policy, verifier = split_config(name)
         if drafter not in ("draft", "draftc") or verifier or policy.startswith(("tree", "adaptive-tree")):
             continue
         for step in cell.trace:
@@ -516,10 +528,11 @@ def _print_bound_notes(summary: list[dict], run: dict, bound: float) -> None:
     print(f"under the same cost model, the best fixed width in hindsight (FixedLength({width})) reaches {share:.0%} "
           "of the bound")
     for s in summary:
-        drafter, _, policy = s["config"].partition(":")
-        if s["batch_size"] == 1 and drafter == "draft" and policy[5:].isdigit() and policy.startswith("fixed") \
-                and int(policy[5:]) < len(run["fixed_seconds"]):
-            predicted = run["plain_seconds"] / run["fixed_seconds"][int(policy[5:])]
+        drafter, policy, verifier = split_config(s["config"])
+        width = fixed_width(policy)
+        if s["batch_size"] == 1 and drafter == "draft" and not verifier and width is not None \
+                and width < len(run["fixed_seconds"]):
+            predicted = run["plain_seconds"] / run["fixed_seconds"][width]
             print(f"cost model check: {s['config']} measured {s['speedup']:.2f}x, the model predicts {predicted:.2f}x")
 
 
