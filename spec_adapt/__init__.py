@@ -16,6 +16,7 @@ from .acceptor import Acceptor
 from .api import SpecGenerateOutput, disable, enable, generate, reset_default_policies
 from .drafters import ChainDrafter, Drafter, ModelDrafter, PromptLookupDrafter, ScriptedDrafter, SuffixDrafter
 from .drafters.offload import DraftOffload
+from .drafters.sources import MultiSourceDrafter
 from .metrics import SpecStats, last_stats
 from .policies import Adaptive, ChainScheduler, FixedLength, FixedTree, Policy
 from .execution import prepare, unprepare
@@ -33,7 +34,8 @@ __all__ = [
     # statistics
     "SpecStats", "last_stats",
     # drafters
-    "Drafter", "ModelDrafter", "PromptLookupDrafter", "SuffixDrafter", "ChainDrafter", "DraftOffload",
+    "Drafter", "ModelDrafter", "MultiSourceDrafter", "PromptLookupDrafter", "SuffixDrafter", "ChainDrafter",
+    "DraftOffload",
     # policies
     "Policy", "Adaptive", "FixedLength", "FixedTree", "ChainScheduler",
     # verify and accept phases

@@ -41,12 +41,20 @@ class StepPlan:
     pooled: bool = False                 # a tree budget pooled over the rows
     members: tuple | None = None         # a chain drafter's levels to run; None = the drafter's own
     stop: object = None                  # a chain plan's StopRule (gammas are each row's most), or None
+    free: torch.Tensor | None = None     # [B] the most drafts a row may take from a model-free source (Drafter.max_free)
 
     @property
     def deepest(self) -> int:
         """The most tokens a row may draft in depth this step (its buffer needs one more)."""
         reach = self.gammas if self.depths is None else self.depths
+        if self.free is not None:
+            reach = torch.maximum(reach, self.free)
         return int(reach.max()) if len(reach) else 0
+
+    @property
+    def drafts(self) -> bool:
+        """Whether any row may draft this step."""
+        return bool((self.gammas > 0).any()) or (self.free is not None and bool((self.free > 0).any()))
 
 
 class SpeculativeLoop:
@@ -183,8 +191,16 @@ class SpeculativeLoop:
             self.drafter.check_members(plan.members)
         gammas = plan.gammas.to(self.device)
         if plan.depth is None:          # a step commits up to gamma + 1 tokens
-            return StepPlan(torch.minimum(gammas, remaining - 1), True, members=plan.members, stop=plan.stop)
+            free = None
+            if self.drafter.max_free and self._allows_free():
+                free = (remaining - 1).clamp(0, self.drafter.max_free)
+            return StepPlan(torch.minimum(gammas, remaining - 1), True, members=plan.members, stop=plan.stop,
+                            free=free)
         return self._tree_plan(gammas, plan, remaining)
+
+    def _allows_free(self) -> bool:
+        with self.policy_lock:
+            return bool(self.policy.allows_free(len(self.rows)))
 
     def _tree_plan(self, nodes, plan, remaining) -> StepPlan:
         """A tree plan: each row's depth capped by what it may still generate (a path commits depth + 1 tokens); a
@@ -202,11 +218,11 @@ class SpeculativeLoop:
 
     def _draft(self, plan: StepPlan) -> Proposal:
         batch = len(self.rows)
-        if self.drafter is None or not bool((plan.gammas > 0).any()):
+        if self.drafter is None or not plan.drafts:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
-            self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop,
+            self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)
@@ -312,6 +328,7 @@ class SpeculativeLoop:
             drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
             step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
             held=self.target.held_rows, confidence=proposal.confidence,
+            free=proposal.free.tolist() if proposal.free is not None else None,
         )
         self.stats.record(record)
         if plan.asked:

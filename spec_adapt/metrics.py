@@ -27,6 +27,7 @@ class StepRecord:
     held: int | None = None         # rows the target's forward ran: the active rows and spare rows (None: batch_size)
     confidence: object = None       # [B, S] tensor (the target's device): the draft's probability of each drafted
                                     # token, or None; copied to the host only by a policy that reads it
+    free: list[bool] | None = None  # per row: drafted by a model-free source (no draft forward), or None: no row was
 
 
 @dataclass
@@ -60,6 +61,8 @@ class SpecStats:
     trace_limit: int | None = None   # keep only the last N StepRecords (a serving engine runs for days); None: all
     step_tokens: int = 0             # tokens committed by verification steps (first tokens excluded)
     restarts: int = 0                # serving: times a drafter that had failed was started again
+    per_source: dict = field(default_factory=dict)   # a MultiSourceDrafter's sources: name -> {"rows": row-steps it
+                                                     # drafted, "drafted": tokens, "accepted": tokens}
 
     def start(self, batch_size: int) -> None:
         self.batch_size = batch_size
@@ -96,9 +99,20 @@ class SpecStats:
                 self.per_position_drafted[i] += 1
                 self.per_position_accepted[i] += int(i < a)
         self.step_tokens += sum(rec.committed)
+        sources = (rec.telemetry or {}).get("source")
+        if sources is not None:
+            self._count_sources(sources, rec.drafted, rec.accepted)
         self.trace.append(rec)
         if self.trace_limit is not None and len(self.trace) > 2 * self.trace_limit:
             del self.trace[: len(self.trace) - self.trace_limit]     # amortized: one cut per trace_limit steps
+
+    def _count_sources(self, sources, drafted, accepted) -> None:
+        for name, d, a in zip(sources, drafted, accepted):
+            if name is not None and d:
+                entry = self.per_source.setdefault(name, {"rows": 0, "drafted": 0, "accepted": 0})
+                entry["rows"] += 1
+                entry["drafted"] += d
+                entry["accepted"] += a
 
     def _grow(self, n: int) -> None:
         missing = n - len(self.per_position_drafted)
@@ -145,6 +159,7 @@ class SpecStats:
             "compactions": self.compactions,
             "kernel_paths": self.kernel_paths,
             "verifier": self.verifier,
+            **({"per_source": self.per_source} if self.per_source else {}),
         }
 
 

@@ -5,6 +5,7 @@ from .hf import CandidateGeneratorDrafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
 from .scripted import ScriptedDrafter
+from .sources import MultiSourceDrafter, SourceState
 from .suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "CrossTokenizerDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "ScriptedDrafter", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]
+__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "CrossTokenizerDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "MultiSourceDrafter", "ScriptedDrafter", "SourceState", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]

@@ -36,6 +36,9 @@ class DraftRequest:
     pooled: bool = False          # a tree plan's budget is sum(gammas), for the batch's likeliest nodes in any row
     stop: "StopRule | None" = None  # the plan's stopping rule: gammas are each row's most, and a drafter with
                                     # probabilities stops a row where the rule says (spec_adapt.estimators.StopRule)
+    free: torch.Tensor | None = None    # [B] long, for a drafter with `max_free`: the most tokens a row may take from a
+                                        # model-free source (point masses that cost no draft forward), whatever its
+                                        # gamma; None = gammas bound every row
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Proposal:
                                           # replacement, in node order)
     confidence: torch.Tensor | None = None   # [B, S] the drafter's probability of each drafted token (a chain from a
                                              # draft model), for the policy's calibration; None = not known
+    free: torch.Tensor | None = None  # [B] bool: rows drafted by a model-free source (point masses, bounded by
+                                      # DraftRequest.free rather than gammas); None = no such row
 
     @staticmethod
     def empty(batch: int, device) -> "Proposal":
@@ -64,7 +69,7 @@ class Proposal:
         probs = self.probs[:, :width] if self.probs is not None else None
         parents = self.parents[:, :width] if self.parents is not None else None    # a prefix of a tree is a tree
         confidence = self.confidence[:, :width] if self.confidence is not None else None
-        return Proposal(self.tokens[:, :width], lengths, probs, self.telemetry, parents, confidence)
+        return Proposal(self.tokens[:, :width], lengths, probs, self.telemetry, parents, confidence, self.free)
 
     @staticmethod
     def pack(drafts: list[torch.Tensor], device) -> "Proposal":
@@ -124,6 +129,8 @@ class Drafter:
     """Base class. Model-free drafters override `propose` only."""
 
     trees = False     # True: given DraftRequest.depths, may propose trees (else the loop asks it for chains)
+    max_free = 0      # > 0: has model-free sources; the loop lets a row draft up to this many tokens from them
+                      # (DraftRequest.free), even on a step the policy planned plain
     offloaded = False  # True while the draft's weights are away from its device (a DraftOffload)
     events: tuple = ()  # what went wrong inside the drafter this call (a ChainDrafter's dropped levels)
 
@@ -212,12 +219,16 @@ def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
     tokens, lengths = tokens.to(device).long(), lengths.to(device).long()
     _expect(bool((lengths >= 0).all()) and bool((lengths <= tokens.shape[1]).all()),
             f"lengths must be within [0, S={tokens.shape[1]}], got {lengths.tolist()}")
+    free = _checked_free(proposal.free, request, batch, device)
     if request.pooled:          # one budget for the batch: a row may hold more than its share
         total = int(request.gammas.sum())
         _expect(int(lengths.sum()) <= total, f"{int(lengths.sum())} nodes proposed for a pooled budget of {total}")
         lengths = torch.where(request.gammas.to(device) > 0, lengths, 0)
     else:
-        lengths = torch.minimum(lengths, request.gammas.to(device))
+        bound = request.gammas.to(device)
+        if free is not None:    # a free row is bounded by what the loop lets it take from a model-free source
+            bound = torch.where(free, request.free.to(device), bound)
+        lengths = torch.minimum(lengths, bound)
     width = int(lengths.max()) if batch else 0
     tokens = tokens[:, :width]
     used = torch.arange(width, device=device)[None, :] < lengths[:, None]            # [B, S]
@@ -226,8 +237,24 @@ def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
     if probs is not None:
         probs = _checked_probs(probs, tokens, used, batch, width, vocab).to(device)
     parents = _checked_parents(proposal.parents, tokens, lengths, used, request, probs)
+    if free is not None and probs is not None:      # a free row proposes point masses: q(d) = 1 at every draft
+        q = probs.gather(-1, tokens[..., None]).squeeze(-1)
+        _expect(not bool(((q != 1) & used & free[:, None]).any()), "a model-free row's probs must be point masses "
+                "at its drafted tokens")
     return Proposal(tokens, lengths, probs, proposal.telemetry, parents, _checked_confidence(proposal.confidence,
-                                                                                            batch, width, device))
+                                                                                            batch, width, device),
+                    free)
+
+
+def _checked_free(free, request, batch, device):
+    """None, or [B] bool rows a model-free source drafted; only for a chain request that allows free drafts."""
+    if free is None:
+        return None
+    _expect(isinstance(free, torch.Tensor) and free.shape == (batch,) and free.dtype == torch.bool,
+            f"free must be a bool tensor [B={batch}] or None, got {_describe(free)}")
+    _expect(request.free is not None and not request.pooled, "free rows proposed, but the request allows none "
+            "(DraftRequest.free is None or the plan is a pooled tree)")
+    return free.to(device)
 
 
 def _checked_confidence(confidence, batch, width, device):

@@ -19,8 +19,21 @@ from .base import Drafter, DraftRequest, Proposal, branches_proposal, left_paddi
 
 def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
     """context [L] long -> up to gamma tokens that followed the most recent earlier match of its longest suffix."""
-    found = lookup_branches(context, gamma, max_ngram, min_ngram, most=1)
-    return context.new_tensor(found[0]) if found else context[:0]
+    tokens, _ = lookup_match(context, gamma, max_ngram, min_ngram)
+    return context.new_tensor(tokens) if tokens else context[:0]
+
+
+def lookup_match(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """(up to gamma tokens that followed the most recent earlier match of the context's longest suffix, the length n
+    of that suffix); ([], 0) without a match."""
+    length = context.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = context[: length - 1].unfold(0, n, 1)             # [L-n, n]: every earlier n-gram
+        hits = (windows == context[length - n:]).all(dim=1).nonzero().squeeze(1)
+        hits = hits[hits + n < length]
+        if len(hits):
+            return _copy_on(context, int(hits[-1]) + n, gamma), n
+    return [], 0
 
 
 def lookup_branches(context: torch.Tensor, depth: int, max_ngram: int, min_ngram: int, most: int) -> list[list[int]]:
@@ -73,16 +86,17 @@ class PromptLookupDrafter(Drafter):
         if request.depths is not None:
             return self._propose_tree(request)
         tokens = request.tokens.cpu()
-        drafts = []
+        drafts, matched = [], []
         for b, (row, length, gamma) in enumerate(
             zip(request.rows.tolist(), request.lengths.tolist(), request.gammas.tolist())
         ):
-            if gamma == 0:
-                drafts.append(tokens[b, :0])
-                continue
-            context = tokens[b, self.pad[row] : length]
-            drafts.append(lookup_continuation(context, gamma, self.max_ngram, self.min_ngram))
-        return Proposal.pack(drafts, request.tokens.device)
+            found, n = lookup_match(tokens[b, self.pad[row] : length], gamma, self.max_ngram, self.min_ngram) \
+                if gamma else ([], 0)
+            drafts.append(torch.tensor(found, dtype=torch.long))
+            matched.append(n)
+        proposal = Proposal.pack(drafts, request.tokens.device)
+        proposal.telemetry = {"feature": matched}     # the matched n-gram's length per row (0: no match)
+        return proposal
 
     def _propose_tree(self, request: DraftRequest) -> Proposal:
         tokens = request.tokens.cpu()

@@ -58,19 +58,26 @@ class SuffixIndex:
                 self.next[tuple(tokens[i - n : i])][token] += 1
 
     def continuation(self, context: list[int], gamma: int, min_share: float, min_depth: int = 1) -> list[int]:
+        return self.walk(context, gamma, min_share, min_depth)[0]
+
+    def walk(self, context: list[int], gamma: int, min_share: float, min_depth: int = 1) -> tuple[list[int], float]:
+        """(the greedy continuation `continuation` proposes, the share its first token had of its context's count;
+        0 when there is none)."""
         if self.pending:
             self._flush()
-        out, ctx = [], list(context[-self.depth:])
+        out, ctx, first = [], list(context[-self.depth:]), 0.0
         while len(out) < gamma:
             counts = self._counts(ctx, min_depth)
             if not counts:
                 break
             token, count = counts.most_common(1)[0]
-            if count / sum(counts.values()) < min_share:
+            share = count / sum(counts.values())
+            if share < min_share:
                 break
+            first = first or share
             out.append(token)
             ctx = (ctx + [token])[-self.depth:]
-        return out
+        return out, first
 
 
     def tree(self, context: list[int], budget: int, depth: int, min_share: float, min_depth: int = 1):
@@ -109,6 +116,13 @@ class SuffixIndex:
         return None
 
 
+def share_bucket(share: float) -> int:
+    """A continuation's first share as a feature: 0 none, 1 below 1/2, 2 below 0.8, 3 below 1, 4 always seen."""
+    if share <= 0:
+        return 0
+    return 1 if share < 0.5 else 2 if share < 0.8 else 3 if share < 1 else 4
+
+
 def _level(parents: list[int], node: int) -> int:
     level = 0
     while parents[node] >= 0:
@@ -141,7 +155,7 @@ class SuffixDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         tokens = request.tokens.cpu()
-        drafts = []
+        drafts, shares = [], []
         for b, (row, length, gamma) in enumerate(
             zip(request.rows.tolist(), request.lengths.tolist(), request.gammas.tolist())
         ):
@@ -153,11 +167,14 @@ class SuffixDrafter(Drafter):
                 drafts.append(self.index.tree(context, gamma, depth, self.min_share, self.min_depth) if gamma
                               else ([], []))
                 continue
-            found = self.index.continuation(context, gamma, self.min_share, self.min_depth) if gamma else []
+            found, share = self.index.walk(context, gamma, self.min_share, self.min_depth) if gamma else ([], 0.0)
             drafts.append(torch.tensor(found, dtype=torch.long))
+            shares.append(share_bucket(share))
         if request.depths is not None:
             return pack_trees(drafts, request.tokens.device)
-        return Proposal.pack(drafts, request.tokens.device)
+        proposal = Proposal.pack(drafts, request.tokens.device)
+        proposal.telemetry = {"feature": shares}      # the first token's share of its context, bucketed
+        return proposal
 
     def end(self, tokens=None, lengths=None):
         if tokens is None or self.pad is None:

@@ -305,6 +305,13 @@ class Adaptive(Policy):
         self.shapes[shape] = mean_then_ema(self.shapes.get(shape), record.verify_time, self.ema)
         if pending is None:
             return
+        if record.free is not None and any(f and d for f, d in zip(record.free, record.drafted)):
+            # Rows drafted by a model-free source: the step's time is not a draft model's width, and their counts
+            # are not the model's acceptance. The model's rows still count.
+            model = _model_rows(record)
+            if model.rows:
+                self._count(model)
+            return
         factor = pending.get("factor", 1)
         if pending["width"] and self.tree_shapes is not None:
             self.tree_shapes.observe(record.batch_size, factor, sum(record.committed) / record.batch_size,
@@ -352,6 +359,12 @@ class Adaptive(Policy):
         if old is not None and old[1] >= STALL_AFTER:   # a stall (GC, the OS) is not what this width costs
             seconds = min(seconds, STALL * old[0])
         self.measured[slot] = [ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
+
+    def allows_free(self, batch_size: int) -> bool:
+        """Model-free drafts only once this batch size's plain step is measured: the goodput every drafting choice is
+        held to."""
+        baseline = self.measured.get((bucket(batch_size), 0, False))
+        return baseline is not None and baseline[1] >= self.baseline_steps
 
     def batch_rows(self, live: int, held: int) -> int:
         """Rows the target's batch keeps when rows finish (docs/policies.md, rule 9): the size in [live, held] whose
@@ -548,6 +561,14 @@ class Adaptive(Policy):
 
     def __repr__(self):
         return f"Adaptive(max_gamma={self.max_gamma})"
+
+
+def _model_rows(record: StepRecord) -> StepRecord:
+    """The record's rows that a model-free source did not draft (the draft model's and plain ones)."""
+    keep = [b for b, f in enumerate(record.free) if not f]
+    pick = lambda values: [values[b] for b in keep]     # noqa: E731
+    return StepRecord(len(keep), pick(record.rows), pick(record.gammas), pick(record.drafted), pick(record.accepted),
+                      pick(record.committed), record.step_time, record.draft_time, record.verify_time)
 
 
 def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) -> list[float]:

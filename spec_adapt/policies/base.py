@@ -92,6 +92,12 @@ class Policy:
     def batch_rows(self, live: int, held: int) -> int:
         return live
 
+    def allows_free(self, batch_size: int) -> bool:
+        """Whether rows may draft from model-free sources this step beyond the widths `choose` answers (a drafter
+        with `max_free`, such as MultiSourceDrafter). A policy that must measure plain steps first says no until
+        it has."""
+        return True
+
 
 def check_rows(policy, value, live: int, held: int) -> int:
     """A policy's batch_rows answer as an int in [live, held], or an error naming the policy and the fix."""
@@ -182,7 +188,8 @@ class PolicyAdapter(Policy):
 
     def __init__(self, policy):
         self.policy = policy
-        for name in ("begin", "choose", "observe", "admit", "reset", "state_dict", "load_state_dict", "batch_rows"):
+        for name in ("begin", "choose", "observe", "admit", "reset", "state_dict", "load_state_dict", "batch_rows",
+                     "allows_free"):
             method = getattr(policy, name, None)
             if callable(method):
                 setattr(self, name, method)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..estimators import ProbeBackoff, bucket, mean_then_ema
+from ..estimators import ProbeBackoff, bucket, ema, mean_then_ema
 from ..loading import cache_dir
 
 
@@ -393,3 +393,104 @@ class TreeShapes:
             probe.gap, probe.idle = int(gap), int(idle)
             probes[state_key(k, (int, int), "tree shape probe")] = probe
         self.value, self.probes = value, probes
+
+
+class StepCost:
+    """The step-cost model: seconds of a verification by tokens fed per row and batch size, and seconds per drafted
+    token of each drafting source, learned from the steps as they run.
+
+    - verification: T(B, w) = a + d w per batch-size bucket (a `LineFit` over the widest row's tokens fed, the last
+      committed token included), once two widths are seen; before that, the one-token time measured, widened by
+      `prior_slope` of itself per extra token; with nothing measured, 1 s per step (only ratios are read);
+    - drafting: an EMA of seconds per drafted token per (source, bucket); a source never measured costs
+      `prior_draft` of a one-token verification per token.
+    """
+
+    def __init__(self, prior_slope: float = 0.1, prior_draft: float = 0.25, ema_weight: float = 0.2):
+        self.prior_slope, self.prior_draft, self.ema_weight = prior_slope, prior_draft, ema_weight
+        self.verify: dict[int, LineFit] = {}       # bucket -> T(w)
+        self.one: dict[int, float] = {}            # bucket -> EMA seconds of a one-token verification
+        self.draft: dict[tuple, float] = {}        # (source, bucket) -> EMA seconds per drafted token
+
+    def observe_verify(self, batch: int, fed: int, seconds: float) -> None:
+        if not (seconds > 0 and fed >= 1 and math.isfinite(seconds)):
+            return
+        key = bucket(batch)
+        self.verify.setdefault(key, LineFit(window=64, min_samples=4)).add(fed, seconds)
+        if fed == 1:
+            self.one[key] = ema(self.one.get(key), seconds, self.ema_weight)
+
+    def observe_draft(self, source: str, batch: int, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
+            key = (source, bucket(batch))
+            self.draft[key] = ema(self.draft.get(key), seconds / tokens, self.ema_weight)
+
+    def verify_time(self, batch: int, fed: int) -> float:
+        key = bucket(batch)
+        fit = self.verify.get(key)
+        base = self.one.get(key)
+        if fit is not None and fit.ready():
+            value = fit(fed)
+            return max(value, base if base is not None else 1e-6, 1e-6)
+        if base is None:
+            base = fit.moments[0] / fit.gram[0][0] if fit is not None and fit.samples else 1.0
+        return base * (1.0 + self.prior_slope * (fed - 1))
+
+    def draft_time(self, source: str, batch: int, tokens: int) -> float:
+        per = self.draft.get((source, bucket(batch)))
+        if per is None:
+            per = self.prior_draft * self.verify_time(batch, 1)
+        return per * tokens
+
+
+class SourceAcceptance:
+    """Per drafting source and feature bucket (a lookup's match length, a suffix count's share, a draft's state):
+    decayed counts, per draft position, of drafts that reached the position and of those accepted. The survival rate
+    at a position is (accepted + prior x weight) / (reached + weight); `expected(source, feature, k)` is the tokens a
+    step commits when the row drafts k tokens from it: 1 + sum over j <= k of the product of the first j rates."""
+
+    def __init__(self, positions: int = 32, prior: float = 0.5, weight: float = 2.0, decay: float = 0.99):
+        self.positions, self.prior, self.weight, self.decay = positions, prior, weight, decay
+        self.counts: dict[tuple, torch.Tensor] = {}     # (source, feature) -> [2, positions]: reached, accepted
+
+    def rates(self, source: str, feature: int) -> torch.Tensor:
+        counts = self.counts.get((source, int(feature)))
+        if counts is None:
+            return torch.full((self.positions,), self.prior)
+        return (counts[1] + self.prior * self.weight) / (counts[0] + self.weight)
+
+    def expected(self, source: str, feature: int, most: int, row: torch.Tensor | None = None,
+                 shrink: float = 4.0) -> torch.Tensor:
+        """[most + 1]: the tokens committed when drafting k = 0..most tokens. `row`: the row's own [2, positions]
+        counts for this source (`step_counts` summed), shrunk toward the feature's rates by `shrink` observations."""
+        rates = self.rates(source, feature)
+        if row is not None:
+            rates = (row[1] + shrink * rates) / (row[0] + shrink)
+        survive = rates[:most].cumprod(0)
+        return torch.cat([torch.ones(1), 1.0 + survive.cumsum(0)])
+
+    def step_counts(self, drafted: int, accepted: int) -> torch.Tensor:
+        """[2, positions]: the positions one step reached (it drafted `drafted`, `accepted` of them were accepted)
+        and the ones accepted."""
+        pos = torch.arange(self.positions)
+        return torch.stack([(pos < min(accepted + 1, drafted)).float(), (pos < accepted).float()])
+
+    def observe(self, source: str, feature: int, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        key = (source, int(feature))
+        counts = self.counts.get(key)
+        counts = counts * self.decay if counts is not None else torch.zeros(2, self.positions)
+        self.counts[key] = counts + self.step_counts(drafted, accepted)
+
+    def state_dict(self) -> dict:
+        return {"counts": [[list(k), v.tolist()] for k, v in self.counts.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        counts = {}
+        for (source, feature), value in state.get("counts", []):
+            tensor = torch.tensor(value, dtype=torch.float32)
+            if tensor.shape != (2, self.positions) or not bool(torch.isfinite(tensor).all()) or bool((tensor < 0).any()):
+                raise ValueError(f"SourceAcceptance state for {source!r} is not [2, {self.positions}] finite counts.")
+            counts[(str(source), int(feature))] = tensor
+        self.counts = counts
