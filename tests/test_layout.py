@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "spec_adapt"
 TOOLS = "spec_adapt.tools"
 # docs/design.md's first layer.
 FOUNDATIONS = [f"spec_adapt.{name}" for name in ("compat", "metrics", "accept", "tree", "estimators", "loading",
-                                                  "execution", "kernels", "kernels.compact", "kernels.verify")]
+                                                  "execution", "identity", "kernels", "kernels.compact", "kernels.verify")]
 
 
 def modules(root: Path) -> dict[str, Path]:
