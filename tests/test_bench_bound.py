@@ -287,3 +287,45 @@ def test_configuration_names_split_into_drafter_policy_and_verifier():
     assert b.parse_policy("fixed5").k == 5 and b.parse_policy("fixed").k == 4
     with pytest.raises(ValueError, match="Unknown policy 'fixedx'"):
         b.parse_policy("fixedx")
+
+
+# -- the several-source bound: the draft model or prompt lookup per step, in hindsight -------------------------------
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(matches=st.lists(st.booleans(), min_size=2, max_size=24),
+       free=st.lists(st.integers(0, 8), min_size=24, max_size=24),
+       costs=st.lists(st.floats(0.5, 3.0), min_size=4, max_size=4), draft_prefill=st.floats(0.0, 2.0))
+def test_several_sources_are_never_slower_than_one(matches, free, costs, draft_prefill):
+    """Choosing per step between the draft model and lookup never does worse than the draft model alone, and a
+    lookup that never matches changes nothing."""
+    from spec_adapt.tools.bound import several_sources_schedule
+
+    runs = runs_of(matches)
+    n = len(runs) - 1
+    free_runs = [min(f, n - i) for i, f in enumerate(free[:n])] + [0]
+    costs = sorted(costs)
+    verify = [costs[0]] * 9
+    one, _ = best_drafting_schedule(runs, costs, draft_prefill)
+    several, steps = several_sources_schedule(runs, free_runs, costs, verify, draft_prefill)
+    assert several <= one + 1e-9
+    none, _ = several_sources_schedule(runs, [0] * (n + 1), costs, verify, draft_prefill)
+    assert none == pytest.approx(one)
+    assert all(source in ("plain", "draft", "lookup") for source, _ in steps)
+
+
+def test_a_long_lookup_match_is_taken_in_one_step():
+    from spec_adapt.tools.bound import several_sources_schedule
+
+    runs = [0] * 11                       # the draft model never agrees
+    free = [9 - i if i >= 1 else 0 for i in range(10)] + [0]
+    steps = several_sources_schedule(runs, free, [1.0, 1.5, 2.0], [1.0] + [1.1] * 12, draft_prefill=5.0)[1]
+    assert steps[0] == ("lookup", 8)      # the rest of the output in one verification
+
+
+def test_lookup_runs_match_what_prompt_lookup_proposes():
+    from spec_adapt.tools.bound import lookup_runs
+
+    prompt = torch.tensor([5, 8, 3, 9, 4])
+    output = torch.tensor([5, 8, 3, 9, 7])
+    runs = lookup_runs(prompt, output, width=4)
+    # after [.. 4 5] the latest earlier 1..3-gram match of the suffix "4 5"? none with 2; "5" at 0 -> proposes 8 3 9 4
+    assert runs[1] == 3 and len(runs) == len(output) + 1 and runs[-1] == 0

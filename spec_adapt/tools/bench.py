@@ -14,7 +14,7 @@ Configuration names:
   hf-lookup                     stock transformers prompt lookup (prompt_lookup_num_tokens=10), batch size 1 only
   hf-assisted                   stock assisted generation with --draft, batch size 1 only
   hf-uag                        stock Universal Assisted Generation with --xdraft (its own tokenizer), batch size 1
-  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, draftc, draftp, draftpc,
+  <drafter>:<policy>            spec_adapt; drafter in {none, lookup, suffix, draft, multi, draftc, draftp, draftpc,
                                 wrong, draftb<k>, xdraft, xdraftc, xchain}, policy in {adaptive, adaptive-tree,
                                 fixed<k>, tree<N>x<D>[p], heuristic[<initial>], nightjar, nightjar-local, ucb, goodput, goodput-explore, ewma,
                                 per-request, chain} ("wrong" drafts tokens that are never right; draftc/draftp/
@@ -22,7 +22,9 @@ Configuration names:
                                 draftb<k>: the draft growing trees with branch k; tree<N>x<D>: FixedTree(N, D), "p"
                                 pooled; adaptive-tree: Adaptive(trees=True)); xdraft: --xdraft, a draft with its own
                                 tokenizer (CrossTokenizerDrafter) drafting the full width, xdraftc: with its default
-                                0.4 confidence exit; xchain: [--xdraft -> --draft -> target]
+                                0.4 confidence exit; xchain: [--xdraft -> --draft -> target]; draft: the draft
+                                model alone (ModelDrafter); multi: the default for a draft model, MultiSourceDrafter
+                                over it, prompt lookup and the suffix index (a fresh index per call)
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
@@ -216,7 +218,8 @@ def drafter_factory(name: str, tok, draft=None, xdraft=None):
         "lookup": lambda: spec_adapt.PromptLookupDrafter(max_ngram=3, min_ngram=2),
         # A fresh index per call: repeats of the same prompts must not find their own earlier outputs.
         "suffix": lambda: spec_adapt.SuffixDrafter(index=spec_adapt.drafters.SuffixIndex()),
-        "draft": (lambda: draft) if draft is not None else None,
+        # One source: the draft model alone (a bare model as drafter= is the several-source default, "multi").
+        "draft": (lambda: spec_adapt.ModelDrafter(draft)) if draft is not None else None,
         # The draft with stock assisted generation's confidence early exit (a row stops below 0.4 top probability).
         "draftc": (lambda: spec_adapt.ModelDrafter(draft, confidence_threshold=0.4)) if draft is not None else None,
         # The draft with its head cut to 32,768 low ids + the prompt's tokens + special tokens (drafters.head); a
@@ -232,12 +235,26 @@ def drafter_factory(name: str, tok, draft=None, xdraft=None):
     }.get(name)
     if name in ("xdraft", "xdraftc", "xchain") and xdraft is not None:
         make = _cross_factory(name, tok, draft, xdraft)
+    if name == "multi" and draft is not None:
+        make = _multi_factory(draft)
     if name.startswith("draftb") and name[6:].isdigit() and draft is not None:
         make = lambda: spec_adapt.ModelDrafter(draft, branch=int(name[6:]))  # noqa: E731
     if make is None:
         raise ValueError(f"Unknown drafter {name!r} (or --draft missing for 'draft'/'draftc'/'offload'/'chain', "
                          "--xdraft for 'xdraft', both for 'xchain').")
     return make
+
+
+def _multi_factory(draft):
+    """The default for a draft model (`drafter=draft`): MultiSourceDrafter over it, prompt lookup and the suffix
+    index, its router's estimates kept across the configuration's calls as the default keeps them; the suffix index
+    fresh per call, so repeats of the same prompts never find their own earlier outputs."""
+    import spec_adapt
+    from spec_adapt.drafters import SourceState, SuffixIndex
+
+    state = SourceState()
+    return lambda: spec_adapt.MultiSourceDrafter(draft, [spec_adapt.PromptLookupDrafter(),
+                                                         spec_adapt.SuffixDrafter(SuffixIndex())], state=state)
 
 
 def _cross_factory(name: str, tok, draft, xdraft):
@@ -370,9 +387,20 @@ def _add_bound(row: dict, model, draft, batches: list, outputs: dict, max_width:
     prompts = [enc["input_ids"][0] for enc in batches]
     new = [outputs[id(enc)][0, len(p):] for enc, p in zip(batches, prompts)]
     result = hindsight(model, draft, prompts, new, max_width, progress, step_times=_draft_step_times(row),
-                       plain_seconds=statistics.median(row["target"].times))
+                       plain_seconds=statistics.median(row["target"].times), draft_token=_draft_token_seconds(row))
     for cell in row.values():
         cell.bound = result
+
+
+def _draft_token_seconds(row: dict) -> float | None:
+    """Seconds per draft-model forward in the run (drafting time over the longest row's drafts, over the
+    configurations `_draft_step_times` reads); None where none drafted."""
+    seconds = positions = 0
+    for name, cell in row.items():
+        drafter, policy, verifier = split_config(name)
+        if drafter in ("draft", "draftc") and not verifier and not policy.startswith(("tree", "adaptive-tree")):
+            seconds, positions = seconds + cell.draft_seconds, positions + cell.draft_positions
+    return seconds / positions if positions else None
 
 
 def _draft_step_times(row: dict) -> dict[int, list[float]]:
@@ -527,6 +555,14 @@ def _print_bound_notes(summary: list[dict], run: dict, bound: float) -> None:
     width, share = best_fixed_share(run)
     print(f"under the same cost model, the best fixed width in hindsight (FixedLength({width})) reaches {share:.0%} "
           "of the bound")
+    if run.get("several_seconds"):
+        several = run["plain_seconds"] / run["several_seconds"]
+        print(f"several-source bound: {several:.2f}x (the best of the draft model at each width, prompt lookup at "
+              f"each width up to {len(run['verify_costs']) - 1} and a plain step, per step in hindsight; lookup steps "
+              "charged the verification alone)")
+        for s in summary:
+            if s["batch_size"] == 1:
+                print(f"  {s['config']:<22} {s['speedup'] / several:.0%} of the several-source bound")
     for s in summary:
         drafter, policy, verifier = split_config(s["config"])
         width = fixed_width(policy)

@@ -72,6 +72,68 @@ def best_drafting_schedule(runs: Sequence[int], costs: Sequence[float], draft_pr
     return seconds + (draft_prefill if any(widths) else 0.0), widths
 
 
+def lookup_runs(prompt: torch.Tensor, output: torch.Tensor, width: int, max_ngram: int = 3) -> list[int]:
+    """run[i]: how many output tokens from i on prompt lookup's proposal of up to `width` tokens (what followed the
+    latest earlier match of the context's last 1..max_ngram tokens, in the prompt and output[:i]) matches in a row
+    (len(output) + 1 entries; the last is 0)."""
+    from ..drafters.lookup import lookup_match
+
+    ids = torch.cat([prompt, output])
+    runs = []
+    for i in range(len(output)):
+        found, _ = lookup_match(ids[: len(prompt) + i], width, max_ngram, 1)
+        matched = 0
+        for token, target in zip(found, output[i:].tolist()):
+            if token != target:
+                break
+            matched += 1
+        runs.append(matched)
+    return runs + [0]
+
+
+def several_sources_schedule(runs: Sequence[int], free_runs: Sequence[int], costs: Sequence[float],
+                             verify: Sequence[float], draft_prefill: float) -> tuple[float, list[tuple[str, int]]]:
+    """The least seconds when each step chooses, in hindsight, the draft model at width g (costs[g]) or prompt
+    lookup at width g (verify[g]: a verification of g + 1 tokens, no draft forward), or a plain step; a schedule
+    that uses the draft model at all pays `draft_prefill` once. Returns (seconds, [(source, width)] per step)."""
+    best = [_several(runs, free_runs, costs, verify, model) for model in (True, False)]
+    with_model, free_only = best
+    if any(source == "draft" and g for source, g in with_model[1]) and with_model[0] + draft_prefill < free_only[0]:
+        return with_model[0] + draft_prefill, with_model[1]
+    return free_only
+
+
+def _several(runs, free_runs, costs, verify, model: bool):
+    n = len(runs) - 1
+    best, choice = [0.0] * (n + 1), [("plain", 0)] * (n + 1)
+    for i in range(n - 1, 0, -1):
+        room = n - 1 - i
+        options = [(costs[0] + best[i + 1], ("plain", 0))]
+        if model:
+            options += [(costs[g] + best[_reach(runs, i, g)], ("draft", g))
+                        for g in range(1, min(len(costs) - 1, room) + 1)]
+        options += [(verify[g] + best[_reach(free_runs, i, g)], ("lookup", g))
+                    for g in range(1, min(len(verify) - 1, room, free_runs[i]) + 1)]
+        best[i], choice[i] = min(options, key=lambda o: o[0])
+    steps, i = [], 1
+    while i < n:
+        source, g = choice[i]
+        steps.append((source, g))
+        i = _reach(free_runs if source == "lookup" else runs, i, g)
+    return (best[1] if n > 1 else 0.0), steps
+
+
+def verify_costs(costs: Sequence[float], draft_token: float, width: int) -> list[float]:
+    """verify[g], g = 0..width: a step's seconds without its g draft tokens (costs[g] - g x draft_token), the
+    widths past the measured ones on the least-squares line through them (never below a plain step)."""
+    known = [max(costs[0], c - g * draft_token) for g, c in enumerate(costs)]
+    xs, ys = list(range(len(known))), known
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+                / max(sum((x - mean_x) ** 2 for x in xs), 1e-12))
+    return known + [max(known[0], mean_y + slope * (g - mean_x)) for g in range(len(known), width + 1)]
+
+
 def fixed_schedule(runs: Sequence[int], costs: Sequence[float], width: int) -> float:
     """Seconds to commit output tokens 1..n-1 drafting `width` tokens at every step (fewer near the end), with the
     same costs as `best_schedule`: what a fixed length would cost under the bound's model."""
@@ -134,7 +196,7 @@ def prefill_seconds(model, prompt: torch.Tensor, repeats: int = 3) -> float:
 
 
 def prompt_bound(model, draft, prompt: torch.Tensor, output: torch.Tensor, costs: Sequence[float],
-                 prefill: float | None = None) -> dict:
+                 prefill: float | None = None, verify: Sequence[float] | None = None) -> dict:
     """The bound for one prompt and the target's greedy `output`: seconds (the target's prefill, the draft's if the
     best schedule drafts, and the schedule's steps), the same cost model's plain decoding (to read the model against
     measured stock generate), every fixed width's (`fixed_seconds[g]`), tokens, steps and widths. `prefill`: the
@@ -144,13 +206,18 @@ def prompt_bound(model, draft, prompt: torch.Tensor, output: torch.Tensor, costs
     draft_prefill = prefill_seconds(draft, prompt)
     seconds, widths = best_drafting_schedule(runs, costs, draft_prefill)
     fixed = [prefill + fixed_schedule(runs, costs, g) + (draft_prefill if g else 0.0) for g in range(len(costs))]
-    return {"seconds": prefill + seconds, "plain_seconds": fixed[0], "fixed_seconds": fixed,
-            "draft_prefill_seconds": draft_prefill, "tokens": len(output), "steps": len(widths), "widths": widths}
+    out = {"seconds": prefill + seconds, "plain_seconds": fixed[0], "fixed_seconds": fixed,
+           "draft_prefill_seconds": draft_prefill, "tokens": len(output), "steps": len(widths), "widths": widths}
+    if verify is not None:       # several sources: the draft model or prompt lookup, per step in hindsight
+        free_runs = lookup_runs(prompt, output, len(verify) - 1)
+        several, steps = several_sources_schedule(runs, free_runs, costs, verify, draft_prefill)
+        out.update(several_seconds=prefill + several, several_steps=steps)
+    return out
 
 
 def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Tensor], max_width: int = 8,
               progress: bool = True, step_times: dict[int, list[float]] | None = None,
-              plain_seconds: float | None = None) -> dict:
+              plain_seconds: float | None = None, draft_token: float | None = None, max_free: int = 32) -> dict:
     """The bound over prompts (1-D ids) and the target's greedy outputs (1-D new tokens). Step costs from the run
     itself where given (`step_times`: seconds of its timed drafting steps by width; `plain_seconds`: stock
     `generate`'s time over all these prompts; see `measured_costs`), else profiled now at a typical context of these
@@ -167,12 +234,17 @@ def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Ten
     source = "run" if costs is not None else "profile"
     if costs is None:
         costs = step_costs(model, draft, max_width, context=max(1, context), progress=progress)
-    rows = [prompt_bound(model, draft, p, o, costs, prefill)
+    # `draft_token`: seconds per drafted token, measured in the run; with it, the bound over several sources too.
+    verify = verify_costs(costs, draft_token, max_free) if draft_token is not None else None
+    rows = [prompt_bound(model, draft, p, o, costs, prefill, verify)
             for p, o, prefill in tqdm(list(zip(prompts, outputs, prefills)), desc="bound", disable=not progress)]
     fixed = [sum(r["fixed_seconds"][g] for r in rows) for g in range(max_width + 1)]
+    several = {"several_seconds": sum(r["several_seconds"] for r in rows), "verify_costs": verify} \
+        if verify is not None else {}
     return {"seconds": sum(r["seconds"] for r in rows), "plain_seconds": sum(r["plain_seconds"] for r in rows),
             "best_fixed_width": min(range(max_width + 1), key=fixed.__getitem__), "fixed_seconds": fixed,
-            "max_width": max_width, "context": context, "costs": costs, "cost_source": source, "prompts": rows}
+            "max_width": max_width, "context": context, "costs": costs, "cost_source": source, "prompts": rows,
+            **several}
 
 
 def best_fixed_share(bound: dict) -> tuple[int, float]:

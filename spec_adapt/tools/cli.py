@@ -16,8 +16,10 @@ DEMOS = {
     "smollm2-135m": dict(draft=None, configs=["target", "hf-lookup", "suffix:adaptive"], batch_sizes=[1, 4],
                          prompts=4, new_tokens=64, repeats=1, code="humaneval"),
     # Batch 1 only, so the demo stays short on a small CPU: `spec-adapt bench` measures batches (docs/benchmarks.md).
-    "qwen2.5-coder-1.5b": dict(draft="qwen2.5-coder-0.5b", configs=["target", "hf-assisted", "draft:adaptive"],
-                               batch_sizes=[1], prompts=3, new_tokens=32, repeats=1, code="humaneval-chat"),
+    "qwen2.5-coder-1.5b": dict(draft="qwen2.5-coder-0.5b",
+                               configs=["target", "hf-assisted", "hf-lookup", "multi:adaptive"],
+                               batch_sizes=[1], prompts=3, new_tokens=32, repeats=1, code="humaneval-chat",
+                               edit=True),
 }
 
 
@@ -47,7 +49,9 @@ def demo(args) -> None:
     draft = _fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare) if plan["draft"] else None
     plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
     summaries = {}
-    for label, workload in (("HumanEval", plan["code"]), ("ShareGPT", "sharegpt")):
+    workloads_run = [("HumanEval", plan["code"]), ("ShareGPT", "sharegpt")] + (
+        [("Edit", "edit")] if plan.get("edit") else [])
+    for label, workload in workloads_run:
         ds = workloads.with_inputs(workloads.load(workload, plan["prompts"]), tok)
         print(f"\n{label}: {len(ds)} prompts, batch sizes {plan['batch_sizes']}, {plan['new_tokens']} new tokens")
         cells = b.run_bench(model, tok, list(ds["input_text"]), plan["configs"], plan["batch_sizes"],
