@@ -17,20 +17,34 @@ copy of its linear weights, the packed one, instead of two:
   pages it in again);
 - a weight in anonymous memory (built in memory, converted to another dtype) moves to a private mapping of a file
   of its own, unlinked at once.
-The kernel pages the plain bytes in when something reads them and drops them again under memory pressure. A
-spilled weight is an ordinary tensor for every reader (a write to it is copy-on-write, into memory, and is packed
-again as below). Where no disk folder can hold them (a RAM-backed filesystem, no space), the plain weights stay in
-memory and `prepared(model)` says why.
+The kernel pages the plain bytes in when something reads them and drops them again under memory pressure (the
+fingerprint below keeps the few pages that hold its samples resident). A spilled weight is an ordinary tensor for
+every reader (a write to it is copy-on-write, into memory, and is packed again as below). A weight whose storage
+other tensors share (a `state_dict` taken before, a detached tensor, a view, `.data`) stays where it is, so a write
+through them reaches the model as it would unprepared. Where no disk folder can hold them (a RAM-backed filesystem,
+a folder that cannot be written, no space), the plain weights stay in memory; `prepared(model)["plain"]` says which
+and why, and a folder that refuses them is warned about once.
 - float32: always packed.
 - bfloat16: packed where oneDNN has native bf16 kernels on this CPU (avx512_bf16 or AMX); elsewhere bf16 is emulated
   and slower than float32, and prepare leaves the model as it is, with a warning that says so.
 - Layers it leaves alone: subclasses of Linear (quantized layers such as bitsandbytes'), layers with accelerate hooks
   (offloaded weights move per forward), weights on another device than the CPU, other dtypes.
-- Safe by construction: a weight changed in place after prepare (`load_state_dict`, an optimizer step, a write
-  through `.data`, which a prepared weight notices whenever `.data` is handed out) is packed again on the next
-  forward; a weight converted to a dtype that does not pack here (`model.double()`) runs eagerly; a deep copy or an
+- A packed copy is used only while a fingerprint of the plain weight it was packed from still matches, checked at
+  every forward of its layer (so at every generate step and serving Engine step, whichever module the forward
+  enters by): the Parameter object itself (a replaced one, `load_state_dict(assign=True)`, is packed from), its
+  data pointer, dtype, shape and strides (a new `.data`), its version counter where it has one (every in-place
+  write through the Parameter, a view of it or a detached alias: `load_state_dict`, an optimizer step), and the
+  bits of 256 elements at positions fixed at pack time, 8 stripes spread from its first element to its last (writes
+  no counter shows: through `.data`, or to an inference-mode tensor, which has no version counter). When it does
+  not match, the layer packs again before it computes. It costs about 0.2% of a one-token forward (the 1.5B
+  Qwen2.5-Coder target in float32, 197 packed layers: docs/execution.md).
+  Limit: a write that no counter shows and that leaves all 256 sampled elements as they were (a few rows or
+  elements written through `.data` or to an inference tensor) goes unnoticed; a write of the whole weight (loading,
+  `copy_`, `fill_`, scaling, an optimizer step) changes sampled elements and is caught. After such a partial
+  write, `unprepare` and `prepare` again.
+- A weight converted to a dtype that does not pack here (`model.double()`) runs eagerly; a deep copy or an
   unpickled prepared model packs again at its first forward; with autograd on and a weight that requires grad, the
-  layer runs eagerly. A prepared weight is a Parameter subclass until `unprepare`.
+  layer runs eagerly.
 On CUDA, prepare changes nothing: cuBLAS reads weights in their plain layout at every width (no repack to remove).
 
 Logits change in their last bits (oneDNN sums in another order): judge greedy identity against stock `generate` on
@@ -46,7 +60,9 @@ import mmap
 import os
 import tempfile
 import warnings
+import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +71,7 @@ _PREPARED = "_spec_adapt_prepared"      # what prepare did, on the model
 _SWITCH = "_spec_adapt_switch"          # {"on": bool}, shared by a model's packed layers (see `eager`)
 SPILL_ENV = "SPEC_ADAPT_SPILL_DIR"      # where spilled plain weights go (default: ~/.cache/spec_adapt/spill)
 _RAM_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
+_CANNOT = "kept in memory: cannot"      # how spill_folder's reasons start where the folder refuses (prepare warns)
 
 
 def prepare(model: torch.nn.Module, dtype_check: bool = True, spill: bool | str = True) -> torch.nn.Module:
@@ -78,17 +95,28 @@ def prepare(model: torch.nn.Module, dtype_check: bool = True, spill: bool | str 
     # "dtypes": what this machine packs, for a weight converted after prepare (model.double() runs eagerly).
     count, switch = 0, {"on": True, "dtypes": {d for d in (torch.float32, torch.bfloat16) if why_not_packed(d) is None},
                         "spill": folder}
+    kept: dict[str, int] = {}                  # why a plain weight stays in memory: how many
     with torch.no_grad():
         for module in model.modules():
             if _packable(module, param.dtype):
                 module.__dict__[_SWITCH] = switch
-                _pack(module)
-                _watch(module.weight)
+                reason = _pack(module)
+                if reason is not None:
+                    kept[reason] = kept.get(reason, 0) + 1
                 module.forward = functools.partial(_packed_forward, module)    # picklable, deep-copyable
                 count += 1
     _mark(model, count, f"{count} linear layers packed for oneDNN ({str(param.dtype).removeprefix('torch.')})")
-    model.__dict__[_PREPARED].update(switch=switch, plain=why_not or (
-        f"not resident: file-mapped weights stay in their files, the others spill to {folder}"))
+    plain = why_not or f"not resident: file-mapped weights stay in their files, the others spill to {folder}"
+    if kept:
+        plain = (f"kept in memory for {sum(kept.values())} of {count} packed weights ("
+                 + "; ".join(f"{n}: {why}" for why, n in kept.items()) + ")"
+                 + ("" if sum(kept.values()) == count else f"; the others are not resident (spill folder {folder})"))
+    failed = why_not if why_not and why_not.startswith(_CANNOT) else next(
+        (f"kept in memory: {why}" for why in kept if why.startswith(_FOLDER_FAILED)), None)
+    if failed is not None:                     # asked to spill, and the folder cannot take them: say it, once
+        warnings.warn(f"spec_adapt.prepare: plain weights {failed}, so both copies of them stay resident. Set "
+                      f"{SPILL_ENV} or prepare(spill=...) to a writable folder on disk.", RuntimeWarning, stacklevel=2)
+    model.__dict__[_PREPARED].update(switch=switch, plain=plain)
     return model
 
 
@@ -104,10 +132,16 @@ def spill_folder(spill: bool | str) -> tuple[str | None, str | None]:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as error:
-        return None, f"kept in memory: cannot create the spill folder {folder!r} ({error})"
+        return None, f"{_CANNOT} create the spill folder {folder!r} ({error})"
     kind = _filesystem(folder)
     if kind in _RAM_FILESYSTEMS:
         return None, f"kept in memory: the spill folder {folder!r} is on {kind}, which is memory too"
+    try:                                         # it exists: can this process create files in it?
+        fd, probe = tempfile.mkstemp(prefix="probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        return None, f"{_CANNOT} write to the spill folder {folder!r} ({error})"
     return folder, None
 
 
@@ -144,11 +178,11 @@ def unprepare(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if hasattr(module, _PACKED):
             delattr(module, _PACKED)
-            _unwatch(module.weight)
             module.__dict__.pop("forward", None)
             module.__dict__.pop(_SWITCH, None)
-            if _in_mapping(module.weight):             # back into memory, as before prepare
-                torch.Tensor.data.__set__(module.weight, module.weight.detach().clone())
+            weight = module.weight
+            if _in_mapping(weight) and not _shared(weight):     # back into memory, as before prepare (a tensor
+                torch.Tensor.data.__set__(weight, weight.detach().clone())  # sharing it keeps it where it is)
     model.__dict__.pop(_PREPARED, None)
     return model
 
@@ -217,22 +251,60 @@ def _packable(module, dtype) -> bool:
     return weight.device.type == "cpu" and weight.dtype == dtype and weight.dim() == 2
 
 
-class _Packed:
-    """A layer's packed weight and what it was packed from. Never copied or pickled: a deep copy or an unpickled
-    model holds an empty one and packs again at its first forward (oneDNN's packed tensors have no storage)."""
+# The fingerprint's samples: _STRIPES stripes spread evenly over the weight's elements in memory order (its first
+# and last elements included), each _PER_STRIPE elements _STEP apart (columns that differ from row to row, within
+# about one page: reading a spilled weight's samples keeps at most two pages of each stripe resident).
+_STRIPES, _PER_STRIPE, _STEP = 8, 32, 31
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # compared bit for bit (NaN, -0.0)
 
-    def __init__(self, packed=None, version=None, pointer=None, dtype=None):
-        self.packed, self.version, self.pointer, self.dtype = packed, version, pointer, dtype
+
+class _Packed:
+    """A layer's packed weight and the fingerprint of the plain weight it was packed from: the Parameter itself
+    (a weak reference), its data pointer, dtype, shape, strides and version counter, and the bits of a few hundred
+    elements at positions fixed at pack time. The packed copy is used only while all of them match (`current`).
+    Never copied or pickled: a deep copy or an unpickled model holds an empty one and packs again at its first
+    forward (oneDNN's packed tensors have no storage)."""
+
+    def __init__(self, packed=None, weight=None, samples=None):
+        self.packed, self.samples = packed, samples
+        if weight is None:
+            return
+        self.ref, self.pointer, self.dtype = weakref.ref(weight), weight.data_ptr(), weight.dtype
+        self.shape, self.stride, self.version = weight.shape, weight.stride(), _version(weight)
+        self.rows, self.cols = _positions(weight.shape)
+        self.bits = _bits(weight)                # a numpy view of the weight's storage (reads nothing now)
 
     def current(self, weight) -> bool:
-        return (self.packed is not None and not weight.__dict__.get(_WRITTEN) and weight.dtype == self.dtype
-                and weight.data_ptr() == self.pointer and _version(weight) == self.version)
+        return (self.packed is not None and self.ref() is weight and weight.data_ptr() == self.pointer
+                and weight.dtype is self.dtype and weight.shape == self.shape and weight.stride() == self.stride
+                and _version(weight) == self.version and self.sample() == self.samples)
+
+    def sample(self) -> bytes:
+        """The sampled elements' bits, read now from the storage the weight had at pack time (valid to compare
+        only once the pointer matched: then it is the weight's storage)."""
+        return self.bits[self.rows, self.cols].tobytes()
 
     def __deepcopy__(self, memo):
         return _Packed()
 
     def __reduce__(self):
         return _Packed, ()
+
+
+def _positions(shape) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled (rows, columns) of a weight of `shape`: see _STRIPES."""
+    rows, cols = shape
+    count = rows * cols
+    if count == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    span = (_PER_STRIPE - 1) * _STEP
+    starts = np.linspace(0, max(count - 1 - span, 0), _STRIPES).round().astype(np.int64)
+    flat = np.unique(np.minimum(starts[:, None] + np.arange(_PER_STRIPE) * _STEP, count - 1))
+    return flat // cols, flat % cols
+
+
+def _bits(weight) -> np.ndarray:
+    return weight.detach().view(_BITS[weight.element_size()]).numpy()
 
 
 def _version(tensor):
@@ -243,67 +315,70 @@ def _version(tensor):
         return None
 
 
-_WRITTEN = "_spec_adapt_data_read"     # set on a watched weight whose `.data` was handed out since it was packed
+def _shared(weight) -> bool:
+    """Whether another tensor shares `weight`'s storage (a `state_dict` entry, a detached tensor, a view, `.data`):
+    moving the weight to another storage would cut that alias off, and a write through it would reach the model no
+    more. (Where PyTorch does not tell, assume shared.)"""
+    try:
+        return torch._C._storage_Use_Count(weight.untyped_storage()._cdata) > 2   # the weight, and this call's
+    except (AttributeError, RuntimeError):
+        return True
 
 
-class _WatchedParameter(torch.nn.Parameter):
-    """A prepared layer's weight. `.data` is a tensor with a version counter of its own, so an in-place write through
-    it (`w.data.mul_(...)`, `w.data.copy_(...)`: EMA, weight averaging, older init code) changes neither the
-    parameter's version nor its pointer: every hand-out of `.data` marks the packed copy stale instead."""
-
-    @property
-    def data(self):
-        self.__dict__[_WRITTEN] = True
-        return torch.Tensor.data.__get__(self)
-
-    @data.setter
-    def data(self, value):
-        self.__dict__[_WRITTEN] = True
-        torch.Tensor.data.__set__(self, value)
-
-
-def _watch(weight) -> None:
-    if type(weight) is torch.nn.Parameter:
-        weight.__class__ = _WatchedParameter
-
-
-def _unwatch(weight) -> None:
-    if type(weight) is _WatchedParameter:
-        weight.__class__ = torch.nn.Parameter
-        weight.__dict__.pop(_WRITTEN, None)
-
-
-def _pack(module) -> None:
+def _pack(module) -> str | None:
+    """Pack `module`'s weight (again), spill its plain copy, record its fingerprint. Returns why the plain weight
+    stays in memory, or None."""
     weight = module.weight
     previous = getattr(module, _PACKED, None)
     changed = previous is not None and previous.packed is not None    # written since (its pages may be in memory)
+    if previous is not None:                     # the stale copy and its view of the storage go first
+        previous.packed = previous.bits = None
+    setattr(module, _PACKED, _Packed())
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    _spill(weight, module.__dict__[_SWITCH].get("spill"), changed)
-    weight.__dict__.pop(_WRITTEN, None)
-    setattr(module, _PACKED, _Packed(packed, _version(weight), weight.data_ptr(), weight.dtype))
+    rows, cols = _positions(weight.shape)
+    samples = _bits(weight)[rows, cols].tobytes()     # read before the spill: the mapping's pages stay out
+    reason = _spill(weight, module.__dict__[_SWITCH].get("spill"), changed)
+    setattr(module, _PACKED, _Packed(packed, weight, samples))
+    return reason
 
 
 _SPILLED = "_spec_adapt_spilled"       # on a weight: (storage pointer, version) of its file-backed mapping, or False
 
 
-def _spill(weight, folder: str | None, changed: bool = False) -> None:
+_FOLDER_FAILED = "the spill folder"
+
+
+def _spill(weight, folder: str | None, changed: bool = False) -> str | None:
     """Take `weight`'s plain bytes out of resident memory (see the module docstring): a file-mapped weight's pages
     go back to the kernel; anonymous memory moves to a private mapping of a file in `folder` (unlinked at once: the
-    mapping keeps it until the storage is freed). The Parameter stays the same object (tied weights follow). Left in
-    memory where the folder cannot take it (no space, no permission). A `changed` weight may hold written pages in
-    memory, which the kernel cannot hand back: it moves to a file of its own."""
-    if folder is None or _spilled(weight) or weight.__dict__.get(_SPILLED) is False:
-        return                                   # a changed weight spills again: its written pages are in memory
+    mapping keeps it until the storage is freed). The Parameter stays the same object (tied weights follow). A
+    `changed` weight may hold written pages in memory, which the kernel cannot hand back: it moves to a file of its
+    own. Returns why it stays in memory instead, or None: another tensor shares its storage (tried again at its next
+    repack), or the folder cannot take it (no space, no permission) or it cannot take a new storage (an
+    inference-mode tensor), not tried again for this weight."""
+    if folder is None:
+        return None
+    if weight.__dict__.get(_SPILLED) is False:
+        return "an earlier spill of it failed"
+    if not changed and _spilled(weight):
+        return None
     if not changed and _file_mapped(weight.data_ptr()):
-        _page_out(weight)
-        return
+        _page_out(weight)                        # the storage stays: tensors that share it still do
+        return None
+    if _shared(weight):
+        return "other tensors share its storage (state_dict entries, views): a move would cut them off"
     try:
         mapped = _mapped_copy(weight.detach(), folder)
+    except OSError as error:                     # a full disk, a folder that stopped taking files
+        weight.__dict__[_SPILLED] = False
+        return f"{_FOLDER_FAILED} {folder!r} cannot take them ({error})"
+    try:
         torch.Tensor.data.__set__(weight, mapped)
-    except (OSError, RuntimeError):              # a full disk; an inference-mode weight refuses a new `.data`
-        weight.__dict__[_SPILLED] = False        # not tried again for this weight
-        return
+    except RuntimeError:                         # an inference-mode weight refuses a new storage
+        weight.__dict__[_SPILLED] = False
+        return "inference-mode tensors cannot take a new storage"
     weight.__dict__[_SPILLED] = (weight.untyped_storage().data_ptr(), _version(weight))
+    return None
 
 
 def _mapped_copy(tensor: torch.Tensor, folder: str) -> torch.Tensor:
@@ -311,17 +386,34 @@ def _mapped_copy(tensor: torch.Tensor, folder: str) -> torch.Tensor:
     try:
         with os.fdopen(fd, "wb") as file:
             tensor.contiguous().view(torch.uint8).numpy().tofile(file)
+            _drop_cached(file, tensor)
         mapped = torch.from_file(path, shared=False, size=tensor.numel(), dtype=tensor.dtype)
     finally:
         os.unlink(path)
     return mapped.view(tensor.shape)
 
 
+def _drop_cached(file, tensor) -> None:
+    """Write `file` (`tensor`'s bytes) out and drop its pages from the page cache, all but the few pages that hold
+    the fingerprint's samples: the plain bytes leave memory now, and reading the samples through the mapping maps
+    those pages alone (not the large folios a fresh write leaves cached, nor a read-around window)."""
+    try:
+        file.flush()
+        os.fdatasync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)     # this descriptor's reads: no read-ahead
+        rows, cols = _positions(tensor.shape)
+        for offset in np.unique((rows * tensor.shape[1] + cols) * tensor.element_size() // mmap.PAGESIZE):
+            os.pread(file.fileno(), 1, int(offset) * mmap.PAGESIZE)
+    except (OSError, AttributeError):           # a filesystem without it: the kernel reclaims them in its time
+        pass
+
+
 def _spilled(weight) -> bool:
-    """Whether `weight` lives, unchanged, in the mapping `_spill` gave it (not after a write, a new `.data` or a deep
-    copy, which put bytes in memory)."""
+    """Whether `weight` lives in the mapping `_spill` gave it, not written in place since as its version counter
+    shows (a new `.data` or a deep copy put its bytes in memory)."""
     spilled = weight.__dict__.get(_SPILLED)
-    return _in_mapping(weight) and spilled[1] == _version(weight) and not weight.__dict__.get(_WRITTEN)
+    return _in_mapping(weight) and spilled[1] == _version(weight)
 
 
 def _file_mapped(address: int) -> bool:
@@ -367,11 +459,9 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
             or weight.dtype not in self.__dict__[_SWITCH]["dtypes"]:
         # training, an input or a weight (moved, converted with model.double()) the packed path does not fit
         return F.linear(x, weight, self.bias)
-    state = getattr(self, _PACKED)
-    if not state.current(weight):                    # changed since it was packed (or a copy): pack again
+    if not getattr(self, _PACKED).current(weight):   # changed since it was packed (or a copy): pack again
         _pack(self)
-        state = getattr(self, _PACKED)
-    packed = state.packed
+    packed = getattr(self, _PACKED).packed
     bias = None if self.bias is None else self.bias.detach()
     out = _packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])

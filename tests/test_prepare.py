@@ -73,7 +73,8 @@ def test_weight_changed_after_prepare_is_packed_again():
 
 
 @needs_packing
-@pytest.mark.parametrize("change", ["data.mul_", "data.copy_", "data assignment", "detach().add_", "no_grad mul_"])
+@pytest.mark.parametrize("change", ["data.mul_", "data.copy_", "data assignment", "detach().add_", "no_grad mul_",
+                                    "data transposed", "data.fill_"])
 def test_any_in_place_weight_change_after_prepare_is_packed_again(change):
     """`.data` has a version counter of its own: a write through it changes neither the parameter's version nor its
     pointer, and the prepared model (stock generate included) must still compute with the new weights."""
@@ -91,11 +92,157 @@ def test_any_in_place_weight_change_after_prepare_is_packed_again(change):
                 weight.data = weight.detach() * 2.0
             elif change == "detach().add_":
                 weight.detach().add_(0.5)
+            elif change == "data transposed":                # the same storage and shape, other strides
+                weight = m.model.layers[0].self_attn.q_proj.weight
+                weight.data = weight.data.t()
+            elif change == "data.fill_":
+                weight.data.fill_(0.03)
             else:
                 weight.mul_(-1.0)
         torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-4, atol=1e-4)
     reference = stock_greedy(twin, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=8)
     assert torch.equal(stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=8), reference)
+
+
+def _computes_like(model, twin, ids):
+    """`model` (prepared) computes what its unprepared `twin` computes: logits, and greedy output."""
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-4, atol=1e-4)
+    mask = torch.ones_like(ids)
+    reference = stock_greedy(twin, ids, mask, eos_token_id=None, max_new_tokens=8)
+    assert torch.equal(stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=8), reference)
+
+
+@needs_packing
+@pytest.mark.parametrize("replace", ["load_state_dict(assign=True)", "new Parameter"])
+def test_a_replaced_weight_written_through_data_is_packed_again(replace, tmp_path):
+    """A Parameter replaced after prepare is packed from at the next forward; a later write to it through `.data`
+    (which neither its version nor its pointer shows) is packed again too."""
+    model, twin = prepare(tiny_model("llama"), spill=tmp_path), tiny_model("llama")
+    ids = torch.randint(3, 90, (2, 6))
+    with torch.no_grad():
+        model(ids)
+        for m in (model, twin):
+            if replace == "new Parameter":
+                layer = m.model.layers[0].mlp.down_proj
+                layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+            else:
+                m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+        _computes_like(model, twin, ids)                   # packed from the new Parameter
+        for m in (model, twin):
+            m.model.layers[0].mlp.down_proj.weight.data.mul_(3.0)
+            m.lm_head.weight.data.copy_(torch.randn_like(m.lm_head.weight, generator=torch.Generator().manual_seed(1)))
+    _computes_like(model, twin, ids)
+
+
+@needs_packing
+def test_weights_loaded_in_place_under_inference_mode_are_packed_again():
+    """Inference tensors have no version counter, and an in-place load keeps their storage."""
+    with torch.inference_mode():
+        model, twin, other = tiny_model("llama"), tiny_model("llama"), tiny_model("llama", seed=5)
+    prepare(model)
+    ids = torch.randint(3, 90, (2, 6))
+    with torch.inference_mode():
+        model(ids)
+        for m in (model, twin):
+            m.load_state_dict(other.state_dict())
+        _computes_like(model, twin, ids)
+        for m in (model, twin):
+            m.model.layers[1].self_attn.o_proj.weight.fill_(0.01)
+    _computes_like(model, twin, ids)
+
+
+@needs_packing
+@pytest.mark.parametrize("alias", ["state_dict", "detach", "view", "data"])
+def test_a_write_through_an_alias_made_before_prepare_reaches_the_model(alias, tmp_path):
+    """Tensors that share a weight's storage before prepare (state_dict entries, detached tensors, views, `.data`)
+    still share it after: a write through them changes the prepared model as it changes the unprepared one."""
+    model, twin = tiny_model("llama"), tiny_model("llama")
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def alias_of(m):
+        weight = m.get_parameter(name)
+        return {"state_dict": lambda: m.state_dict()[name], "detach": weight.detach, "view": lambda: weight[:, :16],
+                "data": lambda: weight.data}[alias]()
+
+    aliases = [alias_of(model), alias_of(twin)]
+    heads = [m.state_dict()["lm_head.weight"] for m in (model, twin)]
+    prepare(model, spill=tmp_path)
+    ids = torch.randint(3, 90, (2, 6))
+    with torch.no_grad():
+        model(ids)
+        for tensor in aliases:
+            tensor.mul_(3.0)
+        _computes_like(model, twin, ids)
+        for head in heads:
+            head.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(2)) * 8)
+    _computes_like(model, twin, ids)
+    assert aliases[0].untyped_storage().data_ptr() == model.get_parameter(name).untyped_storage().data_ptr()
+
+
+def _unwritable_folder(tmp_path, monkeypatch):
+    """A folder that exists and that this process cannot create files in: read-only for a user, immutable for root
+    where chattr can make it so; failing that, file creation in it fails as the kernel would fail it."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    if os.access(folder, os.W_OK):                          # root
+        immutable = shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
+        if immutable and immutable.returncode == 0:
+            return folder, lambda: subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+        mkstemp = tempfile.mkstemp
+
+        def refused(*args, dir=None, **kwargs):
+            if dir is not None and os.path.realpath(dir) == os.path.realpath(folder):
+                raise PermissionError(13, "Permission denied", str(folder))
+            return mkstemp(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", refused)
+    return folder, lambda: None
+
+
+@needs_packing
+def test_an_unwritable_spill_folder_is_reported_and_warned_once(tmp_path, monkeypatch):
+    import spec_adapt.execution as p
+
+    folder, restore = _unwritable_folder(tmp_path, monkeypatch)
+    try:
+        model = tiny_model("llama")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prepare(model, spill=folder)
+        plain = prepared(model)["plain"]
+        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert not any(p._file_mapped(w.data_ptr()) for w in weights)
+        assert "not resident" not in plain and "kept in memory" in plain and str(folder) in plain, plain
+        spill_warnings = [w for w in caught if str(folder) in str(w.message)]
+        assert len(spill_warnings) == 1, [str(w.message) for w in caught]
+        ids = torch.randint(3, 90, (1, 6))
+        _computes_like(model, tiny_model("llama"), ids)
+    finally:
+        restore()
+
+
+@needs_packing
+def test_an_unchanged_weight_is_never_packed_again(monkeypatch):
+    """The fingerprint matches as long as nothing writes: forwards, reads of `.data`, `state_dict` and generate
+    leave the packed copies as they are."""
+    import spec_adapt.execution as p
+
+    model, packs = prepare(tiny_model("llama")), []
+    pack = p._pack
+    monkeypatch.setattr(p, "_pack", lambda module: packs.append(module) or pack(module))
+    ids = torch.randint(3, 90, (2, 6))
+    with torch.no_grad():
+        model(ids)
+        _ = [m.weight.data for m in model.modules() if isinstance(m, torch.nn.Linear)], model.state_dict()
+        stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=4)
+    assert packs == []
 
 
 @needs_packing
@@ -272,8 +419,11 @@ needs_smaps = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/sm
 @needs_smaps
 @pytest.mark.parametrize("spill", [True, False])
 def test_a_prepared_model_keeps_one_resident_copy_of_its_weights(spill, tmp_path):
-    """Spilled: each plain weight lives in a file mapping of which nothing is resident, after prepare and again after
-    an in-place write (copy-on-write pages) and the repack that follows. The control keeps them in memory."""
+    """Spilled: each plain weight lives in a file mapping of which nothing is resident after prepare, and nothing but
+    the few pages that hold its fingerprint's samples after forwards; again after an in-place write (copy-on-write
+    pages) and the repack that follows. The control keeps them in memory."""
+    import mmap
+
     import spec_adapt.execution as p
 
     model, x = _wide_linears(), torch.randn(3, 2048)
@@ -290,13 +440,17 @@ def test_a_prepared_model_keeps_one_resident_copy_of_its_weights(spill, tmp_path
             return
         assert "not resident" in prepared(model)["plain"]
         assert all(p._file_mapped(layer.weight.data_ptr()) for layer in model)
-        assert all(h == {"Rss": 0, "Anonymous": 0} for h in held), held
+        sampled_kib = 2 * p._STRIPES * mmap.PAGESIZE // 1024          # a stripe of samples spans at most two pages
+        assert all(h["Anonymous"] == 0 and h["Rss"] <= sampled_kib for h in held), held
         for layer in model:
             layer.weight.data.mul_(0.5)
         assert all(_mapping_kib(layer.weight.data_ptr())["Anonymous"] >= size_kib for layer in model)
         model(x)                           # packed again, and spilled again
         held = [_mapping_kib(layer.weight.data_ptr()) for layer in model]
-    assert all(h == {"Rss": 0, "Anonymous": 0} for h in held), held
+        assert all(h == {"Rss": 0, "Anonymous": 0} for h in held), held
+        model(x)
+        held = [_mapping_kib(layer.weight.data_ptr()) for layer in model]
+    assert all(h["Anonymous"] == 0 and h["Rss"] <= sampled_kib for h in held), held
 
 
 @needs_packing
@@ -322,7 +476,7 @@ def test_spilled_weights_read_write_save_and_unprepare_like_plain_ones(tmp_path)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, twin(ids).logits)
         for m in (model, twin):
-            m.model.layers[0].mlp.down_proj.weight.data.mul_(3.0)
+            m.model.layers[0].mlp.down_proj.weight.mul_(3.0)
         assert not p._spilled(weight)                          # written: its pages are in memory now
         torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-4, atol=1e-4)
         assert p._spilled(weight)                              # packed and spilled again
