@@ -1,0 +1,409 @@
+"""MultiSourceDrafter: a draft model beside model-free sources (prompt lookup, the suffix index), chosen per row and
+step by the router. Greedy output is stock's token for token, sampled output keeps the target's distribution, the
+router really picks per row, and every check makes sure the sources really drafted (no silent fallback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spec_adapt
+from spec_adapt import Adaptive, FixedLength, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
+from spec_adapt.drafters.base import DraftRequest, InvalidProposal, Proposal, check_proposal
+from spec_adapt.drafters.sources import MODEL, PLAIN, MultiSourceDrafter, SourceState
+from spec_adapt.policies.estimators import SourceAcceptance, StepCost
+from spec_adapt.serving.engine import Engine
+from spec_adapt.tools.synthetic import perturbed_copy
+
+from conftest import EOS, PAD, VOCAB, Oracle, cached_model, drive_engine, ragged_batch, stock_greedy, tiny_model
+from test_sampling import exact_marginals, follows_target, small  # noqa: F401  (small: the sampling models fixture)
+
+TARGET = cached_model("llama")
+GOOD_DRAFT = perturbed_copy(TARGET, 0.05, seed=3)      # most of its drafts are right: the router keeps choosing it
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and other processes share the machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class FixedCost(StepCost):
+    """A step-cost model that learns nothing from the clock: the router's choices depend only on the tokens and on
+    what the acceptance estimates learned, so every run of these tests makes the same choices."""
+
+    def __init__(self, verify_slope: float = 0.1, per_token: float = 0.05):
+        super().__init__()
+        self.verify_slope, self.per_token = verify_slope, per_token
+
+    def observe_verify(self, batch, fed, seconds):
+        pass
+
+    def observe_draft(self, source, batch, tokens, seconds):
+        pass
+
+    def verify_time(self, batch, fed):
+        return 1.0 + self.verify_slope * (fed - 1)
+
+    def draft_time(self, source, batch, tokens):
+        return self.per_token * tokens
+
+
+def fixed_state(max_free: int = 32) -> SourceState:
+    state = SourceState(max_free)
+    state.cost = FixedCost()
+    return state
+
+
+def repetitive_batch(batch: int, seed: int):
+    """Ragged left-padded prompts whose tail repeats twice: prompt lookup finds matches from the first step."""
+    ids, mask = ragged_batch(batch, seed=seed, max_len=9)
+    tail = ids[:, -4:]
+    ids = torch.cat([ids, tail, tail], dim=1)
+    mask = torch.cat([mask, torch.ones(batch, 8, dtype=torch.long)], dim=1)
+    return ids, mask
+
+
+def looping_batch(batch: int, seed: int, distinct=()):
+    """Ragged prompts followed by the target's own 16 greedy tokens, which on these tiny models already cycle: the
+    first tokens generated after them repeat tokens of the prompt, so prompt lookup has offers from the first step
+    on. Rows in `distinct` end in 12 distinct tokens instead."""
+    ids, mask = ragged_batch(batch, seed=seed, max_len=9)
+    ids = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=16)
+    mask = torch.cat([mask, torch.ones(batch, 16, dtype=torch.long)], dim=1)
+    for b in distinct:
+        ids[b, -12:] = torch.arange(20, 32)
+    return ids, mask
+
+
+def run(model, ids, mask, drafter, policy, eos=None, max_new_tokens=30, **kw):
+    stats = spec_adapt.SpecStats()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=eos,
+                         max_new_tokens=max_new_tokens, custom_generate=spec_adapt.generate, drafter=drafter,
+                         assistant_policy=policy, spec_stats=stats, **kw)
+    return out, stats
+
+
+def drafted(stats, name) -> int:
+    return stats.per_source.get(name, {}).get("drafted", 0)
+
+
+# -- 1. greedy identity ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_greedy_identity_with_several_sources(batch):
+    """Ragged repetitive prompts, three policies, with and without an EOS that the output reaches (drafts run past it),
+    every call learning into one SourceState: always stock's tokens, and the sources really drafted."""
+    ids, mask = repetitive_batch(batch, seed=batch)
+    free_run = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
+    eos = int(free_run[0, ids.shape[1] + 6])          # row 0 emits it at its 7th token: an EOS inside the output
+    references = {end: stock_greedy(TARGET, ids, mask, eos_token_id=end, max_new_tokens=30) for end in (None, eos)}
+    state = fixed_state()
+    totals = {}
+    for name, policy in (("adaptive", Adaptive), ("fixed0", lambda: FixedLength(0)), ("fixed3", lambda: FixedLength(3))):
+        for end in (None, eos):
+            drafter = MultiSourceDrafter(GOOD_DRAFT, state=state)
+            out, stats = run(TARGET, ids, mask, drafter, policy(), eos=end)
+            assert torch.equal(out, references[end]), (name, end)
+            assert stats.fallback is None and not stats.drafter_events, (name, stats.fallback)
+            assert set(stats.per_source) <= {"model", "lookup", "suffix"}
+            assert sum(e["drafted"] for e in stats.per_source.values()) == stats.drafted, name
+            for record in stats.trace:          # a row's source, its drafts and the record agree
+                sources = (record.telemetry or {}).get("source") or [None] * record.batch_size
+                for source, free, d in zip(sources, record.free or [False] * len(sources), record.drafted):
+                    assert d == 0 or (source in ("lookup", "suffix")) == bool(free), (name, record)
+            if end is not None:                 # row 0 stopped at the EOS, as stock stopped it
+                assert eos in out[0, ids.shape[1]:].tolist()
+            if name == "fixed0":                # the policy planned no draft-model tokens
+                assert "model" not in stats.per_source
+            if name == "fixed3":                # the draft model, right most of the time, keeps drafting
+                assert drafted(stats, "model") > 0
+            for source, entry in stats.per_source.items():
+                key = (name, source)
+                totals[key] = totals.get(key, 0) + entry["drafted"]
+    # Every policy drafted; with none planned (FixedLength(0)) the rows still drafted from the model-free sources.
+    assert totals.get(("adaptive", "model"), 0) > 0
+    assert totals.get(("fixed0", "lookup"), 0) + totals.get(("fixed0", "suffix"), 0) > 0
+    assert sum(n for (_, source), n in totals.items() if source == "lookup") > 0
+
+
+def test_fixed_length_three_drafts_from_the_model_and_lookup():
+    """FixedLength(3) on repetitive prompts: both the draft model and prompt lookup draft rows in the same call."""
+    ids, mask = repetitive_batch(5, seed=5)
+    reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
+    out, stats = run(TARGET, ids, mask, MultiSourceDrafter(GOOD_DRAFT, state=fixed_state()), FixedLength(3))
+    assert torch.equal(out, reference) and stats.fallback is None
+    assert drafted(stats, "model") > 0 and drafted(stats, "lookup") > 0
+    assert stats.per_source["model"]["accepted"] > 0 and stats.per_source["lookup"]["accepted"] > 0
+
+
+# -- 2. the default drafter of a bare draft model --------------------------------------------------------------------
+def test_default_for_a_bare_draft_model_uses_several_sources(monkeypatch):
+    """`drafter=<a bare model>` and `assistant_model=` after enable draft from several sources (the router runs),
+    an explicit ModelDrafter from the model alone; all identical to stock."""
+    routed = []
+    route = MultiSourceDrafter.route
+    monkeypatch.setattr(MultiSourceDrafter, "route", lambda self, *a, **k: routed.append(1) or route(self, *a, **k))
+    target = TARGET
+    ids, mask = looping_batch(3, seed=40, distinct=[1])     # row 1: nothing for prompt lookup to find
+    reference = stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=30)
+
+    # A fresh draft model has a cold default state: on the first step (no time measured yet) the repetitive rows take
+    # prompt lookup's long offers and row 1, offered nothing, drafts from the model; several sources, whatever the
+    # clock says later.
+    draft = perturbed_copy(target, 0.05, seed=11)
+    out, stats = run(target, ids, mask, draft, FixedLength(1))
+    assert torch.equal(out, reference) and stats.fallback is None and routed
+    assert stats.trace[0].telemetry["source"] == ["lookup", "model", "lookup"]
+    assert drafted(stats, "lookup") > 0 and drafted(stats, "model") > 0
+    assert set(stats.per_source) <= {"model", "lookup", "suffix"}
+
+    routed.clear()
+    out, stats = run(target, ids, mask, ModelDrafter(draft), FixedLength(2))    # explicit: one source
+    assert torch.equal(out, reference) and stats.fallback is None and stats.drafted > 0
+    assert set(stats.per_source) <= {"model"} and not routed
+
+    spec_adapt.enable(target)
+    try:
+        stats = spec_adapt.SpecStats()
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=None, max_new_tokens=30, assistant_model=draft,
+                              assistant_policy=FixedLength(2), spec_stats=stats)
+        assert torch.equal(out, reference) and stats.fallback is None and stats.drafted > 0 and routed
+        assert stats.per_source and set(stats.per_source) <= {"model", "lookup", "suffix"}
+
+        routed.clear()
+        fresh = perturbed_copy(target, 0.05, seed=12)         # cold again: lookup's offers win the first step
+        stats = spec_adapt.SpecStats()
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=None, max_new_tokens=30, assistant_model=fresh,
+                              prompt_lookup_num_tokens=5, assistant_policy=FixedLength(1), spec_stats=stats)
+        assert torch.equal(out, reference) and stats.fallback is None and routed
+        assert stats.trace[0].telemetry["source"][0] == "lookup" and drafted(stats, "lookup") > 0
+        assert all(d <= 5 for r in stats.trace for d, f in zip(r.drafted, r.free or [False] * r.batch_size) if f)
+
+        routed.clear()
+        with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+            target.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
+                            max_new_tokens=5, assistant_model=ScriptedDrafter(lambda row, context, gamma: [3]),
+                            prompt_lookup_num_tokens=5)
+        assert not routed
+    finally:
+        spec_adapt.disable(target)
+    assert "generate" not in target.__dict__
+
+
+# -- 3. sampling keeps the target's distribution ---------------------------------------------------------------------
+def test_sampling_with_free_and_model_rows_follows_target_distribution(small):  # noqa: F811
+    """Even rows are offered fixed tokens by a scripted model-free source (point masses), odd rows are offered
+    nothing and draft from the draft model: in the same steps some rows verify point masses and others the draft's
+    distributions, and each of the first three tokens still has the target's exact marginal (test_sampling's
+    enumeration, 5 standard errors, fixed seed and a clock-free router: the outcome is fixed)."""
+    target, draft = small
+    best = int(exact_marginals(target, [3, 7, 9, 4])[1].argmax())
+    script = ScriptedDrafter(lambda row, context, gamma: [best, 5, 6][:gamma] if row % 2 == 0 else [])
+    drafter = MultiSourceDrafter(draft, free=[script], state=fixed_state())
+    assert follows_target(target, drafter, 6000) is None
+    stats = spec_adapt.last_stats()
+    assert drafted(stats, "ScriptedDrafter") > 0 and drafted(stats, "model") > 0
+    free_rows = [r for rec in stats.trace for r, f in zip(rec.rows, rec.free or []) if f]
+    assert free_rows and all(r % 2 == 0 for r in free_rows)
+    mixed = [rec for rec in stats.trace if rec.free is not None and any(rec.free)
+             and any(not f and d > 0 for f, d in zip(rec.free, rec.drafted))]
+    assert mixed                        # one step verified point-mass rows beside draft-model rows
+    entry = stats.per_source["ScriptedDrafter"]
+    assert 0 < entry["accepted"] < entry["drafted"]
+
+
+def test_sampling_at_batch_two_routes_one_row_each_way(small):  # noqa: F811
+    """Batch 2, row 0 offered a model-free draft and row 1 not: in the same step row 0 verifies point masses and row
+    1 the draft model's distributions (the exactness of such steps is the test above's)."""
+    target, draft = small
+    script = ScriptedDrafter(lambda row, context, gamma: [5, 6, 7][:gamma] if row == 0 else [])
+    drafter = MultiSourceDrafter(draft, free=[script], state=fixed_state())
+    prompt = torch.tensor([[3, 7, 9, 4]]).repeat(2, 1)
+    torch.manual_seed(0)
+    target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=0.9,
+                    top_k=12, max_new_tokens=8, eos_token_id=None, pad_token_id=PAD,
+                    custom_generate=spec_adapt.generate, drafter=drafter, assistant_policy=FixedLength(3))
+    first = spec_adapt.last_stats().trace[0]
+    assert first.rows == [0, 1] and first.free == [True, False]
+    assert first.telemetry["source"] == ["ScriptedDrafter", "model"] and min(first.drafted) > 0
+
+
+# -- 4. the router picks per row -------------------------------------------------------------------------------------
+def per_row_sources(trace, rows):
+    """For each row, how many of its drafting steps took each source."""
+    counts = {row: {} for row in rows}
+    for record in trace:
+        sources = (record.telemetry or {}).get("source") or [None] * record.batch_size
+        for row, source, d in zip(record.rows, sources, record.drafted):
+            if source is not None and d > 0 and row in counts:
+                counts[row][source] = counts[row].get(source, 0) + 1
+    return counts
+
+
+def rows_took_their_right_source(trace) -> bool:
+    """Rows 0 and 2 mostly drafted from the model-free script, rows 1 and 3 mostly from the `model` slot."""
+    counts = per_row_sources(trace, [0, 1, 2, 3])
+    right = {0: "ScriptedDrafter", 1: "model", 2: "ScriptedDrafter", 3: "model"}
+    return all(counts[row].get(name, 0) > 0.5 * sum(counts[row].values()) for row, name in right.items())
+
+
+def router_scenario():
+    """Batch 4, FixedLength(4): the `model` slot (a scripted drafter, charged draft time per token) is right for rows
+    1 and 3, the model-free script is right for rows 0 and 2; four calls learn into one SourceState. The last
+    call's stats and whether every output equalled stock."""
+    ids, mask = ragged_batch(4, seed=50)
+    reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=40)
+    # eos=(): these calls have no EOS, so token 2 in the reference is an ordinary token the scripts go on past
+    model_slot = ScriptedDrafter(Oracle(reference, mask, ["wrong", "right"], eos=()))
+    free = ScriptedDrafter(Oracle(reference, mask, ["right", "wrong"], eos=()))
+    state = fixed_state()
+    identical = True
+    for _ in range(4):
+        out, stats = run(TARGET, ids, mask, MultiSourceDrafter(model_slot, [free], state=state), FixedLength(4),
+                         max_new_tokens=40)
+        identical &= torch.equal(out, reference) and stats.fallback is None
+    return stats, identical
+
+
+def test_router_picks_the_right_source_per_row():
+    stats, identical = router_scenario()
+    assert identical
+    assert drafted(stats, "ScriptedDrafter") > 0 and drafted(stats, "model") > 0
+    assert rows_took_their_right_source(stats.trace), per_row_sources(stats.trace, [0, 1, 2, 3])
+
+
+def test_a_router_that_ignores_the_rows_fails_the_check(monkeypatch):
+    """Mutation check for the test above: a router that always takes the draft model keeps the output exact, but
+    the per-row check catches it."""
+
+    def always_model(self, batch, gammas, lengths, features, rows=None):
+        return [MODEL if g > 0 else PLAIN for g in gammas], list(gammas)
+
+    monkeypatch.setattr(MultiSourceDrafter, "route", always_model)
+    stats, identical = router_scenario()
+    assert identical and drafted(stats, "model") > 0
+    assert not rows_took_their_right_source(stats.trace)
+
+
+def test_route_unit():
+    drafter = MultiSourceDrafter(ScriptedDrafter(lambda row, context, gamma: [3] * gamma),
+                                 free=[PromptLookupDrafter()], max_free=16, state=fixed_state(16))
+    assert drafter.names == ["lookup"]
+    acceptance = drafter.state.acceptance
+    for _ in range(20):                     # lookup with a 3-token match: always right
+        acceptance.observe("lookup", 3, 12, 12)
+    # Row 0: a long, well-rated free offer beats the model. Row 1: an empty offer costs nothing, the model drafts.
+    # Row 2: gamma 0 and no offer: plain. Row 3: gamma 0 but a free offer: drafts from it anyway.
+    choice, cut = drafter.route(4, [4, 4, 0, 0], [[12, 0, 0, 12]], [[3, 0, 0, 3]])
+    assert choice == [1, MODEL, PLAIN, 1]
+    assert cut[0] == 12 and cut[1] == 4 and cut[2] == 0 and cut[3] == 12
+    # A poorly rated offer (always wrong at its first token) loses to the model.
+    for _ in range(20):
+        acceptance.observe("lookup", 1, 12, 0)
+    choice, cut = drafter.route(1, [4], [[12]], [[1]])
+    assert choice == [MODEL] and cut == [4]
+    # Nothing offered and no model width: plain for every row.
+    assert drafter.route(2, [0, 0], [[0, 0]], [[0, 0]]) == ([PLAIN, PLAIN], [0, 0])
+
+
+# -- 5. SourceAcceptance properties ----------------------------------------------------------------------------------
+observations = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 40)), max_size=25)
+
+
+@settings(derandomize=True, max_examples=30, deadline=None)
+@given(observations, st.integers(0, 3), st.integers(0, 16), st.booleans())
+def test_source_acceptance_expected_tokens(seen, feature, most, with_row):
+    acceptance = SourceAcceptance(positions=16)
+    row = torch.zeros(2, 16)
+    for f, d, a in seen:
+        a = min(a, d)
+        acceptance.observe("s", f, d, a)
+        if d > 0:
+            row = row * acceptance.decay + acceptance.step_counts(d, a)
+    for counts in acceptance.counts.values():
+        assert bool(torch.isfinite(counts).all()) and bool((counts >= 0).all())
+        assert bool((counts[1] <= counts[0] + 1e-5).all())         # accepted never exceeds reached
+    expected = acceptance.expected("s", feature, most, row if with_row else None)
+    assert expected.shape == (most + 1,) and float(expected[0]) == 1.0
+    assert bool((expected[1:] >= expected[:-1] - 1e-6).all())
+    assert bool((expected <= torch.arange(most + 1) + 1 + 1e-5).all())
+
+
+# -- 6. serving ------------------------------------------------------------------------------------------------------
+def test_engine_with_several_sources_matches_stock_alone():
+    def stock(prompt, n):
+        ids = torch.tensor([prompt])
+        out = TARGET.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+        return out[0, len(prompt):].tolist()
+
+    ids, mask = looping_batch(5, seed=60)                   # prompt lookup has offers for them
+    prompts = [ids[b][mask[b].bool()].tolist() for b in range(5)]
+    budgets, arrivals = [14, 9, 16, 12, 10], [0, 1, 1, 3, 6]
+    drafter = MultiSourceDrafter(GOOD_DRAFT, state=fixed_state())
+    engine = Engine(TARGET, drafter=drafter, assistant_policy=FixedLength(3), max_batch=3, eos_token_id=EOS,
+                    pad_token_id=PAD)
+    handles = drive_engine(engine, prompts, budgets, arrivals)
+    assert engine.fallback is None
+    for prompt, budget, handle in zip(prompts, budgets, handles):
+        assert handle.state == "done"
+        assert handle.result() == stock(prompt, budget)
+    sizes = [r.batch_size for r in engine.stats.trace]
+    assert max(sizes) > 1 and any(b > a for a, b in zip(sizes, sizes[1:]))     # requests joined a running batch
+    assert drafted(engine.stats, "model") > 0
+    assert drafted(engine.stats, "lookup") + drafted(engine.stats, "suffix") > 0
+
+
+# -- 7. validation ---------------------------------------------------------------------------------------------------
+def request(free=None, sampling=False):
+    tokens = torch.tensor([[5, 6, 7, 8, 0, 0, 0, 0], [9, 10, 11, 12, 0, 0, 0, 0]])
+    return DraftRequest(tokens, torch.tensor([4, 4]), torch.tensor([1, 1]), torch.tensor([0, 1]), sampling, None,
+                        free=free)
+
+
+def test_check_proposal_refuses_free_rows_the_request_does_not_allow():
+    proposal = Proposal(torch.tensor([[3, 4, 5], [3, 0, 0]]), torch.tensor([3, 1]), free=torch.tensor([True, False]))
+    with pytest.raises(InvalidProposal, match="free rows proposed"):
+        check_proposal(proposal, request(free=None), VOCAB)
+    checked = check_proposal(proposal, request(free=torch.tensor([3, 3])), VOCAB)     # allowed: a free row takes 3
+    assert checked.lengths.tolist() == [3, 1] and checked.free.tolist() == [True, False]
+    with pytest.raises(InvalidProposal, match="bool tensor"):
+        check_proposal(Proposal(proposal.tokens, proposal.lengths, free=torch.tensor([1, 0])),
+                       request(free=torch.tensor([3, 3])), VOCAB)
+
+
+def test_check_proposal_refuses_a_free_row_that_is_not_point_masses():
+    tokens, lengths = torch.tensor([[3, 4], [7, 8]]), torch.tensor([2, 1])
+    point = torch.nn.functional.one_hot(tokens, VOCAB).float()
+    smeared = point.clone()
+    smeared[0, 1] = 0.5 * smeared[0, 1] + 0.5 / VOCAB            # row 0's second draft: q(d) < 1
+    allowed = request(free=torch.tensor([2, 2]), sampling=True)
+    ok = check_proposal(Proposal(tokens, lengths, point, free=torch.tensor([True, False])), allowed, VOCAB)
+    assert ok.free.tolist() == [True, False]
+    with pytest.raises(InvalidProposal, match="point masses"):
+        check_proposal(Proposal(tokens, lengths, smeared, free=torch.tensor([True, False])), allowed, VOCAB)
+    # The same distribution on a draft-model row (not free) is fine.
+    check_proposal(Proposal(tokens, lengths, smeared, free=torch.tensor([False, True])), allowed, VOCAB)
+
+
+def test_multi_source_drafter_arguments():
+    draft = tiny_model("llama", seed=7, layers=1)
+    for bad in (0, 10**6, -1, True, 2.0):
+        with pytest.raises(ValueError, match="max_free"):
+            MultiSourceDrafter(draft, max_free=bad)
+    with pytest.raises(TypeError, match="model-free"):
+        MultiSourceDrafter(draft, free=[ModelDrafter(draft)])
+    with pytest.raises(TypeError):
+        MultiSourceDrafter("not a model")
+    with pytest.raises(ValueError):
+        MultiSourceDrafter(None, free=[])
+    made = MultiSourceDrafter(draft)
+    assert isinstance(made.model_drafter, ModelDrafter) and made.model is draft and made.names == ["lookup", "suffix"]
+    assert made.max_free == 32
