@@ -120,9 +120,9 @@ class MultiSourceDrafter(Drafter):
         """The draft model's catch-up on rows it has never read (their prompt): a row that drafted from a free source
         for a while catches up on a few tokens in the forward it drafts with, which the router's measured draft
         time already holds."""
-        if self.model_drafter is None or self.model_drafter.ledger is None:
+        ledger = getattr(self.model_drafter, "ledger", None)     # a Drafter in the model slot may keep none
+        if ledger is None:
             return None
-        ledger = self.model_drafter.ledger
         lag = lengths.to(ledger.device) - ledger.n_cached
         return torch.where(ledger.n_cached == ledger.pad, lag, 0)
 
