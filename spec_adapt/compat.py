@@ -148,3 +148,38 @@ def generation_default(name: str):
 def stock_generate_frame(frame) -> bool:
     """Whether a Python frame is transformers' own `generate` (where a user's `streamer=` lives)."""
     return frame.f_code.co_name == "generate" and "transformers" in frame.f_code.co_filename
+
+
+# -- the arguments generate hands a custom_generate callable ---------------------------------------------------------
+# transformers' generate pops `tokenizer=` and `assistant_tokenizer=` off a call's arguments in
+# `GenerationMixin._extract_generation_mode_kwargs`, then hands a custom_generate callable only the arguments its
+# signature adds to `_sample`'s: the two tokenizers never reach it, and `stop_strings=` fail for want of a tokenizer
+# ("could not locate a tokenizer"). For the functions registered here, they stay among the generation-mode arguments
+# that generate reads (its stop-string criteria) and hands on.
+TOKENIZER_INPUTS = ("tokenizer", "assistant_tokenizer")
+_TAKES_TOKENIZERS: list = []
+
+
+def hand_tokenizers_to(function):
+    """Make `model.generate(..., custom_generate=function, tokenizer=..., assistant_tokenizer=...)` build stock's
+    stop-string criteria with the tokenizer and pass both tokenizers to `function` (a no-op where generate has no
+    `_extract_generation_mode_kwargs`). Returns `function`."""
+    from transformers.generation.utils import GenerationMixin
+
+    if not any(function is known for known in _TAKES_TOKENIZERS):
+        _TAKES_TOKENIZERS.append(function)
+    original = GenerationMixin.__dict__.get("_extract_generation_mode_kwargs")
+    if original is None or getattr(original, "hands_tokenizers", False):
+        return function
+
+    @functools.wraps(original)
+    def extract(self, custom_generate, kwargs, *args, **more):
+        given = {name: kwargs.get(name) for name in TOKENIZER_INPUTS}
+        found = original(self, custom_generate, kwargs, *args, **more)
+        if any(custom_generate is known for known in _TAKES_TOKENIZERS):
+            found.update({name: value for name, value in given.items() if value is not None})
+        return found
+
+    extract.hands_tokenizers = True
+    GenerationMixin._extract_generation_mode_kwargs = extract
+    return function

@@ -220,3 +220,80 @@ def test_boundaries_refuse_mismatched_tokenizers(pair):
     with pytest.raises(ValueError, match="draft's own tokenizer"):
         run(target, ids, mask, CrossTokenizerDrafter(draft, bpe_tokenizer("bytelevel", 500), target_tok),
             FixedLength(2))
+
+
+# Stock's tokenizer arguments through custom_generate --------------------------------------------------------------
+
+def test_custom_generate_takes_stocks_tokenizer_arguments(pair):
+    """`custom_generate=spec_adapt.generate` with `tokenizer=` and `assistant_tokenizer=`: the draft (in the draft
+    tokenizer's ids) is wrapped in a CrossTokenizerDrafter, as after `enable`, and never verified as target ids."""
+    target, target_tok, _, draft_tok = pair
+    ids, mask = prompts(target_tok, 3)
+    reference = stock_greedy(target, ids, mask, max_new_tokens=30, eos_token_id=None)
+    oracle = TextOracle(target_tok, draft_tok, reference, mask, "right")
+    stats = spec_adapt.SpecStats()
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                          max_new_tokens=30, custom_generate=spec_adapt.generate, drafter=ScriptedDrafter(oracle),
+                          tokenizer=target_tok, assistant_tokenizer=draft_tok, assistant_policy=FixedLength(4),
+                          spec_stats=stats, strict=True)
+    assert torch.equal(out, reference) and stats.fallback is None
+    assert stats.drafted > 30 and stats.accepted >= 0.8 * stats.drafted
+    with pytest.raises(ValueError, match="tokenizer="):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=spec_adapt.generate,
+                        drafter=ScriptedDrafter(oracle), assistant_tokenizer=draft_tok)
+
+
+@pytest.mark.parametrize("entry", ["custom_generate", "enable"])
+def test_the_users_confidence_threshold_reaches_a_cross_tokenizer_draft(pair, entry):
+    """assistant_confidence_threshold=1.0 stops every row before its first draft token (no draft is that sure);
+    stock's default (0.4) lets this confident draft draft."""
+    target, target_tok, draft, draft_tok = pair
+    draft = copy.deepcopy(draft)
+    with torch.no_grad():
+        draft.get_output_embeddings().weight.mul_(10.0)
+    ids, mask = prompts(target_tok, 2)
+    reference = stock_greedy(target, ids, mask, max_new_tokens=12, eos_token_id=None)
+    common = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                  max_new_tokens=12, tokenizer=target_tok, assistant_tokenizer=draft_tok)
+    if entry == "enable":
+        spec_adapt.enable(target)
+        common["assistant_model"] = draft
+    else:
+        common.update(custom_generate=spec_adapt.generate, drafter=draft)
+    try:
+        for threshold, drafts in ((None, True), (1.0, False)):
+            given = {} if threshold is None else {"assistant_confidence_threshold": threshold}
+            out = target.generate(**common, **given)
+            stats = spec_adapt.last_stats()
+            assert torch.equal(out, reference) and (stats.drafted > 0) == drafts, (threshold, stats.drafted)
+    finally:
+        spec_adapt.disable(target)
+
+
+@pytest.mark.parametrize("entry", ["custom_generate", "enable"])
+def test_stop_strings_with_a_tokenizer_are_stocks(pair, entry):
+    """`stop_strings=` with `tokenizer=` stop each row where stock stops it, through either entry point."""
+    target, target_tok, _, draft_tok = pair
+    ids, mask = prompts(target_tok, 3)
+    common = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=EOS,
+                  max_new_tokens=30)       # with an EOS id, stock pads a row a stop string stopped
+    free = target.generate(**common)
+    generated = free[0, ids.shape[1]:].tolist()
+    for start in range(2, 12):                                  # a plain text row 0 reaches early, that stops it
+        stop = TextBridge.text(target_tok, generated, start, start + 2)
+        reference = target.generate(**common, stop_strings=[stop], tokenizer=target_tok)
+        if "<" not in stop and not torch.equal(reference, free):
+            break
+    assert not torch.equal(reference, free)
+    oracle = TextOracle(target_tok, draft_tok, free, mask, "right")
+    drafted = dict(assistant_tokenizer=draft_tok, assistant_policy=FixedLength(3))
+    if entry == "enable":
+        spec_adapt.enable(target)
+        drafted["assistant_model"] = ScriptedDrafter(oracle)
+    else:
+        drafted.update(custom_generate=spec_adapt.generate, drafter=ScriptedDrafter(oracle))
+    try:
+        out = target.generate(**common, **drafted, stop_strings=[stop], tokenizer=target_tok)
+        assert torch.equal(out, reference) and spec_adapt.last_stats().accepted > 0
+    finally:
+        spec_adapt.disable(target)

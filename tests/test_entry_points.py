@@ -105,8 +105,8 @@ def test_custom_generate_folder_refuses_two_drafts():
 
 @pytest.mark.real
 def test_stop_strings_with_a_tokenizer_work_after_enable(smollm2):
-    """transformers hands a custom_generate function no tokenizer; after `enable`, stop_strings with tokenizer= become
-    the StopStringCriteria stock builds, and the output equals stock's."""
+    """After `enable`, stop_strings with tokenizer= are the StopStringCriteria stock builds, and the output equals
+    stock's."""
     model, tok = smollm2
     batch = tok(["def add(a, b):\n    return a + b\n\ndef sub(a, b):"], return_tensors="pt")
     free = model.generate(**batch, do_sample=False, max_new_tokens=16)

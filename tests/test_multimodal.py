@@ -553,3 +553,22 @@ def test_an_encoder_decoder_draft_with_its_own_tokenizer_is_refused():
 def test_encoder_inputs_for_other_rows_than_the_calls_are_refused():
     with pytest.raises(ValueError, match="2 rows.*3"):
         run("t5", 3, own_encoder_draft("t5", mm.model("t5"), 2), FixedLength(2), strict=True)
+
+
+@pytest.mark.parametrize("name", ["t5", "llava"])
+def test_enable_hands_a_draft_with_inputs_of_its_own_the_users_confidence_threshold(name, monkeypatch):
+    """The ModelDrafter `enable` makes to hand a draft the call's encoder inputs or images drafts under the call's
+    `assistant_confidence_threshold` (none unless the user sets one)."""
+    model, inputs = mm.model(name), mm.batch_inputs(name, 2, seed=1)
+    common = dict(do_sample=False, max_new_tokens=8, pad_token_id=PAD, eos_token_id=None)
+    reference = model.generate(**inputs, **common)
+    seen, begin = [], ModelDrafter.begin
+    monkeypatch.setattr(ModelDrafter, "begin", lambda self, *a: (seen.append(self.threshold), begin(self, *a))[1])
+    spec_adapt.enable(model, assistant_policy=FixedLength(3))
+    try:
+        for given in ({}, {"assistant_confidence_threshold": 0.25}):
+            out = model.generate(**inputs, **common, **given, assistant_model=model)
+            assert torch.equal(out, reference) and spec_adapt.last_stats().fallback is None
+    finally:
+        spec_adapt.disable(model)
+    assert seen == [None, 0.25]

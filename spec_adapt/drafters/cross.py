@@ -110,7 +110,7 @@ class _Row:
 class CrossTokenizerDrafter(Drafter):
     """Drafts with `draft` (a causal LM, or any Drafter working in the draft tokenizer's ids) for a target whose
     tokenizer differs. `generate` builds one when it is given stock's `assistant_tokenizer=` and `tokenizer=`
-    (after `spec_adapt.enable`). As the first level of a ChainDrafter it drafts for a model that shares the target's
+    (with `custom_generate=spec_adapt.generate` or after `spec_adapt.enable`). As the first level of a ChainDrafter it drafts for a model that shares the target's
     tokenizer, which verifies before the target does.
 
     The draft drafts greedily in its own vocabulary (width + 1 draft tokens for a width of target tokens: the last
