@@ -172,28 +172,46 @@ def test_custom_stopping_criteria(llama):
     assert torch.equal(out, reference)
 
 
-def test_custom_stopping_criteria_without_eos_pad_the_stopped_row(llama):
-    """No EOS: stock cannot drop a row a custom criterion stopped (it pads finished rows only when it has an EOS), so
-    it keeps writing that row's tokens until every row has stopped. spec_adapt ends the row where it stopped and pads
-    it: the tokens up to and including the stop are stock's, then padding (docs/compatibility.md)."""
+class StopRowsAfter(StoppingCriteria):
+    """Stops the row whose prompt ends with token t once it has after[t] new tokens (a criterion that knows rows by
+    their tokens, as spec_adapt asks it one row at a time)."""
+
+    def __init__(self, after: dict, prompt_length):
+        self.after, self.prompt_length = after, prompt_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        new = input_ids.shape[1] - self.prompt_length
+        return torch.tensor([new >= self.after.get(int(t), 10**6) for t in input_ids[:, self.prompt_length - 1]])
+
+
+@pytest.mark.parametrize("modes", [["right", 2, "wrong"], ["right"], ["wrong"]])
+@pytest.mark.parametrize("stop", ["token", "rows 3", "rows 20", "rows 3 5 12"])     # rows k0 k1 ..: row b after kb
+def test_custom_stopping_criteria_without_eos_are_stocks(llama, modes, stop):
+    """No EOS: stock pads finished rows only when it has an EOS, so a row a custom criterion stopped goes on writing
+    its own tokens until every row has stopped (or max_length), and the call ends there. spec_adapt does the same,
+    token for token, whatever the rows drafted past the stops."""
     ids, mask = ragged_batch(3, seed=7)
     free = stock_greedy(llama, ids, mask, eos_token_id=None)
     start = ids.shape[1]
-    token = int(free[1, start + 2])
-    stops = [int((free[b, start:] == token).nonzero()[0]) + 1 if bool((free[b, start:] == token).any()) else None
-             for b in range(3)]
-    reference = stock_greedy(llama, ids, mask, eos_token_id=None,
-                             stopping_criteria=StoppingCriteriaList([StopAfterToken(token)]))
-    oracle = Oracle(free, mask, ["right", 2, "wrong"], eos=(token,))
-    out, _ = run_spec(llama, ids, mask, oracle.drafter(), FixedLength(3), eos_token_id=None,
-                      stopping_criteria=StoppingCriteriaList([StopAfterToken(token)]))
-    assert stops[1] == 3
-    for b, stop in enumerate(stops):
-        if stop is None or stop >= out.shape[1] - start:
-            continue
-        assert torch.equal(out[b, : start + stop], reference[b, : start + stop])
-        assert bool((out[b, start + stop:] == PAD).all())
-    assert not bool((reference[1, start + 3:] == PAD).all())        # stock wrote on after row 1 stopped
+    if stop == "token":
+        criterion = StopAfterToken(int(free[1, start + 2]))
+    else:      # the rows' prompts end with different tokens here
+        after = [int(k) for k in stop.split()[1:]]
+        criterion = StopRowsAfter({int(ids[b, -1]): k for b, k in enumerate(after)}, start)
+    criteria = StoppingCriteriaList([criterion])
+    reference = stock_greedy(llama, ids, mask, eos_token_id=None, stopping_criteria=criteria)
+    oracle = Oracle(free, mask, modes)
+    for batch in (3, 1):
+        expected = reference if batch == 3 else stock_greedy(llama, ids[:1], mask[:1], eos_token_id=None,
+                                                             stopping_criteria=criteria)
+        out, stats = run_spec(llama, ids[:batch], mask[:batch], oracle.drafter(), FixedLength(3), eos_token_id=None,
+                              stopping_criteria=criteria)
+        assert torch.equal(out, expected), (batch, out, expected)
+        assert stats.new_tokens == sum(stats.per_row_new_tokens) == (out.shape[1] - start) * batch
+    if stop == "token":
+        assert not bool((reference[1, start + 3:] == PAD).all())        # stock wrote on after row 1 stopped
+    if stop == "rows 3 5 12":
+        assert reference.shape[1] == start + 12
 
 
 def test_scores_and_dict_output(llama):
