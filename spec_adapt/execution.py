@@ -364,6 +364,7 @@ def _spill(weight, folder: str | None, changed: bool = False) -> str | None:
         return None
     if not changed and _file_mapped(weight.data_ptr()):
         _page_out(weight)                        # the storage stays: tensors that share it still do
+        _sampled_pages_alone(weight)
         return None
     if _shared(weight):
         return "other tensors share its storage (state_dict entries, views): a move would cut them off"
@@ -378,6 +379,7 @@ def _spill(weight, folder: str | None, changed: bool = False) -> str | None:
         weight.__dict__[_SPILLED] = False
         return "inference-mode tensors cannot take a new storage"
     weight.__dict__[_SPILLED] = (weight.untyped_storage().data_ptr(), _version(weight))
+    _sampled_pages_alone(weight)
     return None
 
 
@@ -445,6 +447,25 @@ def _page_out(tensor) -> None:
                                                       _MADV_PAGEOUT)
         except (OSError, AttributeError):
             pass
+
+
+_MADV_RANDOM = 1
+
+
+def _sampled_pages_alone(weight) -> None:
+    """Mark the pages that hold the fingerprint's samples for random access (madvise MADV_RANDOM, on those pages
+    alone): reading the samples at each check then faults in those pages, not a read-around window or the large
+    folios around them, and the rest of the weight stays out of resident memory. A hint, like `_page_out`."""
+    page = mmap.PAGESIZE
+    rows, cols = _positions(weight.shape)
+    stride = weight.stride()
+    offsets = (rows * stride[0] + cols * stride[1]) * weight.element_size()
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        for start in np.unique((weight.data_ptr() + offsets) // page * page):
+            madvise(ctypes.c_void_p(int(start)), ctypes.c_size_t(page), _MADV_RANDOM)
+    except (OSError, AttributeError):
+        pass
 
 
 def _in_mapping(weight) -> bool:

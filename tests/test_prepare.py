@@ -390,21 +390,25 @@ def test_the_draft_dtype_is_chosen_by_capability_not_by_timing(monkeypatch):
 
 
 # -- one resident copy: the plain weights leave the resident set ----------------------------------------------------
-def _mapping_kib(address: int) -> dict:
-    """{"Rss": ..., "Anonymous": ...} KiB of the mapping that holds `address` (/proc/self/smaps): what this process
-    keeps resident of that mapping alone, whatever other threads allocate meanwhile."""
-    found, fields = False, {}
+def _mapping_kib(address: int, end: int | None = None) -> dict:
+    """{"Rss": ..., "Anonymous": ...} KiB of the mappings that hold `address` (to `end`, where given) in
+    /proc/self/smaps: what this process keeps resident of them alone, whatever other threads allocate meanwhile."""
+    end = address + 1 if end is None else end
+    inside, fields = False, {"Rss": 0, "Anonymous": 0}
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
-                if found:
-                    break
-                start, end = (int(x, 16) for x in head.split("-"))
-                found = start <= address < end
-            elif found and head.rstrip(":") in ("Rss", "Anonymous"):
-                fields[head.rstrip(":")] = int(line.split()[1])
+                start, stop = (int(x, 16) for x in head.split("-"))
+                inside = start < end and address < stop
+            elif inside and head.rstrip(":") in fields:
+                fields[head.rstrip(":")] += int(line.split()[1])
     return fields
+
+
+def _held_kib(tensor) -> dict:
+    """_mapping_kib of every mapping that `tensor`'s bytes lie in (madvise on a few of its pages splits one)."""
+    return _mapping_kib(tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size())
 
 
 def _wide_linears(count: int = 3, size: int = 2048) -> torch.nn.Module:
@@ -432,7 +436,7 @@ def test_a_prepared_model_keeps_one_resident_copy_of_its_weights(spill, tmp_path
         expected = model(x)
         prepare(model, spill=tmp_path if spill else False)
         torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-4)
-        held = [_mapping_kib(layer.weight.data_ptr()) for layer in model]
+        held = [_held_kib(layer.weight) for layer in model]
         if not spill:
             assert "kept in memory" in prepared(model)["plain"]
             assert all(not p._file_mapped(layer.weight.data_ptr()) for layer in model)
@@ -444,12 +448,12 @@ def test_a_prepared_model_keeps_one_resident_copy_of_its_weights(spill, tmp_path
         assert all(h["Anonymous"] == 0 and h["Rss"] <= sampled_kib for h in held), held
         for layer in model:
             layer.weight.data.mul_(0.5)
-        assert all(_mapping_kib(layer.weight.data_ptr())["Anonymous"] >= size_kib for layer in model)
+        assert all(_held_kib(layer.weight)["Anonymous"] >= size_kib for layer in model)
         model(x)                           # packed again, and spilled again
-        held = [_mapping_kib(layer.weight.data_ptr()) for layer in model]
+        held = [_held_kib(layer.weight) for layer in model]
         assert all(h == {"Rss": 0, "Anonymous": 0} for h in held), held
         model(x)
-        held = [_mapping_kib(layer.weight.data_ptr()) for layer in model]
+        held = [_held_kib(layer.weight) for layer in model]
     assert all(h["Anonymous"] == 0 and h["Rss"] <= sampled_kib for h in held), held
 
 
@@ -522,16 +526,19 @@ def test_a_checkpoint_mapped_from_its_file_stays_there_and_leaves_resident_memor
     weight = model.model.layers[0].mlp.down_proj.weight
     if not p._file_mapped(weight.data_ptr()):
         pytest.skip("this transformers release copies checkpoints into memory")
-    linear_kib = sum(m.weight.numel() * 4 for m in model.model.layers.modules()
-                     if isinstance(m, torch.nn.Linear)) // 1024
+    linears = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    linear_kib = sum(w.numel() * 4 for w in linears) // 1024
+    span = (min(w.data_ptr() for w in linears), max(w.data_ptr() + w.numel() * 4 for w in linears))
     ids = torch.randint(3, 90, (1, 6))
     with torch.no_grad():
         expected = model(ids).logits                    # every page read: resident
         copy = weight.detach().clone()
-        before = _mapping_kib(weight.data_ptr())["Rss"]
+        before = _mapping_kib(*span)["Rss"]
         prepare(model, spill=tmp_path / "spill")
-        after = _mapping_kib(weight.data_ptr())["Rss"]
+        after = _mapping_kib(*span)["Rss"]
         assert before - after > 0.75 * linear_kib, (before, after, linear_kib)
         assert p._file_mapped(weight.data_ptr()) and not list((tmp_path / "spill").iterdir())
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        model(ids)                                      # the fingerprint reads its samples' pages alone
+        assert _mapping_kib(*span)["Rss"] - after < 0.1 * linear_kib, (after, _mapping_kib(*span), linear_kib)
     assert torch.equal(weight, copy)
