@@ -36,7 +36,7 @@ and why, and a folder that refuses them is warned about once.
   write through the Parameter, a view of it or a detached alias: `load_state_dict`, an optimizer step), and the
   bits of 256 elements at positions fixed at pack time, 8 stripes spread from its first element to its last (writes
   no counter shows: through `.data`, or to an inference-mode tensor, which has no version counter). When it does
-  not match, the layer packs again before it computes. It costs about 0.2% of a one-token forward (the 1.5B
+  not match, the layer packs again before it computes. It costs 0.2-0.3% of a one-token forward (the 1.5B
   Qwen2.5-Coder target in float32, 197 packed layers: docs/execution.md).
   Limit: a write that no counter shows and that leaves all 256 sampled elements as they were (a few rows or
   elements written through `.data` or to an inference tensor) goes unnoticed; a write of the whole weight (loading,
