@@ -422,11 +422,61 @@ def test_stop_with_a_timeout_returns_on_time_while_a_step_blocks():
         engine.submit([5, 6], max_new_tokens=2).result(timeout=1)
     with pytest.raises(EngineError, match="still finishing"):
         engine.start()
-    engine.stop()                                        # waits for the step; the state is cleaned up
+    engine.stop(timeout=None)                            # waits for the step; the state is cleaned up
     assert all(h.state == "failed" for h in handles)
     blocked["seconds"] = 0.0
     engine.start()
     try:
         assert len(engine.submit([5, 6], max_new_tokens=3).result(timeout=20)) == 3
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("step_timeout", [None, 5.0])
+def test_stop_returns_within_its_own_timeout_whatever_a_drafter_does(step_timeout):
+    """stop() with no argument waits at most the engine's `stop_timeout` for a step a drafter blocks: the requests
+    fail at once, no other caller may step the engine while the blocked step runs, the thread ends the step's rows
+    when the call returns, and the engine then starts and serves as stock."""
+    import threading
+    import time
+
+    from spec_adapt import ScriptedDrafter
+
+    entered, release = threading.Event(), threading.Event()
+
+    def blocks(row, context, gamma):
+        entered.set()
+        release.wait(10)
+        return [5] * gamma
+
+    model = cached_model("llama")
+    engine = Engine(model, drafter=ScriptedDrafter(blocks), assistant_policy=FixedLength(1), max_batch=2,
+                    eos_token_id=None, pad_token_id=PAD, step_timeout=step_timeout)
+    engine.stop_timeout = 0.2
+    timer = threading.Timer(1.5, release.set)          # the drafter's call returns after 1.5 s
+    timer.start()
+    try:
+        engine.start()
+        handle = engine.submit([5, 6, 7], max_new_tokens=8)
+        assert entered.wait(5)                          # the engine's thread is inside the blocked call
+        began = time.perf_counter()
+        engine.stop()
+        assert time.perf_counter() - began < 1.0
+        with pytest.raises(EngineError, match="stopped"):
+            handle.result(timeout=1)
+        with pytest.raises(EngineError, match="still finishing"):
+            engine.step()                               # a second driver would race the blocked step
+        release.wait(5)
+        engine._thread.join(5)                          # the blocked step returned: the thread ended its rows
+        assert not engine._thread.is_alive() and not engine.running and len(engine.loop.rows) == 0
+    finally:
+        release.set()
+        timer.cancel()
+    engine.start()
+    try:
+        ids = torch.tensor([[5, 6, 7]])
+        reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=6, eos_token_id=None, pad_token_id=PAD)[0, 3:].tolist()
+        assert engine.submit([5, 6, 7], max_new_tokens=6).result(timeout=20) == reference
     finally:
         engine.stop()

@@ -430,7 +430,13 @@ class Engine:
         """One iteration: cancellations, admission, one speculative step, delivery. Returns whether work remains.
 
         A failure of the target or the policy fails the requests of that admission or step, with the error on their
-        handles; the engine's ledgers are back where they were accounted, and it goes on serving."""
+        handles; the engine's ledgers are back where they were accounted, and it goes on serving.
+        Refused (EngineError) while the engine's own thread serves, or still finishes a step after `stop`: two
+        drivers would race on the batch."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            raise EngineError("the engine's thread is running (or still finishing a step after stop()): step() and "
+                              "run_until_idle() drive an engine no thread serves; call stop(timeout=None) first.")
         self._last_step = time.perf_counter()
         self._stepping += 1
         self.loop.draft_time = 0.0          # each step's drafter calls get the whole step_timeout
@@ -498,12 +504,15 @@ class Engine:
                     if not self.step():
                         self._wake.wait(0.01)
                         self._wake.clear()
+                # Stopped: a stop() that returned before this step ended has failed the requests; their rows leave
+                # the batch here, so the engine is clean for start() (or step()) whoever comes next.
+                self._close(self._closed or "the engine was stopped")
             except BaseException as exc:  # noqa: BLE001 - a dead engine must fail its handles, not leave them waiting
                 self.error = exc
                 self._close(f"the engine's thread died ({type(exc).__name__}: {exc})")
         if self._thread is not None and self._thread.is_alive():
-            raise EngineError("the engine's thread is running (or still finishing a step after stop(timeout=...)): "
-                              "call stop() (no timeout) to wait for it, then start() again.")
+            raise EngineError("the engine's thread is running (or still finishing a step after stop()): call "
+                              "stop(timeout=None) to wait for it, then start() again.")
         with self.lock:
             self._closed = None
         self._stop.clear()
@@ -511,16 +520,23 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
+    stop_timeout = 5.0     # seconds `stop()` waits for the current step at most, unless given its own timeout
+
+    def stop(self, timeout: float | None | str = "engine") -> None:
         """Stop serving: the thread ends after its current step, and every request not finished fails with an
         EngineError (as does any request submitted later, until `start()` again).
 
         `timeout`: return after at most this many seconds even if the current step has not ended (a drafter or a
-        target blocked in a call): the requests fail at once, and the thread exits when its step returns."""
+        target blocked in a call); by default the engine's `stop_timeout` (5 s), None = wait for the step however
+        long it takes. A stop that returns first fails the requests at once; the thread ends the step's rows and
+        exits when its step returns, and until then `start()` and `step()` are refused (a later `stop()` waits
+        for it as above)."""
+        if timeout == "engine":
+            timeout = self.stop_timeout
         self._stop.set()
         self._wake.set()
         thread = self._thread
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():           # the step still runs: fail the handles, leave its state to the thread
                 self._fail_handles("the engine was stopped while a step was still running")
