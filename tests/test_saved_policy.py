@@ -92,8 +92,9 @@ def test_a_folder_that_cannot_be_written_never_fails_a_call(tmp_path, monkeypatc
     blocker.write_text("")
     monkeypatch.setenv("SPEC_ADAPT_POLICY_DIR", str(blocker / "policies"))      # a folder under a file
     new_process()
-    with pytest.warns(UserWarning, match="Could not save the default policy"):
+    with pytest.warns(UserWarning, match="Could not save the default policy") as record:
         call(cached_model("llama"), cached_model("llama", seed=1))
+    assert not [w for w in record if "Ignoring" in str(w.message)]        # no file there: nothing to ignore
     new_process()
 
 
@@ -143,3 +144,142 @@ def test_calls_in_threads_leave_a_valid_file(folder):
     new_process()
     assert default_policy(model, PromptLookupDrafter(2, 1)).steps > 0
     assert json.loads(path.read_text())["steps"] > 0
+
+
+def _restore_in_a_thread(path, seconds=20.0):
+    """saved.restore on `path` in a daemon thread: (finished, returned, warnings) - a read that blocks cannot hang
+    the test run."""
+    import warnings as w
+
+    from spec_adapt.policies import Adaptive
+
+    out = {}
+
+    def work():
+        with w.catch_warnings(record=True) as caught:
+            w.simplefilter("always")
+            out["returned"] = saved.restore(Adaptive(), path)
+        out["warnings"] = [str(c.message) for c in caught]
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), out.get("returned"), out.get("warnings", [])
+
+
+def test_a_fifo_at_the_path_is_not_read(tmp_path):
+    """A FIFO nobody writes to would block a reader forever: it is refused as not a regular file."""
+    import os
+
+    path = tmp_path / "policy.json"
+    os.mkfifo(path)
+    finished, returned, caught = _restore_in_a_thread(path)
+    assert finished, "reading a FIFO at the saved-policy path blocked"
+    assert returned is False and any("not a regular file" in m for m in caught)
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "/dev/null"])
+def test_a_link_to_a_device_is_not_read(tmp_path, target):
+    """/dev/zero reports size 0 and never ends: a link to it must not be read to the end."""
+    import os
+
+    if not os.path.exists(target):
+        pytest.skip(f"no {target} here")
+    path = tmp_path / "policy.json"
+    path.symlink_to(target)
+    finished, returned, caught = _restore_in_a_thread(path)
+    assert finished and returned is False and any("not a regular file" in m for m in caught)
+
+
+def test_a_link_to_a_saved_state_is_read(folder):
+    """A symbolic link that ends at a regular file is followed: only what it ends at is checked."""
+    model, draft = cached_model("llama"), cached_model("llama", seed=1)
+    call(model, ModelDrafter(draft))
+    path = next(folder.glob("*.json"))
+    elsewhere = folder.parent / "kept.json"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)
+    new_process()
+    assert default_policy(model, ModelDrafter(draft)).steps > 0
+
+
+def _named_like(path: str, seed: int):
+    """A tiny llama with random weights from `seed`, saved (as a config would say) at `path`."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", seed=seed)
+    model.config._name_or_path = path
+    return model
+
+
+def test_different_weights_under_one_name_get_different_files(folder):
+    """Two fine-tunes of one base saved as checkpoint-500 in different runs: the same config, folder name and size,
+    other weights. Each pair has its own file; the same weights loaded again find theirs."""
+    one, other = _named_like("run-a/checkpoint-500", 0), _named_like("run-b/checkpoint-500", 5)
+    draft = cached_model("llama", seed=1)
+    kind = "ModelDrafter"
+    assert saved.state_path(one, draft, kind, None) != saved.state_path(other, draft, kind, None)
+    again = _named_like("run-c/checkpoint-500", 0)                       # the same weights, loaded again
+    assert saved.state_path(one, draft, kind, None) == saved.state_path(again, draft, kind, None)
+    # and the draft's weights count too
+    assert saved.state_path(one, draft, kind, None) != saved.state_path(one, cached_model("llama", seed=2), kind, None)
+
+
+def test_the_weights_fingerprint_follows_changes_in_place():
+    """Cached per model, but weights changed in place (training, load_state_dict) give another fingerprint."""
+    model = _named_like("m", 0)
+    before = saved.fingerprint(model)
+    assert saved.fingerprint(model) == before
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    changed = saved.fingerprint(model)
+    assert changed != before
+    model.set_input_embeddings(torch.nn.Embedding(*model.get_input_embeddings().weight.shape))     # new embeddings
+    assert saved.fingerprint(model) not in (before, changed)
+
+
+def test_another_pairs_file_does_not_steer_the_first_call(folder, monkeypatch):
+    """Pair A (a draft that is always wrong) learns not to draft and saves that. Pair B has the same config and
+    name but other weights and a draft that is always right: its first call in a new process starts cold and
+    drafts, as it does when no file exists."""
+    from conftest import Oracle, spec_generate
+
+    def first_call(target):
+        ids, mask = ragged_batch(2, seed=3)
+        reference = stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=24)
+        out, stats = spec_generate(target, ids, mask, Oracle(reference, mask, ["right"]).drafter(), None)
+        assert torch.equal(out, reference)
+        return stats
+
+    a, b = _named_like("runs/checkpoint-500", 0), _named_like("other/checkpoint-500", 7)
+    with monkeypatch.context() as m:
+        m.setenv("SPEC_ADAPT_POLICY_DIR", "off")                         # B's first call with no file at all
+        cold = first_call(b)
+    new_process()
+    assert cold.accepted > 0
+    for seed in range(6):                                               # A learns that drafting never pays
+        ids, mask = ragged_batch(2, seed=seed)
+        reference = stock_greedy(a, ids, mask, eos_token_id=None, max_new_tokens=24)
+        spec_generate(a, ids, mask, Oracle(reference, mask, ["wrong"]).drafter(), None)
+    assert list(folder.glob("*.json"))
+    new_process()
+    steered = first_call(b)
+    assert (steered.drafted, steered.accepted, steered.steps) == (cold.drafted, cold.accepted, cold.steps)
+
+
+def test_a_save_that_fails_warns_once_and_leaves_no_temporary_file(folder):
+    """The path taken by a folder: every save fails at the rename, with another temporary file each time; one
+    warning for the process, and no temporary file left behind."""
+    import warnings as w
+
+    model = cached_model("llama")
+    drafter = PromptLookupDrafter(2, 1)
+    path = saved.state_path(model, None, api._drafter_kind(drafter), None)
+    (path / "occupied").mkdir(parents=True)
+    saved._WARNED.clear()
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        for seed in range(3):
+            call(model, drafter, seed=seed)
+    assert sum("Could not save the default policy" in str(c.message) for c in caught) == 1
+    assert not list(folder.glob("*.tmp"))
