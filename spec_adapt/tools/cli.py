@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -568,7 +569,37 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.argv = argv
     torch.set_grad_enabled(False)
-    args.func(args)
+    # What a user can get wrong (a file that is not what an option takes, a value out of range) ends as argparse's
+    # own errors do: one line on stderr, exit status 2. SPEC_ADAPT_TRACEBACK=1 shows the traceback instead.
+    try:
+        args.func(args)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):       # a status: what the command chose
+            raise
+        _user_error(exc.code, exc)              # a command's own check of its options
+    except (OSError, ValueError, TypeError) as exc:      # json.JSONDecodeError is a ValueError
+        if os.environ.get("SPEC_ADAPT_TRACEBACK", "").strip() not in ("", "0"):
+            raise
+        _user_error(str(exc) or type(exc).__name__, exc)
+
+
+class UserError(SystemExit):
+    """Exit status 2 after `spec-adapt: error: <message>` went to stderr; str() is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _user_error(message: str, cause: BaseException):
+    import sys
+
+    message = " ".join(message.split())         # one line
+    print(f"spec-adapt: error: {message}", file=sys.stderr)
+    raise UserError(message) from cause
 
 
 if __name__ == "__main__":
