@@ -12,7 +12,7 @@ COMPAT_SUITE := tests/test_identity.py tests/test_families.py tests/test_process
 OLDEST := .venv-oldest
 LATEST := .venv-latest
 
-.PHONY: setup demo demo-small test test-oldest test-latest bench clean
+.PHONY: setup demo demo-small test test-oldest test-latest test-gpu bench clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ test-latest: setup
 	$(LATEST)/bin/python -m pip install --quiet --upgrade "transformers<6"
 	$(LATEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(LATEST)/bin/python -m pytest -q -x $(COMPAT_SUITE)
+
+# On a machine with one GPU (CI has none): identity in float32, bf16 and fp16 judged by the tie-aware rule, sampling,
+# the Triton kernels and timing against stock at Qwen2.5-1.5B's and Llama-3.2-1B's shapes (random weights, nothing
+# downloaded; about 4 minutes on an H100). Without CUDA it says so and succeeds.
+test-gpu: setup
+	$(PYTHON) benchmarks/gpu.py --out results/gpu.json
 
 bench: setup
 	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --xdraft smollm2-135m \

@@ -3,6 +3,9 @@ bandwidth measured in the same run.
 
     python benchmarks/kernels.py            # needs CUDA and triton; writes results/kernels-<gpu>.json
 
+`run(device, ...)` does the work (benchmarks/gpu.py calls it too, and, untimed at tiny shapes, on the CPU under
+TRITON_INTERPRET=1).
+
 For each kernel and shape: median time of kernel and reference (triton.testing.do_bench), speedup, bytes the kernel
 must read at least once, and achieved / copy bandwidth. Outputs are checked equal to the reference first.
 """
@@ -19,20 +22,37 @@ import torch
 def main():
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (the kernels' CPU tests run under TRITON_INTERPRET=1).")
-    from triton.testing import do_bench
+    result = run(torch.device("cuda"))
+    name = torch.cuda.get_device_name().replace(" ", "_")
+    out = Path(f"results/kernels-{name}.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"device copy bandwidth {result['copy_GBs']:.0f} GB/s; wrote {out}")
 
+
+def run(dev, vocabs=(32000, 151936), batches=(1, 16, 64), widths=(1, 4, 8),
+        caches=((1, 8, 4096, 128), (16, 8, 2048, 128), (64, 8, 1024, 128)), timed=True) -> dict:
+    """Every kernel checked equal to its reference at each shape and, `timed`, both timed (triton.testing.do_bench,
+    CUDA only). Returns {"copy_GBs": the device's copy bandwidth or None, "rows": one dict per kernel and shape}."""
     from spec_adapt import acceptor
     from spec_adapt.accept import greedy_accept, rejection_sample, sample_randoms
     from spec_adapt.kernels.compact import gather_slots
     from spec_adapt.kernels.verify import greedy_verify, rejection_verify, token_rank, token_rank_reference
 
-    dev = torch.device("cuda")
-    big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    copy_ms = do_bench(lambda: big.clone())
-    copy_bw = 2 * big.numel() / (copy_ms * 1e-3)            # read + write, bytes/s
+    copy_bw = None
+    if timed:
+        from triton.testing import do_bench
+
+        big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+        copy_ms = do_bench(lambda: big.clone())
+        copy_bw = 2 * big.numel() / (copy_ms * 1e-3)            # read + write, bytes/s
+        del big
     rows = []
 
     def record(name, shape, kernel, reference, bytes_read):
+        if not timed:                                       # checked equal above: that is the untimed run
+            rows.append({"kernel": name, "shape": shape, "equal": True})
+            return
         k_ms, r_ms = do_bench(kernel), do_bench(reference)
         bw = bytes_read / (k_ms * 1e-3)
         rows.append({"kernel": name, "shape": shape, "kernel_ms": k_ms, "torch_ms": r_ms, "speedup": r_ms / k_ms,
@@ -40,13 +60,13 @@ def main():
         print(f"{name:<10} {str(shape):<28} kernel {k_ms:8.4f} ms  torch {r_ms:8.4f} ms  x{r_ms / k_ms:5.2f}  "
               f"{bw / 1e9:7.1f} GB/s ({100 * bw / copy_bw:4.0f}% of copy)")
 
-    for vocab in (32000, 151936):
-        for batch in (1, 16, 64):
-            for s in (1, 4, 8):
+    for vocab in vocabs:
+        for batch in batches:
+            for s in widths:
                 logits = torch.randn(batch, s + 1, vocab, device=dev, dtype=torch.bfloat16)
                 target = logits.float().argmax(-1)
                 drafts = target[:, :s].clone()
-                drafts[:, s // 2:] += 1                    # reject half-way: rows read about half the logits
+                drafts[:, s // 2:] = (drafts[:, s // 2:] + 1) % vocab   # reject half-way: half the logits read
                 lengths = torch.full((batch,), s, device=dev)
                 assert all(torch.equal(a, b) for a, b in zip(greedy_verify(logits, drafts, lengths),
                                                              greedy_accept(logits, drafts, lengths)))
@@ -64,17 +84,13 @@ def main():
             assert torch.equal(token_rank(logits, tokens), token_rank_reference(logits, tokens))
             record("rank", (batch * 8, vocab), lambda: token_rank(logits, tokens),
                    lambda: token_rank_reference(logits, tokens), logits.numel() * 2)
-    for batch, heads, length, dim in ((1, 8, 4096, 128), (16, 8, 2048, 128), (64, 8, 1024, 128)):
+    for batch, heads, length, dim in caches:
         cache = torch.randn(batch, heads, length, dim, device=dev, dtype=torch.bfloat16)
         index = torch.sort(torch.rand(batch, length, device=dev), dim=1).indices[:, : length * 3 // 4].sort(1).values
         assert torch.equal(gather_slots(cache, index), acceptor.gather_slots_reference(cache, index))
         record("compact", (batch, heads, length, dim), lambda: gather_slots(cache, index),
                lambda: acceptor.gather_slots_reference(cache, index), 2 * cache[:, :, : index.shape[1]].numel() * 2)
-    name = torch.cuda.get_device_name().replace(" ", "_")
-    out = Path(f"results/kernels-{name}.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"copy_GBs": copy_bw / 1e9, "rows": rows}, indent=1))
-    print(f"device copy bandwidth {copy_bw / 1e9:.0f} GB/s; wrote {out}")
+    return {"copy_GBs": None if copy_bw is None else copy_bw / 1e9, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -285,3 +285,37 @@ def test_plan_members_for_a_plain_drafter_are_refused():
     ids, mask = ragged_batch(2, seed=21)
     with pytest.raises(ValueError, match="not a ChainDrafter"):
         spec(model, ids, mask, model, Answers(spec_adapt.policies.Plan(2, (0,))))
+
+
+def test_full_vocabulary_probability_checks_run_under_strict_only():
+    """By default a proposal's probabilities are checked where acceptance reads them (q at each drafted token: finite,
+    in (0, 1]); the whole distribution (finite, >= 0, summing to 1 over the vocabulary) only with strict=True."""
+    from spec_adapt.drafters.base import DraftRequest, InvalidProposal, check_proposal
+    from spec_adapt.processors import ScoreProcessor
+
+    req = DraftRequest(torch.zeros(2, 8, dtype=torch.long), torch.tensor([4, 4]), torch.tensor([2, 2]),
+                       torch.tensor([0, 1]), True, ScoreProcessor(None))
+    tokens, lengths = torch.tensor([[5, 6], [7, 8]]), torch.tensor([2, 1])
+    probs = torch.full((2, 2, VOCAB), 1.0 / VOCAB)
+    assert check_proposal(Proposal(tokens, lengths, probs), req, VOCAB, strict=True).lengths.tolist() == [2, 1]
+    off = probs.clone()
+    off[0, 0, 9] = float("nan")                   # elsewhere than a drafted token: acceptance divides by q(d) only
+    off[1, 0, 10] = 3.0                           # the row's probs no longer sum to 1
+    assert check_proposal(Proposal(tokens, lengths, off), req, VOCAB).lengths.tolist() == [2, 1]
+    with pytest.raises(InvalidProposal, match="NaN, inf or negative"):
+        check_proposal(Proposal(tokens, lengths, off), req, VOCAB, strict=True)
+    unnormalized = probs.clone()
+    unnormalized[1, 0, 10] = 3.0
+    with pytest.raises(InvalidProposal, match="sum to 1"):
+        check_proposal(Proposal(tokens, lengths, unnormalized), req, VOCAB, strict=True)
+    for value, message in ((float("nan"), "NaN or inf at a drafted token"), (0.0, "probability 0"),
+                           (2.0, "above 1")):
+        bad = probs.clone()
+        bad[0, 1, 6] = value                      # at a drafted token: refused either way
+        with pytest.raises(InvalidProposal, match=message):
+            check_proposal(Proposal(tokens, lengths, bad), req, VOCAB)
+        with pytest.raises(InvalidProposal):          # strict: the full check may name it first
+            check_proposal(Proposal(tokens, lengths, bad), req, VOCAB, strict=True)
+    unused = probs.clone()
+    unused[1, 1, 3] = float("nan")                # row 1 drafts one token: its second position is never read
+    assert check_proposal(Proposal(tokens, lengths, unused), req, VOCAB, strict=True).lengths.tolist() == [2, 1]

@@ -199,30 +199,35 @@ class InvalidProposal(ValueError):
     """A drafter returned something the loop cannot verify; the call continues without speculation."""
 
 
-def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
+def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = False) -> Proposal:
     """Validate a drafter's answer once, where it enters the loop; return it on the target's device with its width
     cut to the longest row. Lengths above gamma are cut to gamma (the extra drafts are simply not verified); anything
     else malformed raises InvalidProposal, which the loop treats like a drafter exception (fallback, nothing lost).
 
     Checked: type; tokens [B, S] of an integer dtype, ids within [0, vocab) where used; lengths [B] integers, >= 0,
-    <= S; probs None or [B, >= S', V] floating, finite, >= 0, summing to 1 where used, and q(d) > 0 for every drafted
-    token d (a draft cannot propose what it gives probability 0: p/q would be infinite and acceptance lossy)."""
+    <= S; probs None or [B, >= S', V] floating, with q(d) finite, > 0 and <= 1 for every drafted token d (a draft
+    cannot propose what it gives probability 0: p/q would be infinite and acceptance lossy). `strict` (the call's
+    `strict=True`) adds the full-vocabulary checks, every used position's probs finite, >= 0 and summing to 1: they
+    read S x V values per row and step, so a call pays them only when it asks to."""
     if not isinstance(proposal, Proposal):
         raise InvalidProposal(f"propose returned {type(proposal).__name__}, not a Proposal")
     batch, device = request.gammas.shape[0], request.tokens.device
     tokens, lengths, probs = proposal.tokens, proposal.lengths, proposal.probs
     _expect(isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[0] == batch
             and not tokens.dtype.is_floating_point and tokens.dtype != torch.bool,
-            f"tokens must be an integer tensor [B={batch}, S], got {_describe(tokens)}")
+            lambda: f"tokens must be an integer tensor [B={batch}, S], got {_describe(tokens)}")
     _expect(isinstance(lengths, torch.Tensor) and lengths.shape == (batch,) and not lengths.dtype.is_floating_point
-            and lengths.dtype != torch.bool, f"lengths must be an integer tensor [B={batch}], got {_describe(lengths)}")
+            and lengths.dtype != torch.bool,
+            lambda: f"lengths must be an integer tensor [B={batch}], got {_describe(lengths)}")
     tokens, lengths = tokens.to(device).long(), lengths.to(device).long()
-    _expect(bool((lengths >= 0).all()) and bool((lengths <= tokens.shape[1]).all()),
-            f"lengths must be within [0, S={tokens.shape[1]}], got {lengths.tolist()}")
+    low, high = _bounds(lengths)                               # one host copy for both ends
+    _expect(low >= 0 and high <= tokens.shape[1],
+            lambda: f"lengths must be within [0, S={tokens.shape[1]}], got {lengths.tolist()}")
     free = _checked_free(proposal.free, request, batch, device)
     if request.pooled:          # one budget for the batch: a row may hold more than its share
         total = int(request.gammas.sum())
-        _expect(int(lengths.sum()) <= total, f"{int(lengths.sum())} nodes proposed for a pooled budget of {total}")
+        _expect(int(lengths.sum()) <= total, lambda: f"{int(lengths.sum())} nodes proposed for a pooled budget of "
+                f"{total}")
         lengths = torch.where(request.gammas.to(device) > 0, lengths, 0)
     else:
         bound = request.gammas.to(device)
@@ -232,10 +237,12 @@ def check_proposal(proposal, request: DraftRequest, vocab: int) -> Proposal:
     width = int(lengths.max()) if batch else 0
     tokens = tokens[:, :width]
     used = torch.arange(width, device=device)[None, :] < lengths[:, None]            # [B, S]
-    bad = used & ((tokens < 0) | (tokens >= vocab))
-    _expect(not bool(bad.any()), f"token ids must be within [0, {vocab}), got {tokens[bad][:4].tolist()}")
+    low, high = _bounds(tokens)
+    if low < 0 or high >= vocab:    # some id is out of range: is it one a row uses (past its length, any value)?
+        bad = used & ((tokens < 0) | (tokens >= vocab))
+        _expect(not bool(bad.any()), lambda: f"token ids must be within [0, {vocab}), got {tokens[bad][:4].tolist()}")
     if probs is not None:
-        probs = _checked_probs(probs, tokens, used, batch, width, vocab).to(device)
+        probs = _checked_probs(probs, tokens, used, batch, width, vocab, strict).to(device)
     parents = _checked_parents(proposal.parents, tokens, lengths, used, request, probs)
     if free is not None and probs is not None:      # a free row proposes point masses: q(d) = 1 at every draft
         q = probs.gather(-1, tokens[..., None]).squeeze(-1)
@@ -302,27 +309,42 @@ def _checked_parents(parents, tokens, lengths, used, request, probs):
     return parents
 
 
-def _checked_probs(probs, tokens, used, batch, width, vocab) -> torch.Tensor:
+def _checked_probs(probs, tokens, used, batch, width, vocab, strict) -> torch.Tensor:
     _expect(isinstance(probs, torch.Tensor) and probs.dim() == 3 and probs.shape[0] == batch
             and probs.shape[1] >= width and probs.shape[2] == vocab and probs.dtype.is_floating_point,
             f"probs must be a float tensor [B={batch}, S>={width}, V={vocab}] or None, got {_describe(probs)}")
-    probs = probs[:, :width].float()
-    rows = probs.to(tokens.device)[used]                                            # [N, V] positions in use
-    _expect(bool(torch.isfinite(rows).all()) and bool((rows >= 0).all()), "probs contain NaN, inf or negative values")
-    _expect(bool(((rows.sum(-1) - 1).abs() < 1e-3).all()), "each used position's probs must sum to 1")
-    q = probs.to(tokens.device).gather(-1, tokens[..., None]).squeeze(-1)[used]
+    probs = probs[:, :width].float().to(tokens.device)
+    if strict:                         # the whole distribution of every used position: S x V values per row
+        rows = probs[used]                                                          # [N, V] positions in use
+        _expect(bool(torch.isfinite(rows).all()) and bool((rows >= 0).all()),
+                "probs contain NaN, inf or negative values")
+        _expect(bool(((rows.sum(-1) - 1).abs() < 1e-3).all()), "each used position's probs must sum to 1")
+    q = probs.gather(-1, tokens[..., None]).squeeze(-1)[used]                         # what acceptance divides by
+    _expect(bool(torch.isfinite(q).all()), "probs contain NaN or inf at a drafted token")
     _expect(bool((q > 0).all()), "a drafted token has draft probability 0 (its probs do not match its tokens)")
+    _expect(bool((q <= 1).all()), "a drafted token has draft probability above 1")
     return probs
 
 
 def _check_depth(deepest, request) -> None:
     limit = request.depths.to(deepest.device)
-    _expect(bool((deepest <= limit).all()), f"tree depths {deepest.tolist()} exceed the plan's {limit.tolist()}")
+    _expect(bool((deepest <= limit).all()),
+            lambda: f"tree depths {deepest.tolist()} exceed the plan's {limit.tolist()}")
 
 
-def _expect(ok: bool, problem: str) -> None:
+def _bounds(values: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of an integer tensor, read in one host copy; (0, 0) when it is empty."""
+    if not values.numel():
+        return 0, 0
+    low, high = torch.aminmax(values)
+    return tuple(torch.stack([low, high]).tolist())
+
+
+def _expect(ok: bool, problem) -> None:
+    """Raise InvalidProposal unless ok; `problem` is the message, or a function that makes it (only on failure: a
+    message that reads tensors costs nothing while the proposal is fine)."""
     if not ok:
-        raise InvalidProposal(f"malformed Proposal: {problem}")
+        raise InvalidProposal(f"malformed Proposal: {problem() if callable(problem) else problem}")
 
 
 def _describe(x) -> str:
