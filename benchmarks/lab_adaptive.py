@@ -20,7 +20,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--latency", default="results/latency-float32.json")
-    parser.add_argument("--workloads", nargs="+", default=["humaneval", "sharegpt", "mixed"])
+    parser.add_argument("--workloads", nargs="+", default=["humaneval", "sharegpt"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     args = parser.parse_args()
     table = LatencyTable.load(args.latency)
