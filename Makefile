@@ -12,7 +12,7 @@ COMPAT_SUITE := tests/test_identity.py tests/test_families.py tests/test_process
 OLDEST := .venv-oldest
 LATEST := .venv-latest
 
-.PHONY: setup demo demo-small test test-oldest test-latest test-gpu bench clean
+.PHONY: setup demo demo-small test test-oldest test-latest test-gpu test-random bench clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ $(OLDEST)/.stamp: Makefile
 
 test-oldest: $(OLDEST)/.stamp
 	$(OLDEST)/bin/python -m pytest -q -x $(COMPAT_SUITE)
+
+# `make test` draws the same hypothesis examples on every run (the "ci" profile, conftest.py); this draws fresh ones,
+# five times as many, for the hypothesis tests only. A failure prints the line that reproduces it.
+test-random: setup
+	$(PYTHON) -m pytest -q -x -m hypothesis --hypothesis-profile=random
 
 # The same subset on the newest transformers release (beyond the pin): run it before raising the pin.
 test-latest: setup
