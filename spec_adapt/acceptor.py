@@ -46,6 +46,9 @@ class Acceptor:
     """Greedy match or lossless rejection sampling, through a kernel or its reference (see the module docstring)."""
 
     lockstep = False      # rows commit in step (a target that numbers tokens by cache column; set by the loop)
+    draft_probs = False   # whether the accept phase reads the draft's distributions when greedy too (a drafter that
+                          # has them then returns them: DraftRequest.acceptor)
+    lossy = None          # None: the target's own tokens (greedy) or distribution (sampling); else what the rule is
 
     def __init__(self, kernels: str | None = None):
         self.mode = check_mode(kernels or os.environ.get("SPEC_ADAPT_KERNELS", "auto"))
@@ -107,6 +110,39 @@ class Acceptor:
         use = use_kernel(self.mode, tensor)
         self.paths[name] = "triton" if use else "torch"
         return use
+
+
+class EnsembleAcceptor(Acceptor):
+    """Stock's static ensemble verification (`assistant_ensemble_weight=w`, lossy by the user's choice): a row's
+    drafts are judged against the mix v = w * p + (1 - w) * q of the target's distribution p and the draft's q,
+    position by position, and the token after them comes from p (stock's bonus). Greedy: d_i is accepted while it is
+    argmax v_i, and a rejected row's next token is argmax v there, as stock's greedy assisted generation. Sampling:
+    rejection sampling with v in place of p (accept with probability v(d)/q(d) = 1 - w + w p(d)/q(d); a rejection
+    samples from max(0, v - q), which normalizes to stock's max(0, p - q)). Needs the draft's distributions
+    (`draft_probs`): a proposal without them is verified exactly."""
+
+    draft_probs = True
+
+    def __init__(self, weight: float, kernels: str | None = None):
+        super().__init__(kernels)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 < weight < 1.0:
+            raise ValueError(f"assistant_ensemble_weight must be in the open interval (0, 1), got {weight!r}.")
+        self.weight = float(weight)
+        self.lossy = f"assistant_ensemble_weight={weight}"
+
+    def accept(self, scores, draft_tokens, draft_probs, lengths, sampling: bool):
+        width = draft_tokens.shape[1]
+        if draft_probs is None or width == 0:
+            return super().accept(scores, draft_tokens, draft_probs, lengths, sampling)
+        mixed = scores.float().softmax(dim=-1)
+        drafted = torch.arange(width, device=scores.device)[None, :, None] < lengths[:, None, None]
+        mix = self.weight * mixed[:, :width] + (1.0 - self.weight) * draft_probs[:, :width].float()
+        mixed[:, :width] = torch.where(drafted, mix, mixed[:, :width])
+        return super().accept(mixed.log(), draft_tokens, draft_probs, lengths, sampling)
+
+    def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool):
+        raise ValueError("assistant_ensemble_weight verifies chains of drafts: use a policy that plans no token "
+                         "trees.")
 
 
 def gather_slots_reference(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

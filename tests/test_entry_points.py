@@ -120,3 +120,61 @@ def test_stop_strings_with_a_tokenizer_work_after_enable(smollm2):
     finally:
         spec_adapt.disable(model)
     assert torch.equal(out, reference) and out.shape[1] < free.shape[1]
+
+
+def ensemble_call(model, draft, ids, mask, weight, max_new_tokens=20):
+    """Stock's assisted generation, or spec_adapt's after `enable` (FixedLength(3))."""
+    return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                          max_new_tokens=max_new_tokens, assistant_model=draft, assistant_ensemble_weight=weight)
+
+
+@pytest.mark.parametrize("weight", [0.5, 0.1])
+def test_assistant_ensemble_weight_is_stocks(weight):
+    """Stock's lossy ensemble verification (drafts judged against w * p_target + (1 - w) * q_draft). spec_adapt's
+    first token is the target's own (prefill), stock's first step drafts from the prompt: from the first token on,
+    a row's tokens are stock's own ensemble output for its prompt and that token (checked where stock's draft
+    forwards give the draft's distributions: on some prompts stock's cached draft forwards drift from a fresh
+    forward by ~1e-3, which flips near-ties of the mix), and at batch 3 each row's are its own at batch 1.
+    `stats.lossy` says the output is lossy."""
+    import copy
+
+    target, draft = cached_model("llama"), copy.deepcopy(cached_model("llama", seed=1))
+    # Stock reads its draft schedule from the draft's own generation config: 3 drafts a step, no confidence exit.
+    draft.generation_config.num_assistant_tokens, draft.generation_config.assistant_confidence_threshold = 3, 0.0
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    ids, mask = ragged_batch(3, seed=11)
+    plain = stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=20)
+    first = plain[:, ids.shape[1]:ids.shape[1] + 1]
+    alone = [ensemble_call(target, draft, *(torch.cat([t[b:b + 1, mask[b] == 1], f[b:b + 1]], dim=1)
+                                            for t, f in ((ids, first), (mask, torch.ones_like(first)))),
+                           weight, max_new_tokens=19)[0] for b in range(3)]
+    pads = (mask == 0).sum(dim=1).tolist()
+    assert not torch.equal(alone[0], plain[0, pads[0]:])       # the weight changes the tokens
+    spec_adapt.enable(target, assistant_policy=FixedLength(3))
+    try:
+        ours = []
+        for b in range(3):
+            real = ids[b:b + 1, pads[b]:]
+            ours.append(ensemble_call(target, draft, real, torch.ones_like(real), weight)[0])
+            stats = spec_adapt.last_stats()
+            assert stats.drafted > 0 and stats.lossy == f"assistant_ensemble_weight={weight}"
+            assert stats.summary()["lossy"] == stats.lossy
+        for b in range(2):          # batch 1: stock's own ensemble tokens
+            assert torch.equal(ours[b], alone[b]), b
+        out = ensemble_call(target, draft, ids, mask, weight)
+        for b in range(3):          # batch 3: each row's tokens are its own at batch 1
+            assert torch.equal(out[b, pads[b]:], ours[b]), b
+        assert torch.equal(ensemble_call(target, draft, ids, mask, None), plain)
+        assert spec_adapt.last_stats().lossy is None
+        sampled = target.generate(input_ids=ids, attention_mask=mask, do_sample=True, pad_token_id=PAD,
+                                  eos_token_id=None, max_new_tokens=8, assistant_model=draft,
+                                  assistant_ensemble_weight=weight)
+        assert sampled.shape == (3, ids.shape[1] + 8) and spec_adapt.last_stats().lossy is not None
+        with pytest.raises(ValueError, match="prompt lookup"):
+            target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2,
+                            assistant_ensemble_weight=weight)
+        with pytest.raises(ValueError, match="assistant_ensemble_weight"):
+            target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_ensemble_weight=weight,
+                            assistant_model=PromptLookupDrafter(2, 1))
+    finally:
+        spec_adapt.disable(target)
