@@ -18,7 +18,9 @@ from .drafters.cross import CrossTokenizerDrafter
 from .drafters.early_exit import early_exit_model
 from .drafters.lookup import PromptLookupDrafter
 from .drafters.model import ModelDrafter
-from .acceptor import Acceptor
+from .drafters.sources import MultiSourceDrafter, SourceState
+from .drafters.suffix import SuffixDrafter, SuffixIndex
+from .acceptor import Acceptor, EnsembleAcceptor
 from .inputs import LEDGER_INPUTS, encoder_decoder
 from .ledger import check_model_kind, check_rollback_cache
 from .loop import SpeculativeLoop
@@ -82,6 +84,8 @@ def generate(
     acceptor: Acceptor | None = None,
     verifier: Verifier | None = None,
     strict: bool = False,
+    tokenizer=None,
+    assistant_tokenizer=None,
     **model_kwargs,
 ):
     """Batched speculative decoding, called by transformers as `model.generate(..., custom_generate=generate)`.
@@ -97,13 +101,17 @@ def generate(
     - `verifier`: the verify phase (`FullVerifier()`, the default, or `EarlyExitVerifier(layers=..., top_k=...)`).
     - `strict`: True makes a drafter's exception or malformed proposal raise instead of falling back to plain
       decoding (for developing a drafter: a fallback keeps the output right and hides the bug).
+    - `tokenizer`, `assistant_tokenizer`: stock's Universal Assisted Generation arguments, the target's and the
+      draft's tokenizers: the draft then drafts in its own ids (a `CrossTokenizerDrafter`). `tokenizer` alone serves
+      `stop_strings=`, as in stock.
     Greedy output is token-for-token the target's own; sampled output has exactly the target's distribution.
     """
     if stopping_criteria is None:   # called directly rather than through model.generate: let generate prepare
         return model.generate(
             input_ids, generation_config=generation_config, logits_processor=logits_processor,
             custom_generate=generate, drafter=drafter, assistant_policy=assistant_policy, spec_stats=spec_stats,
-            spec_streamer=spec_streamer, acceptor=acceptor, verifier=verifier, strict=strict, **model_kwargs,
+            spec_streamer=spec_streamer, acceptor=acceptor, verifier=verifier, strict=strict, tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer, **model_kwargs,
         )
     _check_generation_config(generation_config, synced_gpus)
     decoder = encoder_decoder(model)
@@ -123,14 +131,19 @@ def generate(
         raise ValueError(f"attention_mask is {width} tokens wide but input_ids has {input_ids.shape[1]} (and "
                          f"{input_ids.shape[0]} rows): give one mask entry per token.")
     _check_left_padding(attention_mask)
+    given, ensemble = drafter, _ensemble_weight(generation_config)
     drafter, max_width = _stock_speculation(model, generation_config, drafter)
-    drafter = as_drafter(drafter)
+    drafter = _with_tokenizers(drafter, tokenizer, assistant_tokenizer)
+    drafter = with_sources(model, as_drafter(drafter)) if _bare_model(given) and ensemble is None \
+        else as_drafter(drafter)
     policy = assistant_policy if assistant_policy is not None else _default_policy(model, drafter, max_width)
     drafter, policy, verifier = check_parts(model, drafter, policy, verifier)
     if acceptor is not None and not isinstance(acceptor, Acceptor):
         raise TypeError(f"acceptor must be a spec_adapt.acceptor.Acceptor, got {type(acceptor).__name__}.")
+    acceptor = _ensemble_acceptor(ensemble, drafter, policy, acceptor)
     stats = spec_stats if spec_stats is not None else SpecStats()
     stats.policy = repr(policy)
+    stats.lossy = acceptor.lossy if acceptor is not None else None
     if spec_streamer is None:
         spec_streamer = _stock_streamer()       # stock generate already gave it the prompt
     else:
@@ -151,6 +164,11 @@ def generate(
             return compat.GenerateEncoderDecoderOutput(**fields)
         return SpecGenerateOutput(**fields, spec_stats=stats)
     return sequences
+
+
+# `tokenizer=` and `assistant_tokenizer=` reach `generate` through transformers' generate, which builds the stop-string
+# criteria with the tokenizer (compat.hand_tokenizers_to): one path for custom_generate and for `enable`.
+compat.hand_tokenizers_to(generate)
 
 
 # Policies that live in the process: the one `enable(model, assistant_policy=...)` set per model, and one default
@@ -174,7 +192,7 @@ def default_policy(model, drafter=None, max_width: int | None = None) -> Adaptiv
     saved after each call, `SPEC_ADAPT_POLICY_DIR=off` turns it off), else from the latency profile
     `spec-adapt profile` cached for them (if any), then kept: every later call without an explicit policy learns on
     from where the last one stopped. `reset_default_policies()` forgets."""
-    draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    draft_model = _draft_model(drafter) if not isinstance(drafter, CrossTokenizerDrafter) else None
     param = next(model.parameters())
     key = (_drafter_key(drafter), str(param.dtype), str(param.device), max_width)
     with _DEFAULTS_LOCK:
@@ -189,9 +207,11 @@ def default_policy(model, drafter=None, max_width: int | None = None) -> Adaptiv
 
 
 def _draft_model(drafter):
-    """The model a drafter drafts with (through a cross-tokenizer drafter too), or None."""
+    """The model a drafter drafts with (through a cross-tokenizer or several-source drafter too), or None."""
     if isinstance(drafter, CrossTokenizerDrafter):
         return _draft_model(drafter.inner)
+    if isinstance(drafter, MultiSourceDrafter):
+        return _draft_model(drafter.model_drafter)
     return drafter.model if isinstance(drafter, ModelDrafter) else None
 
 
@@ -209,6 +229,8 @@ def _drafter_key(drafter) -> tuple:
         return (type(drafter).__name__, id(drafter.model), str(param.dtype))
     if isinstance(drafter, CrossTokenizerDrafter):
         return (type(drafter).__name__,) + _drafter_key(drafter.inner)
+    if isinstance(drafter, MultiSourceDrafter):
+        return (type(drafter).__name__, *drafter.names) + _drafter_key(drafter.model_drafter)
     return (type(drafter).__name__,)
 
 
@@ -237,6 +259,39 @@ def check_parts(model, drafter, policy, verifier) -> tuple:
     if policy.trees and drafter is not None and drafter.trees:
         check_trees(model, verifier)
     return drafter, policy, verifier
+
+
+# What the default several-source drafter of a (target, draft model) learned: its router's estimates and the suffix
+# index of the target's calls in this process. Weak on both models.
+_SOURCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _bare_model(drafter) -> bool:
+    """A draft model handed over as it is (`drafter=model`, `assistant_model=model`), not a Drafter."""
+    return isinstance(drafter, torch.nn.Module) and hasattr(drafter, "get_output_embeddings")
+
+
+def with_sources(model, drafter, lookup: PromptLookupDrafter | None = None, max_free: int = 32):
+    """The default for a draft model: a `MultiSourceDrafter` over it, prompt lookup and the suffix index of this
+    target's calls, learning into the state this (target, draft) pair keeps in the process. Other drafters
+    (explicit `ModelDrafter`s, multimodal and encoder-decoder drafts, which draft from more than the tokens) stay
+    as they are."""
+    if not isinstance(drafter, ModelDrafter) or type(drafter) is not ModelDrafter or drafter.prompt_inputs \
+            or encoder_decoder(model) or encoder_decoder(drafter.model) or _multimodal(model):
+        return drafter
+    with _DEFAULTS_LOCK:
+        per_target = _SOURCES.setdefault(model, weakref.WeakKeyDictionary())
+        if drafter.model not in per_target:
+            per_target[drafter.model] = (SourceState(max_free), SuffixIndex())
+        state, index = per_target[drafter.model]
+    free = [lookup or PromptLookupDrafter(), SuffixDrafter(index)]
+    return MultiSourceDrafter(drafter, free, max_free=max_free, state=state)
+
+
+def _multimodal(model) -> bool:
+    """A target that reads images or audio: its token ids hold placeholders a copied draft must not repeat."""
+    config = model.config
+    return any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config", "vision_tower"))
 
 
 def as_drafter(drafter) -> Drafter | None:
@@ -280,9 +335,15 @@ def _stock_speculation(model, cfg, drafter):
     lookup, exit_layers = cfg.prompt_lookup_num_tokens, getattr(cfg, "assistant_early_exit", None)
     if lookup is not None and exit_layers is not None:
         raise ValueError("Set prompt_lookup_num_tokens or assistant_early_exit, not both: each is a drafter.")
+    if lookup is not None and _bare_model(drafter):      # stock refuses the pair; here it is several sources
+        _check_count("prompt_lookup_num_tokens", lookup)
+        ngram = _check_count("max_matching_ngram_size", getattr(cfg, "max_matching_ngram_size", None) or 2)
+        draft, width = _stock_speculation(model, _without_lookup(cfg), drafter)
+        return with_sources(model, as_drafter(draft), PromptLookupDrafter(max_ngram=ngram), lookup), width
     if (lookup is not None or exit_layers is not None) and drafter is not None:
         raise ValueError("prompt_lookup_num_tokens / assistant_early_exit choose the drafter: do not also pass "
-                         "drafter= or assistant_model=.")
+                         "drafter= or assistant_model= (a draft model with prompt_lookup_num_tokens drafts from "
+                         "both, but not another Drafter).")
     width = _set_by_user(cfg, "num_assistant_tokens")
     threshold = _set_by_user(cfg, "assistant_confidence_threshold")
     if width is not None:
@@ -298,6 +359,40 @@ def _stock_speculation(model, cfg, drafter):
     if threshold is not None and isinstance(drafter, torch.nn.Module):
         drafter = ModelDrafter(drafter, confidence_threshold=threshold)
     return drafter, width
+
+
+def _without_lookup(cfg):
+    cfg = copy.copy(cfg)
+    cfg.prompt_lookup_num_tokens = None
+    return cfg
+
+
+def _ensemble_weight(cfg):
+    """Stock's `assistant_ensemble_weight` (lossy ensemble verification), or None. Refused with prompt lookup, as
+    stock refuses it: n-gram drafts have no distribution to mix."""
+    weight = getattr(cfg, "assistant_ensemble_weight", None)
+    if weight is not None and cfg.prompt_lookup_num_tokens is not None:
+        raise ValueError("Setting `assistant_ensemble_weight` requires candidate logits from the assistant model. It "
+                         "is not supported with prompt lookup decoding.")
+    return weight
+
+
+def _ensemble_acceptor(weight, drafter, policy, acceptor):
+    """The accept phase of a call with `assistant_ensemble_weight=w`: an EnsembleAcceptor (in the given acceptor's
+    kernel mode), which mixes the draft model's distributions into the target's; the acceptor as given otherwise."""
+    if weight is None:
+        return acceptor
+    if type(drafter) is not ModelDrafter:
+        kind = f"a {type(drafter).__name__}" if drafter is not None else "no draft"
+        raise ValueError(f"assistant_ensemble_weight mixes a draft model's distribution into the target's: pass the "
+                         f"draft model itself as assistant_model= (or drafter=); got {kind}.")
+    if policy.trees:
+        raise ValueError("assistant_ensemble_weight verifies chains of drafts: use a policy that plans no token "
+                         "trees.")
+    if acceptor is not None and type(acceptor) is not Acceptor:
+        raise ValueError(f"assistant_ensemble_weight is an acceptance rule: it does not combine with the acceptor "
+                         f"{type(acceptor).__name__}.")
+    return EnsembleAcceptor(weight, kernels=acceptor.mode if acceptor is not None else None)
 
 
 def _set_by_user(cfg, name):
@@ -395,8 +490,7 @@ def enable(model, assistant_policy: Policy | None = None):
         if draft is None and kwargs.get("drafter") is None and assistant_policy is None and not _stock_drafts(
                 model, kwargs):
             return stock(*args, **kwargs)
-        kwargs.setdefault("drafter", _with_prompt_inputs(model, _with_tokenizers(draft, kwargs), args, kwargs))
-        kwargs = _stop_strings_as_criteria(model, kwargs)
+        kwargs.setdefault("drafter", _with_prompt_inputs(model, draft, args, kwargs))
         streamer = kwargs.pop("streamer", None)
         return stock(
             *args, custom_generate=generate, assistant_policy=assistant_policy, spec_streamer=streamer, **kwargs
@@ -406,18 +500,20 @@ def enable(model, assistant_policy: Policy | None = None):
     return model
 
 
-def _with_tokenizers(draft, kwargs: dict):
+def _with_tokenizers(draft, tokenizer, draft_tokenizer):
     """Stock's Universal Assisted Generation arguments: `assistant_tokenizer=` (the draft's) with `tokenizer=` (the
-    target's) make the draft a CrossTokenizerDrafter. `tokenizer` stays for stop_strings."""
-    draft_tokenizer = kwargs.pop("assistant_tokenizer", None)
+    target's) make the draft a CrossTokenizerDrafter. Its draft model stops a row below the call's
+    `assistant_confidence_threshold`: the ModelDrafter `_stock_speculation` made with the user's threshold keeps it,
+    and a bare draft gets stock's 0.4. `tokenizer` alone serves stop_strings (stock's criteria)."""
     if draft_tokenizer is None:
         return draft
     if draft is None:
-        raise ValueError("assistant_tokenizer= is the draft's tokenizer: pass the draft as assistant_model= too.")
-    if kwargs.get("tokenizer") is None:
+        raise ValueError("assistant_tokenizer= is the draft's tokenizer: pass the draft as assistant_model= (or "
+                         "drafter=) too.")
+    if tokenizer is None:
         raise ValueError("A draft with its own tokenizer needs the target's too: pass tokenizer= with "
                          "assistant_tokenizer=.")
-    return CrossTokenizerDrafter(draft, draft_tokenizer, kwargs["tokenizer"])
+    return CrossTokenizerDrafter(draft, draft_tokenizer, tokenizer)
 
 
 # Inputs of a call that are not a decoder-only draft's images or features, whatever its forward names.
@@ -428,11 +524,23 @@ def _with_prompt_inputs(model, draft, args: tuple, kwargs: dict):
     """A draft model gets what it reads of the call besides the decoder's tokens, handed on here where the call still
     has it (generate encodes images and runs the encoder for the target only): a multimodal draft the call's inputs
     its forward names (pixel values, image grids, ...), read with its prompt; an encoder-decoder draft the call's
-    encoder inputs, for its own encoder."""
+    encoder inputs, for its own encoder. The ModelDrafter made for them drafts under the call's
+    `assistant_confidence_threshold` where the user set one, as `_stock_speculation` makes a bare draft's."""
     if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "get_output_embeddings"):
         return draft
     shared = _encoder_inputs(model, draft, args, kwargs) if encoder_decoder(draft) else _image_inputs(draft, kwargs)
-    return ModelDrafter(draft, prompt_inputs=shared) if shared else draft
+    if not shared:
+        return draft
+    return ModelDrafter(draft, prompt_inputs=shared,
+                        confidence_threshold=_call_setting(model, kwargs, "assistant_confidence_threshold"))
+
+
+def _call_setting(model, kwargs: dict, name: str):
+    """A generation setting of a call `enable` intercepts (its argument, else its generation config's), None where it
+    is generate's default (not chosen by the user)."""
+    config = kwargs.get("generation_config") or model.generation_config
+    value = kwargs.get(name, getattr(config, name, None))
+    return None if value == compat.generation_default(name) else value
 
 
 def _image_inputs(draft, kwargs: dict) -> dict:
@@ -447,28 +555,6 @@ def _encoder_inputs(model, draft, args: tuple, kwargs: dict) -> dict:
     main = args[0] if args else kwargs.get("inputs", kwargs.get(model.main_input_name))
     found = {draft.main_input_name: main, "attention_mask": kwargs.get("attention_mask")}
     return {name: value for name, value in found.items() if value is not None}
-
-
-def _stop_strings_as_criteria(model, kwargs: dict) -> dict:
-    """`stop_strings=` with `tokenizer=`: transformers does not hand a custom_generate function the tokenizer, so the
-    strings become the StopStringCriteria stock would build from them, passed as a stopping criterion."""
-    config = kwargs.get("generation_config") or model.generation_config
-    strings = kwargs.get("stop_strings", getattr(config, "stop_strings", None))
-    tokenizer = kwargs.get("tokenizer")
-    if not strings or tokenizer is None:
-        return kwargs
-    from transformers import StoppingCriteriaList, StopStringCriteria
-
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("stop_strings", "tokenizer")}
-    if kwargs.get("generation_config") is not None:
-        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
-        kwargs["generation_config"].stop_strings = None
-    elif getattr(model.generation_config, "stop_strings", None):
-        kwargs["stop_strings"] = None
-    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
-    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
-    kwargs["stopping_criteria"] = criteria
-    return kwargs
 
 
 def _stock_drafts(model, kwargs) -> bool:
