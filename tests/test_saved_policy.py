@@ -40,8 +40,8 @@ def new_process():
 
 def test_the_next_process_starts_where_the_last_call_stopped(folder):
     model, draft = cached_model("llama"), cached_model("llama", seed=1)
-    call(model, draft)
-    call(model, draft, seed=4)
+    call(model, ModelDrafter(draft))
+    call(model, ModelDrafter(draft), seed=4)
     learned = default_policy(model, ModelDrafter(draft))
     files = list(folder.glob("*.json"))
     assert len(files) == 1 and "ModelDrafter" in files[0].name
@@ -49,7 +49,7 @@ def test_the_next_process_starts_where_the_last_call_stopped(folder):
     restored = default_policy(model, ModelDrafter(draft))
     assert restored is not learned and restored.steps == learned.steps > 0
     assert restored.state_dict() == learned.state_dict()
-    call(model, draft, seed=5)                                       # and it runs on, still the target's output
+    call(model, ModelDrafter(draft), seed=5)                         # and it runs on, still the target's output
     assert restored.steps > learned.steps
 
 
@@ -65,19 +65,19 @@ def test_each_drafter_kind_has_its_own_file(folder):
                                      json.dumps({"config": {}, "pooled": {"tried": [[-1.0]]}})])
 def test_a_file_that_is_not_a_state_is_ignored_with_a_warning(folder, content):
     model, draft = cached_model("llama"), cached_model("llama", seed=1)
-    call(model, draft)
+    call(model, ModelDrafter(draft))
     path = next(folder.glob("*.json"))
     path.write_text(content)
     new_process()
     with pytest.warns(UserWarning, match="Ignoring the saved default policy"):
-        call(model, draft)
+        call(model, ModelDrafter(draft))
     assert json.loads(path.read_text())["steps"] == default_policy(model, ModelDrafter(draft)).steps > 0
 
 
 def test_a_file_too_large_to_be_a_state_is_not_read(folder, monkeypatch):
     """A file over the size a saved policy can have is refused by its size, before it is parsed."""
     model, draft = cached_model("llama"), cached_model("llama", seed=1)
-    call(model, draft)
+    call(model, ModelDrafter(draft))
     path = next(folder.glob("*.json"))
     with open(path, "r+b") as f:
         f.truncate(saved.MAX_STATE_BYTES + 1)             # sparse: nothing is written
@@ -283,3 +283,13 @@ def test_a_save_that_fails_warns_once_and_leaves_no_temporary_file(folder):
             call(model, drafter, seed=seed)
     assert sum("Could not save the default policy" in str(c.message) for c in caught) == 1
     assert not list(folder.glob("*.tmp"))
+
+
+def test_the_several_source_default_is_kept_under_its_own_name(folder):
+    """A bare draft model drafts through the several-source default, whose policy is saved apart from the draft
+    model alone's."""
+    model, draft = cached_model("llama"), cached_model("llama", seed=1)
+    call(model, draft)
+    call(model, ModelDrafter(draft))
+    names = sorted(p.name for p in folder.glob("*.json"))
+    assert len(names) == 2 and any("MultiSourceDrafter" in n for n in names), names
