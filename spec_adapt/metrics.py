@@ -10,24 +10,77 @@ from dataclasses import dataclass, field
 import threading
 
 
-@dataclass
+_PER_ROW = ("rows", "gammas", "drafted", "accepted", "committed")
+_OTHER = ("step_time", "draft_time", "verify_time", "telemetry", "held", "confidence", "free")
+
+
 class StepRecord:
-    """What one speculative step did, for the whole active batch (lists are per active row)."""
+    """What one speculative step did, for the whole active batch (lists are per active row):
 
     batch_size: int
-    rows: list[int]          # original row indices in the user's batch
-    gammas: list[int]        # lengths the policy asked for
-    drafted: list[int]       # lengths the drafter actually proposed (early exit may cut them)
+    rows: list[int]          original row indices in the user's batch
+    gammas: list[int]        lengths the policy asked for
+    drafted: list[int]       lengths the drafter actually proposed (early exit may cut them)
     accepted: list[int]
-    committed: list[int]     # tokens appended to each row this step
-    step_time: float         # seconds, propose + verify + accept + commit
+    committed: list[int]     tokens appended to each row this step
+    step_time: float         seconds, propose + verify + accept + commit
     draft_time: float
     verify_time: float
-    telemetry: dict | None = None   # the drafter's own measurements this step (Proposal.telemetry), e.g. a chain's
-    held: int | None = None         # rows the target's forward ran: the active rows and spare rows (None: batch_size)
-    confidence: object = None       # [B, S] tensor (the target's device): the draft's probability of each drafted
-                                    # token, or None; copied to the host only by a policy that reads it
-    free: list[bool] | None = None  # per row: drafted by a model-free source (no draft forward), or None: no row was
+    telemetry: dict | None   the drafter's own measurements this step (Proposal.telemetry), e.g. a chain's
+    held: int | None         rows the target's forward ran: the active rows and spare rows (None: batch_size)
+    confidence: object       [B, S] tensor (the target's device): the draft's probability of each drafted token, or
+                             None; copied to the host only by a policy that reads it
+    free: list[bool] | None  per row: drafted by a model-free source (no draft forward), or None: no row was
+
+    The per-row fields may be given as lists or as [B] tensors: a tensor becomes a list the first time it is read, so
+    a step whose record nobody reads per row copies nothing to the host; `tensor(name)` reads a field as given."""
+
+    __slots__ = ("batch_size", "_rows", "_gammas", "_drafted", "_accepted", "_committed") + _OTHER
+
+    def __init__(self, batch_size: int, rows, gammas, drafted, accepted, committed, step_time: float,
+                 draft_time: float, verify_time: float, telemetry: dict | None = None, held: int | None = None,
+                 confidence: object = None, free: list[bool] | None = None):
+        self.batch_size = batch_size
+        self._rows, self._gammas, self._drafted, self._accepted, self._committed = (
+            rows, gammas, drafted, accepted, committed)
+        self.step_time, self.draft_time, self.verify_time = step_time, draft_time, verify_time
+        self.telemetry, self.held, self.confidence, self.free = telemetry, held, confidence, free
+
+    def _list(self, name: str) -> list:
+        value = getattr(self, "_" + name)
+        if not isinstance(value, list):
+            value = value.tolist() if hasattr(value, "tolist") else list(value)
+            setattr(self, "_" + name, value)
+        return value
+
+    def tensor(self, name: str):
+        """A per-row field as it was given (a tensor where the loop recorded one: no host copy)."""
+        return getattr(self, "_" + name)
+
+    rows = property(lambda self: self._list("rows"), lambda self, v: setattr(self, "_rows", v))
+    gammas = property(lambda self: self._list("gammas"), lambda self, v: setattr(self, "_gammas", v))
+    drafted = property(lambda self: self._list("drafted"), lambda self, v: setattr(self, "_drafted", v))
+    accepted = property(lambda self: self._list("accepted"), lambda self, v: setattr(self, "_accepted", v))
+    committed = property(lambda self: self._list("committed"), lambda self, v: setattr(self, "_committed", v))
+
+    def _fields(self) -> dict:
+        return {n: getattr(self, n) for n in ("batch_size",) + _PER_ROW + _OTHER}
+
+    def __eq__(self, other):
+        if not isinstance(other, StepRecord):
+            return NotImplemented
+        mine, theirs = self._fields(), other._fields()
+        same = mine.pop("confidence") is theirs.pop("confidence")
+        return same and mine == theirs
+
+    def __repr__(self) -> str:
+        return "StepRecord(" + ", ".join(f"{k}={v!r}" for k, v in self._fields().items()) + ")"
+
+    def __getstate__(self):
+        return self._fields()
+
+    def __setstate__(self, state):
+        self.__init__(**state)
 
 
 @dataclass
@@ -52,6 +105,8 @@ class SpecStats:
     time_other: float = 0.0
     time_total: float = 0.0
     fallback: str | None = None    # why speculation was switched off mid-call, if it was
+    lossy: str | None = None       # None: the target's own output; else the lossy rule the user chose (e.g.
+                                   # "assistant_ensemble_weight=0.5")
     policy: str | None = None      # the policy that chose the lengths (its repr)
     compactions: int = 0
     kernel_paths: dict = field(default_factory=dict)   # operation -> "triton" or "torch": what ran in this call
@@ -80,12 +135,17 @@ class SpecStats:
             for row in rows:
                 values[row] = 0
 
-    def record(self, rec: StepRecord) -> None:
+    def record(self, rec: StepRecord, plain: bool = False) -> None:
+        """Count one step. `plain`: no row drafted (the loop knows it without reading the record per row), so only
+        the committed tokens are counted per row, with one host copy."""
         self.steps += 1
         self.row_steps += rec.batch_size
         self.time_draft += rec.draft_time
         self.time_verify += rec.verify_time
         self.time_other += rec.step_time - rec.draft_time - rec.verify_time
+        if plain:
+            self._record_plain(rec)
+            return
         for row, d, a, c in zip(rec.rows, rec.drafted, rec.accepted, rec.committed):
             self.per_row_drafted[row] += d
             self.per_row_accepted[row] += a
@@ -102,6 +162,22 @@ class SpecStats:
         sources = (rec.telemetry or {}).get("source")
         if sources is not None:
             self._count_sources(sources, rec.drafted, rec.accepted)
+        self._keep(rec)
+
+    def _record_plain(self, rec: StepRecord) -> None:
+        rows, committed = rec.tensor("rows"), rec.tensor("committed")
+        if not isinstance(rows, list):
+            rows, committed = rows.tolist(), committed.tolist()
+        new, steps = self.per_row_new_tokens, self.per_row_steps
+        for row, c in zip(rows, committed):
+            new[row] += c
+            steps[row] += 1
+        total = sum(committed)
+        self.new_tokens += total
+        self.step_tokens += total
+        self._keep(rec)
+
+    def _keep(self, rec: StepRecord) -> None:
         self.trace.append(rec)
         if self.trace_limit is not None and len(self.trace) > 2 * self.trace_limit:
             del self.trace[: len(self.trace) - self.trace_limit]     # amortized: one cut per trace_limit steps
@@ -155,6 +231,7 @@ class SpecStats:
             "time_other": round(self.time_other, 4),
             "time_total": round(self.time_total, 4),
             "fallback": self.fallback,
+            "lossy": self.lossy,
             "policy": self.policy,
             "compactions": self.compactions,
             "kernel_paths": self.kernel_paths,
