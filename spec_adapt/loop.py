@@ -42,6 +42,7 @@ class StepPlan:
     members: tuple | None = None         # a chain drafter's levels to run; None = the drafter's own
     stop: object = None                  # a chain plan's StopRule (gammas are each row's most), or None
     free: torch.Tensor | None = None     # [B] the most drafts a row may take from a model-free source (Drafter.max_free)
+    plain: bool = False                  # known without reading a device tensor: no row drafts (every width 0)
 
     @property
     def deepest(self) -> int:
@@ -73,7 +74,7 @@ class SpeculativeLoop:
         self.input_ids = input_ids.to(self.device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         batch, self.prompt_length = input_ids.shape
-        self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device)
+        self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device, together=self.closed)
         pad = pad_token_tensor(cfg)
         self.pad_id = int(pad) if pad is not None else 0
         width = min(self.stopper.max_length, self.prompt_length + 32)
@@ -156,6 +157,9 @@ class SpeculativeLoop:
     def step(self) -> None:
         t0 = self._now()
         plan = self.ranks.decide(self._plan)                               # 0. choose: one StepPlan
+        if plan.plain:                                                     # no drafts: stock's decode step
+            return self._plain_step(plan, t0)
+        self._room_steps = 0                                               # rows may gain several tokens
         self._reserve(plan.deepest + 1)
         proposal = self._propose(plan)                                     # 1. propose
         t1 = self._now()
@@ -173,11 +177,11 @@ class SpeculativeLoop:
     def _plan(self) -> StepPlan:
         """This step's plan: the policy's answer, validated and capped by what each row may still generate; a plain
         step without asking the policy when there is no drafter or it is away."""
-        lengths = self.lengths[self.rows]
-        remaining = self.limits[self.rows] - lengths
-        plain = StepPlan(torch.zeros(len(self.rows), dtype=torch.long, device=self.device))
+        plain = StepPlan(self._no_drafts(len(self.rows)), plain=True)
         if self.drafter is None or not self._guard("available", self.drafter.available):
             return plain
+        lengths = self.lengths[self.rows]
+        remaining = self.limits[self.rows] - lengths
         lag = self._guard("lag", self.drafter.lag, lengths)
         level_lags = self._guard("lag", self.drafter.level_lags, lengths) if self.drafter is not None else None
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
@@ -186,6 +190,8 @@ class SpeculativeLoop:
                         lag, level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
+        if type(answer) is int and answer == 0 and not self.drafter.max_free:   # valid as it is: a plain step
+            return StepPlan(self._no_drafts(len(self.rows)), True, plain=True)
         plan = check_plan(self.policy, answer, len(self.rows))
         if plan.members is not None:
             self.drafter.check_members(plan.members)
@@ -194,9 +200,39 @@ class SpeculativeLoop:
             free = None
             if self.drafter.max_free and self._allows_free():
                 free = (remaining - 1).clamp(0, self.drafter.max_free)
+            none = free is None and not bool(plan.gammas.any())    # the policy's answer, on the host
             return StepPlan(torch.minimum(gammas, remaining - 1), True, members=plan.members, stop=plan.stop,
-                            free=free)
+                            free=free, plain=none)
         return self._tree_plan(gammas, plan, remaining)
+
+    def _no_drafts(self, batch: int) -> torch.Tensor:
+        """[batch] zeros: the widths of a step without drafts (one tensor per batch size, never written)."""
+        zeros = getattr(self, "_zeros", None)
+        if zeros is None or zeros.shape[0] != batch:
+            zeros = self._zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
+        return zeros
+
+    def _ones(self, batch: int) -> torch.Tensor:
+        """[batch] ones: one position per row (a step without drafts; never written)."""
+        ones = getattr(self, "_one_each", None)
+        if ones is None or ones.shape[0] != batch:
+            ones = self._one_each = torch.ones(batch, dtype=torch.long, device=self.device)
+        return ones
+
+    def _room_for_one(self, lengths: torch.Tensor) -> None:
+        """`_reserve(1)` for steps without drafts, reading the lengths once per buffer growth instead of every step:
+        a row gains at most one token per such step, so after a read that found `room` free columns in the longest
+        row, the next room - 1 steps fit. Anything else that moves rows or buffer (a step with drafts, rows that
+        leave or join) makes the next step read again."""
+        key = (self.buffer, self.rows)
+        steps = getattr(self, "_room_steps", 0)
+        if steps > 0 and getattr(self, "_room_key", None) is not None and all(
+                a is b for a, b in zip(self._room_key, key)):
+            self._room_steps = steps - 1
+            return
+        self._reserve(1)
+        self._room_key = (self.buffer, self.rows)
+        self._room_steps = self.buffer.shape[1] - int(lengths.max()) - 1
 
     def _allows_free(self) -> bool:
         with self.policy_lock:
@@ -229,7 +265,7 @@ class SpeculativeLoop:
 
     def _checked_proposal(self, request: DraftRequest) -> Proposal:
         """The drafter's answer, validated where it enters the loop (a malformed one falls back like an error)."""
-        return check_proposal(self.drafter.propose(request), request, self.vocab)
+        return check_proposal(self.drafter.propose(request), request, self.vocab, self.strict)
 
     def _verify(self, proposal: Proposal):
         """The verifier's logits for the last committed token and the drafts. A verifier may keep fewer positions
@@ -270,31 +306,46 @@ class SpeculativeLoop:
                                                     self.sampling)
         return accepted, next_token, None
 
-    def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path) -> torch.Tensor:
+    def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path, plain=False) -> torch.Tensor:
         """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one).
-        A tree commits its accepted path as a chain: the ledgers keep the path's slots and the rest become holes."""
-        drafted = proposal.tokens.shape[1]
+        A tree commits its accepted path as a chain: the ledgers keep the path's slots and the rest become holes.
+        `plain`: a step without drafts (`_plain_step`; proposal and accepted None): `bonus` is then each row's count
+        of tokens (1 where the verifier kept the position), and nothing was cached beyond the committed tokens, so
+        a rollback to them changes no slot, adds no hole and frees nothing to compact: it runs only for a ledger
+        that drops what left a sliding window."""
+        drafted = 0 if plain else proposal.tokens.shape[1]
         if path is not None:
             self.target.keep_tree(torch.cat([torch.ones_like(path[:, :1]), path], dim=1))   # the root stays
             if self.drafter is not None:
                 self._guard("keep_tree", self.drafter.keep_tree, path)
             proposal, scores, logits = _along_path(proposal, path, scores, logits)
         rows, old = self.rows, self.lengths[self.rows]
-        new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
-        n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
+        if plain:
+            new, n_new = next_token[:, None], bonus                                       # [B, 1]
+        else:
+            new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
+            n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self.limits[rows])
+        n_keep, finished, taken = self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits,
+                                                      self.lengths, self.pad_id)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
         self.finished = finished
+        for row, k in taken:     # rows that had left past where the batch ends (Stopper.settle)
+            self._take_back(row, k)
         # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
-        keep = old + accepted
-        self.target.rollback(keep)
+        keep = old if plain else old + accepted
+        if not plain or self.target.rewind is not None:
+            self.target.rollback(keep)
         if self.drafter is not None and drafted and len(rows):
             self._guard("rollback", self.drafter.rollback, keep)
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
-            self.streamer.put(new[0, : int(n_keep[0])].cpu())
-        return n_keep
+            self.streamer.put(new[0, : max(int(n_keep[0]), 0)].cpu())
+        taken = n_keep < 0      # Stopper.settle took back tokens of earlier steps: they are not counted
+        if bool(taken.any()):
+            self._count_first_token(rows[taken], n_keep[taken])
+        return n_keep.clamp(min=0)
 
     def _commit_first(self, rows, logits):
         """The first token of freshly prefilled rows (`logits` [n, 1, V] after each prompt), as a step without drafts:
@@ -306,9 +357,13 @@ class SpeculativeLoop:
         new = next_token[:, None]
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, torch.ones_like(old), self.pad_id,
                                             self.limits[rows])
+        n_keep, finished, taken = self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits,
+                                                      self.lengths, self.pad_id)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
         self._count_first_token(rows, n_keep)
+        for row, k in taken:
+            self._take_back(row, k)
         return n_keep, finished, scores
 
     def _agree_stop(self, rows, old, new, n_keep, finished):
@@ -320,7 +375,38 @@ class SpeculativeLoop:
         room = torch.minimum(torch.full_like(old, new.shape[1]), self.limits[rows] - old)
         b, j = (torch.arange(new.shape[1], device=self.device)[None, :] < room[:, None]).nonzero(as_tuple=True)
         self.buffer[rows[b], old[b] + j] = torch.where(j < agreed[b], new[b, j], self.pad_id)
+        for b in (agreed < 0).nonzero().flatten().tolist():     # Stopper.settle took back earlier tokens
+            self.buffer[rows[b], int(old[b] + agreed[b]): int(old[b])] = self.pad_id
         return agreed, done
+
+    def _plain_step(self, plan: StepPlan, t0: float) -> None:
+        """A step in which no row drafts (every width 0), as `step` runs it with an empty proposal, minus what only
+        drafts need: what stock's decode step does (one forward over each row's last token, the processors, the
+        argmax or a sample, the stop, the cache) and the record, which keeps its per-row fields as tensors (copied
+        to the host only by whoever reads them). No draft request, no buffer copy with drafts, no acceptance over
+        drafts, no rollback of drafts. The same tokens, cache, statistics and records as `step`."""
+        rows = self.rows
+        old = self.lengths[rows]
+        self._room_for_one(old)
+        t1 = self._now()
+        ones = self._ones(len(rows))
+        result = self.verifier.verify(self.target, self.buffer[rows, old - 1][:, None], ones)   # 2. verify
+        logits = _pad_positions(result.logits.float(), 1)                                       # [B, 1, V]
+        n_new = ones if result.kept is ones else (result.kept > 0).long()    # a bonus where the position was kept
+        scores = self.process.positions(logits, self.buffer[rows], old, ones, rows) if self.process.processors \
+            else logits
+        t2 = self._now()
+        if self.sampling:                                                                       # 3. accept
+            _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device))
+        else:                            # greedy without drafts: the argmax (what greedy_accept answers then)
+            next_token = self.ranks.decide(_first_argmax, scores)
+        n_keep = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True)     # 4. commit
+        t3 = self._now()
+        zeros = plan.gammas
+        record = StepRecord(len(rows), rows, zeros, zeros, zeros, n_keep, t3 - t0, t1 - t0, t2 - t1,   # 5. observe
+                            held=self.target.held_rows)
+        self._tell(plan, record, plain=True)
+        self._retire()
 
     def _observe(self, plan: StepPlan, proposal, accepted, committed, step_time, draft_time, verify_time) -> None:
         record = StepRecord(
@@ -330,7 +416,11 @@ class SpeculativeLoop:
             held=self.target.held_rows, confidence=proposal.confidence,
             free=proposal.free.tolist() if proposal.free is not None else None,
         )
-        self.stats.record(record)
+        self._tell(plan, record)
+
+    def _tell(self, plan: StepPlan, record: StepRecord, plain: bool = False) -> None:
+        """The step's record to the statistics, the policy (if it planned the step), the verifier and the drafter."""
+        self.stats.record(record, plain)
         if plan.asked:
             with self.policy_lock:
                 self.policy.observe(record)
@@ -404,7 +494,18 @@ class SpeculativeLoop:
             if store is None:
                 continue
             for b, row in enumerate(self.rows.tolist()):
-                store[row].extend(values[b, : int(n_keep[b])].unbind(0))
+                n = int(n_keep[b])
+                if n < 0:              # Stopper.settle took back tokens of earlier steps
+                    del store[row][n:]
+                store[row].extend(values[b, : max(n, 0)].unbind(0))
+
+    def _take_back(self, row: int, k: int) -> None:
+        """Forget the last k tokens a row that left had generated (its scores, logits and counts)."""
+        for store in (self.scores, self.raw_logits):
+            if store is not None:
+                del store[row][-k:]
+        self.stats.per_row_new_tokens[row] -= k
+        self.stats.new_tokens -= k
 
     def _count_first_token(self, rows, committed) -> None:
         for row, n in zip(rows.tolist(), committed.tolist()):
@@ -443,6 +544,10 @@ def _along_path(proposal: Proposal, path, scores, logits):
     return chain, scores.gather(1, index), logits.gather(1, index)
 
 
+def _first_argmax(scores: torch.Tensor) -> torch.Tensor:
+    return scores[:, 0].argmax(dim=-1)
+
+
 def _pad_positions(logits: torch.Tensor, width: int) -> torch.Tensor:
     """Logits [B, W, V] widened to `width` positions by repeating the last one. Only a row that a verifier cut at the
     batch's widest position needs it: the accept phase reads its (unused) bonus slot."""
@@ -454,15 +559,29 @@ def _pad_positions(logits: torch.Tensor, width: int) -> torch.Tensor:
 class Stopper:
     """Stopping criteria for multi-token commits: a row stops at the first committed token after which stock
     generate would have stopped it. EOS and max length are vectorized; other criteria are asked token by token with
-    that row's sequence (as a batch of one)."""
+    that row's sequence (as a batch of one).
 
-    def __init__(self, criteria, max_length: int, device):
+    Without an EOS id, stock pads no finished row: a row another criterion stopped goes on writing its own tokens,
+    and the call ends when every row has stopped, every row then as long as the one that stopped last. With
+    `together` (a generate call's batch) that is what happens here: `cut` notes where each row stopped (`reach`) and
+    lets it go on; once every row has, `settle` ends the rows at the longest reach, taking back tokens a row had
+    committed past it (a negative count), and the rows short of it generate up to it. A serving engine's rows are
+    requests of their own: they stop where they stop."""
+
+    def __init__(self, criteria, max_length: int, device, together: bool = False):
         criteria = list(criteria or [])
         lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)] + [max_length]
         self.max_length = min(x for x in lengths if x is not None)
         eos = [c.eos_token_id.to(device).flatten() for c in criteria if isinstance(c, EosTokenCriteria)]
         self.eos = torch.cat(eos) if eos else None
         self.others = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        self.together = together
+        self.reach = None     # [B0] per user row: the length at which it stopped, -1 = not yet (`waits` only)
+
+    @property
+    def waits(self) -> bool:
+        """Whether a row a criterion stopped goes on until every row has stopped (no EOS id, as stock)."""
+        return self.together and self.eos is None and bool(self.others)
 
     def cut(self, buffer, rows, old, new, n_new, pad_id, limits):
         """Write each row's committed tokens new[b, :n] into the buffer, row b up to its buffer length limits[b];
@@ -484,13 +603,51 @@ class Stopper:
 
     def _ask_others(self, buffer, rows, old, n, finished, pad_id):
         n, finished = n.clone(), finished.clone()
+        waits = self.waits
+        if waits and self.reach is None:
+            self.reach = torch.full((buffer.shape[0],), -1, dtype=torch.long)
         for b, row in enumerate(rows.tolist()):
             start = int(old[b])
+            if waits and self.reach[row] >= 0:        # stopped already: goes on until every row has
+                continue
             for j in range(int(n[b])):
                 sequence = buffer[row : row + 1, : start + j + 1]
                 # A criterion may answer with a bool tensor or (as stock generate accepts) a Python bool.
                 if any(bool(torch.as_tensor(c(sequence, None)).any()) for c in self.others):
+                    if waits:
+                        self.reach[row] = start + j + 1
+                        break
                     buffer[row, start + j + 1 : start + int(n[b])] = pad_id
                     n[b], finished[b] = j + 1, True
                     break
         return n, finished
+
+    def settle(self, buffer, rows, old, n, finished, limits, lengths, pad_id):
+        """With `waits`: once every row has stopped, the rows end at the longest reach (see the class docstring).
+        `limits` and `lengths` [B0] are the loop's own: the rows short of the end get it as their limit, and a row
+        that already left past it (at its limit) is cut back to it. Returns (n, finished, [(row, tokens taken back)]
+        of the rows that had left)."""
+        if not self.waits or self.reach is None or not len(rows):
+            return n, finished, []
+        host = rows.cpu()
+        ended = (finished & (self.reach[host] < 0).to(finished.device)).cpu()   # at their limit: stop there
+        self.reach[host[ended]] = (old + n).cpu()[ended]
+        if not bool((self.reach[host] >= 0).all()):
+            return n, finished, []
+        end = int(self.reach.max())
+        n, finished = n.clone(), finished.clone()
+        left = torch.ones(len(lengths), dtype=torch.bool)
+        left[host] = False
+        taken = []
+        for row in (left & (lengths.cpu() > end)).nonzero().flatten().tolist():
+            taken.append((row, int(lengths[row]) - end))
+            buffer[row, end:int(lengths[row])] = pad_id
+            lengths[row] = end
+        for b, row in enumerate(host.tolist()):
+            length = int(old[b] + n[b])
+            if length >= end:
+                buffer[row, end:length] = pad_id
+                n[b], finished[b] = end - int(old[b]), True
+            else:
+                limits[row] = end
+        return n, finished, taken

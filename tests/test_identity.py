@@ -12,7 +12,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import spec_adapt
-from spec_adapt import FixedLength
+from spec_adapt import FixedLength, ModelDrafter
 from spec_adapt.policies import Heuristic
 
 from conftest import EOS, PAD, VOCAB, Collect, Oracle, SpareRows, cached_model, ragged_batch, stock_greedy, tiny_model
@@ -251,7 +251,7 @@ def test_draft_model_same_weights_accepts_everything(arch):
     model = cached_model(arch)
     ids, mask = ragged_batch(5, seed=11)
     reference = stock_greedy(model, ids, mask, eos_token_id=None)
-    out, stats = run_spec(model, ids, mask, model, FixedLength(4), eos_token_id=None)
+    out, stats = run_spec(model, ids, mask, ModelDrafter(model), FixedLength(4), eos_token_id=None)
     assert torch.equal(out, reference)
     assert stats.fallback is None and stats.drafted > 0 and stats.accepted == stats.drafted
 
@@ -277,7 +277,7 @@ def test_draft_with_padded_superset_vocabulary(llama):
             p.copy_(q if p.shape == q.shape else torch.cat([q, torch.full_like(p[q.shape[0]:], -1e3)]))
     ids, mask = ragged_batch(4, seed=13)
     reference = stock_greedy(llama, ids, mask, eos_token_id=None)
-    out, stats = run_spec(llama, ids, mask, draft, FixedLength(3), eos_token_id=None)
+    out, stats = run_spec(llama, ids, mask, ModelDrafter(draft), FixedLength(3), eos_token_id=None)
     assert torch.equal(out, reference)
     assert stats.accepted == stats.drafted > 0
 
