@@ -2,7 +2,7 @@
 
     python benchmarks/lab_adaptive.py --cycles 5
 
-Replays results/lab-<workload>-suffix/traces.json under the fp32 latency table at B = 1, 4, 16 (closed loop);
+Replays results/lab-suffix/<workload>/traces.json under the fp32 latency table at B = 1, 4, 16 (closed loop);
 model-free drafter, so only verification costs (the lab's draft_cost=False).
 """
 
@@ -26,7 +26,7 @@ def main():
     table = LatencyTable.load(args.latency)
     print(f"{'workload':<10} {'B':>3} {'best fixed':>10} {'adaptive vs best':>17}")
     for workload in args.workloads:
-        pool = [lab.Request(**r) for r in json.load(open(f"results/lab-{workload}-suffix/traces.json"))]
+        pool = [lab.Request(**r) for r in json.load(open(f"results/lab-suffix/{workload}/traces.json"))]
         requests = [lab.Request(r.runs, name=r.name, lengths=r.lengths) for _ in range(args.cycles) for r in pool]
         for batch in args.batch_sizes:
             ours = lab.simulate(Adaptive(), requests, table, lab.Static(batch), draft_cost=False).goodput
