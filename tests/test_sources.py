@@ -132,8 +132,9 @@ def test_greedy_identity_with_several_sources(batch):
 
 
 def test_fixed_length_three_drafts_from_the_model_and_lookup():
-    """FixedLength(3) on repetitive prompts: both the draft model and prompt lookup draft rows in the same call."""
-    ids, mask = repetitive_batch(5, seed=5)
+    """FixedLength(3) on prompts whose continuation repeats them for some rows and not for others: both the draft
+    model and prompt lookup draft rows in the same call, and both have drafts accepted."""
+    ids, mask = looping_batch(5, seed=5, distinct=(1, 3))
     reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
     out, stats = run(TARGET, ids, mask, MultiSourceDrafter(GOOD_DRAFT, state=fixed_state()), FixedLength(3))
     assert torch.equal(out, reference) and stats.fallback is None
@@ -407,3 +408,20 @@ def test_multi_source_drafter_arguments():
     made = MultiSourceDrafter(draft)
     assert isinstance(made.model_drafter, ModelDrafter) and made.model is draft and made.names == ["lookup", "suffix"]
     assert made.max_free == 32
+
+
+def test_a_long_offer_must_pay_for_the_whole_batchs_longer_step():
+    """One verification serves the batch: a row's mediocre long offer that pays alone (batch 1) does not pay when
+    three other rows would wait through the longer step with nothing to draft. Mutation: a router that judges each
+    row against its own plain step drafts the offer at batch 4 too."""
+    state = fixed_state()
+    state.cost = FixedCost(verify_slope=0.2)
+    for accepted in [0, 1] * 10:
+        state.acceptance.observe("lookup", 2, 16, accepted)     # the first token right half the time, no more
+    drafter = MultiSourceDrafter(None, free=[PromptLookupDrafter()], state=state)
+    alone = drafter.route(1, [0], [[16]], [[2]])
+    assert alone[0] == [1] and alone[1][0] > 0
+    batch = drafter.route(4, [0] * 4, [[16, 0, 0, 0]], [[2, 0, 0, 0]])
+    assert batch == ([PLAIN] * 4, [0] * 4)
+    everyone = drafter.route(4, [0] * 4, [[16] * 4], [[2] * 4])      # all four rows gain: the step pays again
+    assert everyone[0] == [1] * 4

@@ -4,13 +4,15 @@ chosen per row and per step and verified together in one forward.
 Each step, for each row:
 1. every model-free source proposes what it finds for the row (a search of its tokens: no forward), with a feature:
    the matched n-gram's length for prompt lookup, the first token's share of its context for the suffix index;
-2. the router predicts for each option the tokens the row commits and the step's seconds, and takes the option with
-   the most tokens per second:
+2. the router predicts for each row's options the tokens it commits, and for the step its seconds, and takes the
+   step with the most tokens per second. A row's options:
    - the draft model at the width the policy asked (only where it asked for drafts);
-   - a model-free proposal, cut to its best length (up to `max_free` tokens, even where the policy asked none);
-   - nothing (a plain step for the row).
+   - a model-free proposal, cut to a length (up to `max_free` tokens, even where the policy asked none);
+   - nothing (a plain step for the row; not for a row the policy asked to draft).
    Tokens: `SourceAcceptance`, the survival per draft position learned per source and feature. Seconds:
-   `StepCost`, the verification at that width and batch size, plus the draft model's time per token when it drafts;
+   `StepCost`, the verification of the widest row's drafts at this batch size, plus the draft model's time per
+   token when a row drafts with it. One verification serves the batch, so a long offer has to pay for every row's
+   longer step, not just its own (`route`);
 3. the draft model runs only for the rows that chose it: none, and the step runs no draft forward;
 4. the rows' drafts become one Proposal (`Proposal.free` marks the model-free rows).
 
@@ -28,6 +30,7 @@ drafted. Both are kept in a `SourceState`, which the default drafter of a target
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 
@@ -93,25 +96,25 @@ class MultiSourceDrafter(Drafter):
         return ([self.model_drafter] if self.model_drafter is not None else []) + self.free
 
     # -- the lifecycle: every source follows the rows -------------------------------------------------------------
-    def validate(self, target) -> None:
+    def _each(self, method: str, *args) -> None:
         for source in self.sources:
-            source.validate(target)
+            getattr(source, method)(*args)
+
+    def validate(self, target) -> None:
+        self._each("validate", target)
 
     def share_inputs(self, inputs) -> None:
-        for source in self.sources:
-            source.share_inputs(inputs)
+        self._each("share_inputs", inputs)
 
     def begin(self, input_ids, attention_mask) -> None:
         self._offers = self._chosen = None
         self.row_counts = {}
-        for source in self.sources:
-            source.begin(input_ids, attention_mask)
+        self._each("begin", input_ids, attention_mask)
 
     def add_rows(self, input_ids, attention_mask, rows) -> None:
         for key in [k for k in self.row_counts if k[1] in {int(r) for r in rows}]:    # a slot's new request
             del self.row_counts[key]
-        for source in self.sources:
-            source.add_rows(input_ids, attention_mask, rows)
+        self._each("add_rows", input_ids, attention_mask, rows)
 
     def available(self) -> bool:
         return True       # a model away (offloaded) leaves the free sources
@@ -127,21 +130,17 @@ class MultiSourceDrafter(Drafter):
         return torch.where(ledger.n_cached == ledger.pad, lag, 0)
 
     def rollback(self, keep_len) -> None:
-        for source in self.sources:
-            source.rollback(keep_len)
+        self._each("rollback", keep_len)
 
     def keep_tree(self, path) -> None:
-        for source in self.sources:
-            source.keep_tree(path)
+        self._each("keep_tree", path)
 
     def select_rows(self, index) -> None:
-        for source in self.sources:
-            source.select_rows(index)
+        self._each("select_rows", index)
 
     def end(self, tokens=None, lengths=None) -> None:
         self._offers = self._chosen = None
-        for source in self.sources:
-            source.end(tokens, lengths)
+        self._each("end", tokens, lengths)
 
     # -- the step -------------------------------------------------------------------------------------------------
     def propose(self, request: DraftRequest) -> Proposal:
@@ -152,50 +151,95 @@ class MultiSourceDrafter(Drafter):
         free_request = dataclasses.replace(request, gammas=request.free, free=None, stop=None, members=None)
         offers = [source.propose(free_request) for source in self.free]
         features = [(offer.telemetry or {}).get("feature") or [0] * batch for offer in offers]
-        gammas = request.gammas if self.model_drafter is not None else torch.zeros_like(request.gammas)
+        model_here = self.model_drafter is not None and self.model_drafter.available()   # not while offloaded
+        gammas = request.gammas if model_here else torch.zeros_like(request.gammas)
         choice, cut = self.route(batch, gammas.tolist(), [o.lengths.tolist() for o in offers], features,
                                  request.rows.tolist())
         self._offers = {"rows": request.rows.clone(), "lengths": request.lengths.clone(),
                         "offers": [(o.tokens.cpu(), o.lengths.cpu(), f) for o, f in zip(offers, features)]}
-        model, seconds = self._model_proposal(request, choice)
+        model, seconds = self._model_proposal(request, choice, cut)
         self._chosen = {"choice": choice, "features": features, "model_seconds": seconds}
         return self._merge(request, choice, cut, offers, model, batch, device)
 
     def route(self, batch: int, gammas: list[int], lengths: list[list[int]], features: list[list[int]],
               rows: list[int] | None = None):
-        """Per row, the option with the most predicted tokens per second: (choice [B] list: PLAIN, MODEL or free
-        source i + 1; cut [B] list: the drafts it takes). `gammas`: the policy's width per row (0: no model);
-        `lengths[i][b]`, `features[i][b]`: free source i's offer for row b; `rows`: the user's row numbers (each
-        row's own record with each source counts, shrunk toward the source's rates for the feature)."""
+        """The step with the most predicted tokens per second: (choice [B] list: PLAIN, MODEL or free source i + 1;
+        cut [B] list: the drafts each row takes). `gammas`: the policy's width per row (0: the draft model is not
+        asked; a row it asked drafts from the model or a free source, never nothing); `lengths[i][b]`,
+        `features[i][b]`: free source i's offer for row b; `rows`: the user's row numbers (each row's own record
+        with each source, shrunk toward the source's rates for the feature).
+
+        One verification serves the whole batch, so the choice is the batch's: for each step width W (the widest
+        row's drafts) and with or without the draft model, every row takes its option committing the most tokens
+        within W, and the step's time is the verification of W + 1 tokens at this batch size plus, with the model,
+        its time per token times the widest model row. A row that drafts long makes every row's step longer: its
+        tokens must pay for the whole batch's extra time."""
         rows = rows if rows is not None else list(range(batch))
-        cost, acceptance = self.state.cost, self.state.acceptance
         with self.state.lock:
-            verify = [cost.verify_time(batch, w + 1) for w in range(self.max_free + 1)]
-            per_token = cost.draft_time("model", batch, 1)
-            choice, cut = [], []
-            for b in range(batch):
-                best = (1.0 / verify[0], PLAIN, 0)
-                g = min(gammas[b], self.max_free)
-                if g > 0:
-                    tokens = float(acceptance.expected("model", 0, g, self.row_counts.get(("model", rows[b])))[g])
-                    best = (tokens / (verify[g] + per_token * g), MODEL, gammas[b])
-                for i, name in enumerate(self.names):
-                    n = min(lengths[i][b], self.max_free)
-                    if n <= 0:
-                        continue
-                    own = self.row_counts.get((name, rows[b]))
-                    rates = acceptance.expected(name, features[i][b], n, own) / torch.tensor(verify[: n + 1])
-                    k = int(rates.argmax())
-                    if k > 0 and float(rates[k]) > best[0]:
-                        best = (float(rates[k]), i + 1, k)
-                choice.append(best[1])
-                cut.append(best[2])
+            verify = torch.tensor([self.state.cost.verify_time(batch, w + 1) for w in range(self.max_free + 1)])
+            per_token = self.state.cost.draft_time("model", batch, 1)
+            tokens, asked = self._option_tokens(batch, gammas, lengths, features, rows)
+        best = (-1.0, None, None)
+        for with_model in (False, True) if asked.any() else (False,):
+            for width in range(self.max_free + 1):
+                table = tokens[:, :, width].clone()
+                if not with_model:
+                    table[:, -1] = -math.inf
+                value, option = table.max(dim=1)                 # first best: free before model, plain first
+                if bool(torch.isinf(value).any()):
+                    continue
+                model_rows = option == table.shape[1] - 1
+                model_width = int(torch.tensor(gammas).clamp(max=self.max_free)[model_rows].max()) \
+                    if bool(model_rows.any()) else 0
+                rate = float(value.sum()) / float(verify[width] + per_token * model_width)
+                if rate > best[0]:
+                    best = (rate, option, width)
+        _, option, width = best
+        return self._choices(option, width, gammas, lengths)
+
+    def _option_tokens(self, batch, gammas, lengths, features, rows):
+        """tokens [B, options, max_free + 1]: what row b commits with each option at step width w (-inf where the
+        option is not open to it); options: plain, each free source (cut to w), the draft model (at the width the
+        policy asked, so open from that width on). And which rows the policy asked to draft [B] bool."""
+        acceptance, most = self.state.acceptance, self.max_free
+        tokens = torch.full((batch, len(self.names) + 2, most + 1), -math.inf)
+        asked = torch.tensor([g > 0 for g in gammas], dtype=torch.bool)
+        widths = torch.arange(most + 1)
+        for b in range(batch):
+            if not asked[b]:
+                tokens[b, 0] = 1.0                              # a plain row commits the target's one token
+            offers = [(i + 1, name, min(lengths[i][b], most), features[i][b]) for i, name in enumerate(self.names)]
+            if asked[b]:
+                offers.append((len(self.names) + 1, "model", min(gammas[b], most), 0))
+            for slot, name, n, feature in offers:
+                if n <= 0:
+                    continue
+                expected = acceptance.expected(name, feature, n, self.row_counts.get((name, rows[b])))
+                tokens[b, slot, 1:] = expected[torch.clamp(widths[1:], max=n)]
+            if asked[b]:      # the model drafts the width the policy asked (its counts judge that width): open from it
+                tokens[b, -1, : min(gammas[b], most)] = -math.inf
+        return tokens, asked
+
+    def _choices(self, option, width, gammas, lengths):
+        """The chosen step as (choice, cut) lists per row."""
+        choice, cut = [], []
+        for b, o in enumerate(option.tolist()):
+            if o == 0:
+                choice.append(PLAIN)
+                cut.append(0)
+            elif o == len(self.names) + 1:
+                choice.append(MODEL)
+                cut.append(gammas[b])
+            else:
+                choice.append(o)
+                cut.append(min(lengths[o - 1][b], width))
         return choice, cut
 
     def _single(self, request: DraftRequest) -> Proposal:
         """Tree plans and loops that allow no free drafts: the draft model (else the first free source) as one
         source would draft."""
-        source = self.model_drafter if self.model_drafter is not None else self.free[0]
+        model = self.model_drafter is not None and (self.model_drafter.available() or not self.free)
+        source = self.model_drafter if model else self.free[0]
         request = dataclasses.replace(request, free=None)
         proposal = source.propose(request)
         name = "model" if source is self.model_drafter else self.names[0]
@@ -204,13 +248,13 @@ class MultiSourceDrafter(Drafter):
         self._chosen = None
         return proposal
 
-    def _model_proposal(self, request: DraftRequest, choice: list[int]):
+    def _model_proposal(self, request: DraftRequest, choice: list[int], cut: list[int]):
         """The draft model's proposal for the rows that chose it (None when none did), and its seconds."""
         wants = torch.tensor([c == MODEL for c in choice], device=request.gammas.device)
         if self.model_drafter is None or not bool(wants.any()):
             return None, 0.0
         start = time.perf_counter()
-        gammas = torch.where(wants, request.gammas, 0)
+        gammas = torch.where(wants, torch.tensor(cut, device=request.gammas.device), 0)
         proposal = self.model_drafter.propose(dataclasses.replace(request, gammas=gammas, free=None))
         return proposal, time.perf_counter() - start
 
