@@ -67,11 +67,10 @@ test-gpu: setup
 	$(PYTHON) benchmarks/gpu.py --out results/gpu.json
 
 bench: setup
-	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --xdraft smollm2-135m \
-		--draft-dtype fastest --prepare --workload humaneval-chat \
-		--num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
-		--configs target hf-assisted hf-uag draft:adaptive draft:adaptive-stop draft:fixed3 draft:fixed5 \
-		xdraftc:adaptive --bound --cold --out results/bench-qwen-bf16-draft-b1/humaneval-chat
+	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --draft-dtype fastest --prepare \
+		--no-eager --workload edit --num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
+		--configs target hf-assisted hf-lookup multi:adaptive draft:adaptive draft:fixed3 draft:fixed5 \
+		lookup:adaptive --bound --out results/bench-qwen-sources/edit-b1
 
 clean:
 	rm -rf $(STAMP) $(OLDEST) $(LATEST)
