@@ -14,7 +14,8 @@ from transformers import StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 import spec_adapt
-from spec_adapt import EarlyExitVerifier, FixedLength, FixedTree, ModelDrafter, PromptLookupDrafter, compat
+from spec_adapt import (EarlyExitVerifier, FixedLength, FixedTree, ModelDrafter, MultiSourceDrafter,
+                        PromptLookupDrafter, compat)
 from spec_adapt.api import _stock_speculation
 from spec_adapt.drafters.early_exit import early_exit_model
 
@@ -196,5 +197,8 @@ def test_num_assistant_tokens_and_the_confidence_threshold_are_read_where_set():
                 dict(prompt_lookup_num_tokens=2, assistant_early_exit=1)):
         with pytest.raises(ValueError):
             _stock_speculation(model, model.generation_config.__class__(**bad), None)
-    with pytest.raises(ValueError, match="not also pass"):
-        _stock_speculation(model, model.generation_config.__class__(prompt_lookup_num_tokens=2), draft)
+    both, _ = _stock_speculation(model, model.generation_config.__class__(prompt_lookup_num_tokens=2), draft)
+    assert isinstance(both, MultiSourceDrafter) and both.max_free == 2 and "lookup" in both.names   # stock refuses
+    with pytest.raises(ValueError, match="not also pass"):              # another Drafter with lookup: refused
+        _stock_speculation(model, model.generation_config.__class__(prompt_lookup_num_tokens=2),
+                           PromptLookupDrafter())
