@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import spec_adapt
-from spec_adapt import Adaptive, FixedLength
+from spec_adapt import Adaptive, FixedLength, ModelDrafter
 from spec_adapt.estimators import Calibration, StopRule
 from spec_adapt.policies.base import Plan, StepInfo
 
@@ -109,8 +109,8 @@ def test_rows_stop_at_their_own_depth_and_the_output_is_the_targets(sampling):
     policy = Ruled(6, 0.003)      # a random tiny draft is unsure of itself: survivals of 0.1-0.3 per token
     kwargs = dict(do_sample=sampling, max_new_tokens=20, pad_token_id=PAD, eos_token_id=None)
     torch.manual_seed(0)
-    out = target.generate(input_ids=ids, attention_mask=mask, custom_generate=spec_adapt.generate, drafter=draft,
-                          assistant_policy=policy, **kwargs)
+    out = target.generate(input_ids=ids, attention_mask=mask, custom_generate=spec_adapt.generate,
+                          drafter=ModelDrafter(draft), assistant_policy=policy, **kwargs)
     if not sampling:
         assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=20))
     ragged = [r for r in policy.records if max(r.gammas) == 6 and len(set(r.drafted)) > 1 and 0 < min(r.drafted)]
@@ -134,7 +134,7 @@ def test_the_default_policy_with_the_rule_plans_its_threshold_from_the_cost_mode
     policy.choose = spy
     for _ in range(3):
         out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
-                              eos_token_id=None, custom_generate=spec_adapt.generate, drafter=draft,
+                              eos_token_id=None, custom_generate=spec_adapt.generate, drafter=ModelDrafter(draft),
                               assistant_policy=policy)
         assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=24))
     ruled = [plan for plan, pending in plans if isinstance(plan, Plan) and plan.stop is not None]
@@ -255,7 +255,7 @@ def test_a_row_the_rule_stops_proposes_its_last_token_without_another_draft_forw
     try:
         out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
                               pad_token_id=PAD, eos_token_id=None, custom_generate=spec_adapt.generate,
-                              drafter=draft, assistant_policy=policy)
+                              drafter=ModelDrafter(draft), assistant_policy=policy)
     finally:
         hook.remove()
     assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=12))
