@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 import spec_adapt  # noqa: E402
-from spec_adapt import FixedLength
+from spec_adapt import FixedLength, ModelDrafter
 from spec_adapt import acceptor  # noqa: E402
 from spec_adapt.accept import greedy_accept, rejection_sample, sample_randoms  # noqa: E402
 from spec_adapt.kernels.compact import gather_slots  # noqa: E402
@@ -96,7 +96,8 @@ def test_loop_identical_with_kernels_on_and_off(do_sample):
         stats = spec_adapt.SpecStats()
         outputs[mode] = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=do_sample, pad_token_id=PAD, eos_token_id=None,
-            max_new_tokens=20, custom_generate=spec_adapt.generate, drafter=draft, assistant_policy=FixedLength(3),
+            max_new_tokens=20, custom_generate=spec_adapt.generate, drafter=ModelDrafter(draft),
+            assistant_policy=FixedLength(3),
             spec_stats=stats, acceptor=acceptor.Acceptor(kernels=mode))
         path = "rejection" if do_sample else "greedy"
         assert stats.kernel_paths[path] == ("triton" if mode == "force" else "torch")
