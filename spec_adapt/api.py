@@ -276,7 +276,7 @@ def with_sources(model, drafter, lookup: PromptLookupDrafter | None = None, max_
     target's calls, learning into the state this (target, draft) pair keeps in the process. Other drafters
     (explicit `ModelDrafter`s, multimodal and encoder-decoder drafts, which draft from more than the tokens) stay
     as they are."""
-    if not isinstance(drafter, ModelDrafter) or type(drafter) is not ModelDrafter or drafter.prompt_inputs \
+    if type(drafter) is not ModelDrafter or drafter.prompt_inputs \
             or encoder_decoder(model) or encoder_decoder(drafter.model) or _multimodal(model):
         return drafter
     with _DEFAULTS_LOCK:
@@ -297,7 +297,7 @@ def _multimodal(model) -> bool:
 def as_drafter(drafter) -> Drafter | None:
     if drafter is None or isinstance(drafter, Drafter):
         return drafter
-    if isinstance(drafter, torch.nn.Module) and hasattr(drafter, "get_output_embeddings"):
+    if _bare_model(drafter):
         return ModelDrafter(drafter)
     raise TypeError(
         f"Cannot draft with {type(drafter).__name__}: pass a causal LM sharing the target's tokenizer or a "

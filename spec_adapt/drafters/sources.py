@@ -116,9 +116,6 @@ class MultiSourceDrafter(Drafter):
             del self.row_counts[key]
         self._each("add_rows", input_ids, attention_mask, rows)
 
-    def available(self) -> bool:
-        return True       # a model away (offloaded) leaves the free sources
-
     def lag(self, lengths):
         """The draft model's catch-up on rows it has never read (their prompt): a row that drafted from a free source
         for a while catches up on a few tokens in the forward it drafts with, which the router's measured draft
@@ -179,6 +176,7 @@ class MultiSourceDrafter(Drafter):
             verify = torch.tensor([self.state.cost.verify_time(batch, w + 1) for w in range(self.max_free + 1)])
             per_token = self.state.cost.draft_time("model", batch, 1)
             tokens, asked = self._option_tokens(batch, gammas, lengths, features, rows)
+        model_widths = torch.tensor(gammas).clamp(max=self.max_free)
         best = (-1.0, None, None)
         for with_model in (False, True) if asked.any() else (False,):
             for width in range(self.max_free + 1):
@@ -189,8 +187,7 @@ class MultiSourceDrafter(Drafter):
                 if bool(torch.isinf(value).any()):
                     continue
                 model_rows = option == table.shape[1] - 1
-                model_width = int(torch.tensor(gammas).clamp(max=self.max_free)[model_rows].max()) \
-                    if bool(model_rows.any()) else 0
+                model_width = int(model_widths[model_rows].max()) if bool(model_rows.any()) else 0
                 rate = float(value.sum()) / float(verify[width] + per_token * model_width)
                 if rate > best[0]:
                     best = (rate, option, width)

@@ -482,15 +482,3 @@ class SourceAcceptance:
         counts = self.counts.get(key)
         counts = counts * self.decay if counts is not None else torch.zeros(2, self.positions)
         self.counts[key] = counts + self.step_counts(drafted, accepted)
-
-    def state_dict(self) -> dict:
-        return {"counts": [[list(k), v.tolist()] for k, v in self.counts.items()]}
-
-    def load_state_dict(self, state: dict) -> None:
-        counts = {}
-        for (source, feature), value in state.get("counts", []):
-            tensor = torch.tensor(value, dtype=torch.float32)
-            if tensor.shape != (2, self.positions) or not bool(torch.isfinite(tensor).all()) or bool((tensor < 0).any()):
-                raise ValueError(f"SourceAcceptance state for {source!r} is not [2, {self.positions}] finite counts.")
-            counts[(str(source), int(feature))] = tensor
-        self.counts = counts
