@@ -11,10 +11,12 @@ The tested range is `TESTED_TEXT` (pyproject.toml declares it; `constraints.txt`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Mapping
 
+import torch
 import transformers
 import transformers.modeling_utils
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig                               # noqa: F401 (re-exported)
@@ -29,6 +31,11 @@ from transformers.generation.utils import (                                     
     GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput,
 )
 from transformers.masking_utils import create_causal_mask as _create_causal_mask
+
+try:        # multi-token prediction layers shipped in a checkpoint beside the model's (transformers >= 5.24)
+    from transformers.modeling_layers import MtpModel
+except ImportError:
+    MtpModel = None
 
 try:        # a KV-sharing layer's cache (type "dummy"): transformers >= 5.21; before, no model builds one
     from transformers.cache_utils import DummyLayer
@@ -84,6 +91,20 @@ def prepare_inputs(model, input_ids, cache, **kwargs) -> dict:
     return model.prepare_inputs_for_generation(input_ids, **{_prepare_cache_argument(prepare): cache}, **kwargs)
 
 
+def prepare_passes_positions(model) -> bool:
+    """Whether stock generate hands `model`'s forward the position ids it prepared. A model whose
+    `prepare_inputs_for_generation` drops them (Kosmos-2's text model, which numbers tokens from padding id + 1 + the
+    cache length) gets none. Asked with two tokens and no cache; a model that cannot be asked without inputs of its
+    own (images on every forward) is taken to pass them, as `GenerationMixin` does."""
+    ids = torch.ones(1, 2, dtype=torch.long, device=model.device)
+    try:
+        found = prepare_inputs(model, ids, None, attention_mask=torch.ones_like(ids), use_cache=True,
+                               position_ids=torch.arange(2, device=model.device)[None])
+    except Exception:  # noqa: BLE001 - a model-specific preparation that needs its own inputs
+        return True
+    return found.get("position_ids") is not None
+
+
 def generation_positions(model, input_ids, model_kwargs: dict):
     """The position ids `generate` prepares for a decoder-only model's prompt (`_prepare_position_ids_for_generation`,
     which multimodal models override: Qwen2-VL's M-RoPE), or None for a model whose forward takes none."""
@@ -98,6 +119,12 @@ def output_cache(output):
     # Only the fields the output holds: reading the old name's alias logs a deprecation notice.
     fields = list(output.keys()) if isinstance(output, Mapping) else list(vars(output))
     return next((getattr(output, name) for name in CACHE_INPUTS if name in fields), None)
+
+
+def output_cache_field(cache) -> dict:
+    """A generate output's cache field: `cache` on >= 5.24, `past_key_values` before."""
+    fields = {field.name for field in dataclasses.fields(GenerateDecoderOnlyOutput)}
+    return {"cache" if "cache" in fields else "past_key_values": cache}
 
 
 def layer_types(model) -> list[tuple[str, dict]]:
@@ -183,3 +210,53 @@ def hand_tokenizers_to(function):
     extract.hands_tokenizers = True
     GenerationMixin._extract_generation_mode_kwargs = extract
     return function
+
+
+# -- multi-token prediction (MTP) layers ------------------------------------------------------------------------------
+def mtp_layer_count(model) -> int | None:
+    """How many MTP layers the checkpoint of `model` ships (its text config's `num_mtp_layers`), or None."""
+    count = getattr(model.config.get_text_config(), "num_mtp_layers", None)
+    return count or None
+
+
+def load_mtp(model):
+    """The MTP layers of `model`'s checkpoint, as stock's `MTPCandidateGenerator` loads them: `MtpModel.from_pretrained`
+    on the device of the target's last decoder layer, the embedding, head and rotary embedding shared with it."""
+    if MtpModel is None:
+        raise ValueError(f"transformers {VERSION} has no MtpModel: multi-token prediction drafting needs transformers "
+                         ">= 5.24.")
+    if mtp_layer_count(model) is None:
+        raise ValueError(f"{type(model).__name__} has no `num_mtp_layers` in its config: its checkpoint ships no "
+                         "multi-token prediction layers to draft with (stock's use_mtp=True refuses it too).")
+    device = next(p.device for p in model.get_decoder().layers[-1].parameters())
+    return MtpModel.from_pretrained(model, device_map={"": device}).eval()
+
+
+def mtp_depth(mtp) -> int:
+    """How many MTP layers an `MtpModel` chains: one drafted token each per forward."""
+    return len(mtp.layers)
+
+
+def mtp_layer_type(mtp, index: int) -> str | None:
+    """The attention type of MTP layer `index` (its config's `layer_types`), or None where it has none."""
+    types = getattr(mtp.config, "layer_types", None)
+    return types[index] if types is not None else None
+
+
+def mtp_layer_forward(mtp, index: int, input_ids, hidden, position_ids, attention_mask, cache):
+    """One MTP layer over a window: `MtpModel.forward_layer`'s body with the caller's attention mask (stock builds a
+    mask without padding: its MTP runs at batch 1). Returns the layer's hidden states [B, W, H]."""
+    embeds = mtp.embed_tokens(input_ids).to(hidden.device)
+    position_embeddings = None
+    if mtp.rotary_emb is not None:
+        kwargs = {"layer_type": mtp.config.layer_types[index]} if mtp.has_per_layer_rope else {}
+        position_embeddings = mtp.rotary_emb(embeds, position_ids=position_ids, **kwargs)
+    hidden = mtp.layers[index](embeds, hidden, position_embeddings=position_embeddings, position_ids=position_ids,
+                               attention_mask=attention_mask, **{cache_argument(mtp.layers[index]): cache})
+    return mtp.shared_post_norm(hidden) if mtp.use_shared_post_norm else hidden
+
+
+def mtp_logits(mtp, hidden):
+    """Logits [..., V] of MTP hidden states through the shared head, as the target projects its own (muP scaling,
+    unpadded vocabulary)."""
+    return mtp._project_to_logits(hidden)

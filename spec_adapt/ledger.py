@@ -45,6 +45,8 @@ import inspect
 import weakref
 
 import torch
+
+from . import compat
 from .compat import (PER_ROW_LOGITS_TO_KEEP, DummyLayer, DynamicCache, DynamicIndexedLayer, DynamicLayer,
                      DynamicSlidingWindowLayer, EncoderDecoderCache, LinearAttentionLayer, attn_implementation,
                      layer_types, takes_4d_mask, with_cache)
@@ -85,10 +87,18 @@ _KEPT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, Li
 _POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+_TAKES_POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def takes_positions(model) -> bool:
-    """Whether `model.forward` names `position_ids`: stock generate passes padding-aware positions exactly then, and
-    otherwise lets the model number tokens itself (WhisperForCausalLM takes them only through **kwargs)."""
-    return "position_ids" in inspect.signature(model.forward).parameters
+    """Whether stock generate passes `model` padding-aware positions: where its forward names `position_ids` and its
+    `prepare_inputs_for_generation` keeps them. Otherwise the model numbers tokens itself (WhisperForCausalLM takes
+    them only through **kwargs; Kosmos-2's text model counts from the cache length), and the ledger passes none."""
+    known = _TAKES_POSITIONS.get(model)
+    if known is None:
+        known = _TAKES_POSITIONS[model] = "position_ids" in inspect.signature(model.forward).parameters and \
+            compat.prepare_passes_positions(model)
+    return known
 
 
 def positions_from_cache(model) -> str | None:
@@ -104,7 +114,8 @@ def positions_from_cache(model) -> str | None:
         reason = (f"{type(model).__name__} is an encoder-decoder model, whose decoder stock runs without position ids "
                   "(it numbers tokens by cache column)")
     elif not takes_positions(model):
-        reason = f"{type(model).__name__}.forward takes no position_ids (stock numbers its tokens by cache column)"
+        reason = (f"stock generate passes {type(model).__name__} no position_ids (it numbers its tokens by cache "
+                  "column)")
     elif getattr(model, "_pp_stage", None) is not None:      # a pipeline stage cannot be probed alone
         reason = None
     else:
@@ -279,7 +290,7 @@ class KVLedger:
     """One model, its DynamicCache and the per-row slot map. All tensors live on the model's device."""
 
     def __init__(self, model, cache: DynamicCache | None = None, compact_threshold: float = 0.5, compact_min: int = 64,
-                 kernels: str = "auto", rewind: int | None = None):
+                 kernels: str = "auto", rewind: int | None = None, full_masks: bool = False):
         self.model = model
         self.kernels = kernels            # kernel mode of the compaction gather (spec_adapt.acceptor)
         self.compact_path: str | None = None   # "triton" or "torch": what the last compaction ran
@@ -321,8 +332,13 @@ class KVLedger:
         self.lockstep = False
         # A pipeline stage after the first holds no cache for layer 0, from which transformers sizes the masks it
         # builds from a 2-D mask: such a model gets its full 4-D mask from the ledger on every forward.
+        # `full_masks`: a model that takes only a 4-D mask (the MTP layers' runner, which builds no mask of its own).
         stage = getattr(model, "_pp_stage", None)
-        self._full_masks = stage is not None and stage.pp_size > 1
+        self._full_masks = full_masks or stage is not None and stage.pp_size > 1
+        # Feature drafters (Drafter.wants_hidden) draft from the model's last hidden states: with `want_hidden` every
+        # forward keeps them in `hidden` [B, W, H] (all its columns, whatever logits it keeps); None otherwise.
+        self.want_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     def use_inputs(self, inputs) -> None:
         """Run every forward with these model inputs (spec_adapt.inputs.ModelInputs; None: tokens only). Inputs that
@@ -441,6 +457,7 @@ class KVLedger:
                              "verification that stops mid-way does not cut back: verify with the FullVerifier.")
         self.release_spares()    # a runner sees live rows only
         self._restore_dropped()  # and every column of every layer
+        self.hidden = None       # a runner that stops mid-way has no last hidden states for every position
         n_valid = n_valid.to(self.device)
         new, slots = self._append(tokens.shape[1], n_valid)
         mask, position_ids = self._inputs(slots, new)
@@ -499,6 +516,8 @@ class KVLedger:
         kwargs = {"logits_to_keep": keep} if passes else {}
         if self._no_router_logits:
             kwargs["output_router_logits"] = False
+        if self.want_hidden:             # the last layer's only (transformers >= 5.24 keeps no other)
+            kwargs["output_hidden_states"] = -1
         if self._takes_positions:
             given = self.inputs.position_ids(index) if self.inputs is not None else None
             kwargs["position_ids"] = position_ids if given is None else given
@@ -511,6 +530,7 @@ class KVLedger:
         with self._cut_back_on_failure(self.physical_length if past is None else past):
             out = self.model(use_cache=True, **with_cache(self.model, self.cache), **kwargs)
         self._keep_conv_inputs(tokens.shape[1])
+        self.hidden = out.hidden_states[-1][:live] if self.want_hidden else None
         logits = out.logits[:live]
         if passes:                       # the model has already kept only the wanted positions
             return logits
@@ -622,6 +642,30 @@ class KVLedger:
         self.spare = 0
         self.slots = self.slots[:, :0]
         self.n_cached = self.pad.clone()
+
+    def row_entries(self, row: int) -> dict:
+        """What live row `row` holds, by cache layer index: the buffer indices of its entries ("index", ascending) and
+        their tensors (keys and values [H, n, D], an indexed layer's indexer keys [n, D]); a convolution layer's
+        input columns ("inputs" [C, n], "kernel"); an encoder-decoder model's cross-attention keys and values under
+        ("cross", index). Copies: the row may leave the batch after (the cache generate returns is built from them)."""
+        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        entries: dict = {}
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+                continue
+            kind = self._kinds[i] if self._kinds else None
+            slots = self.slots[row, self.dropped.get(kind, 0):]
+            columns = (slots >= 0).nonzero().flatten()
+            entries[i] = {"index": slots[columns]}
+            for name, dim in _column_tensors(layer):
+                entries[i][name] = getattr(layer, name)[row].index_select(dim - 1, columns)
+        columns = (self.slots[row] >= 0).nonzero().flatten()
+        for i, inputs in self.conv_inputs.items():
+            entries[i] = {"index": self.slots[row, columns], "inputs": inputs[row][:, columns],
+                          "kernel": cache.layers[i].conv_kernel_size[0]}
+        for i, layer in enumerate(self._cross_layers()):
+            entries["cross", i] = {"keys": layer.keys[row].clone(), "values": layer.values[row].clone()}
+        return entries
 
     def _widen(self, width: int) -> None:
         extra = width - self.physical_length

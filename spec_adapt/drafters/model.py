@@ -331,5 +331,9 @@ def _rows_on(value, rows: torch.Tensor, batch: int, device, dtype):
 def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
     """One forward feeding row b its next pending[b] buffer tokens; the logits after the last of them [B, V']."""
     offset = torch.arange(int(pending.max()), device=tokens.device)[None, :]
-    index = (ledger.n_cached[:, None] + offset).clamp(max=tokens.shape[1] - 1)
+    # A row's holes (past its pending tokens) take its own leading columns: in a prompt read, its left padding. So
+    # every row holds the tokens of its stock prompt, and a model that counts image tokens over the whole forward
+    # (LFM2-VL, DeepSeek-VL) finds as many as there are images, whatever tokens end the prompt.
+    index = torch.where(offset < pending[:, None], ledger.n_cached[:, None] + offset, offset - pending[:, None])
+    index = index.clamp(0, tokens.shape[1] - 1)
     return ledger.forward(tokens.gather(1, index), pending, columns=(pending - 1).clamp(min=0)[:, None])[:, 0]
