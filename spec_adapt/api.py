@@ -18,6 +18,7 @@ from .drafters.cross import CrossTokenizerDrafter
 from .drafters.early_exit import early_exit_model
 from .drafters.lookup import PromptLookupDrafter
 from .drafters.model import ModelDrafter
+from .drafters.mtp import MTPDrafter, mtp_drafter
 from .drafters.sources import MultiSourceDrafter, SourceState
 from .drafters.suffix import SuffixDrafter, SuffixIndex
 from .acceptor import Acceptor, EnsembleAcceptor
@@ -33,8 +34,10 @@ from .verifiers import Verifier, check_trees, check_verifier
 
 @dataclass
 class SpecGenerateOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` plus the call's speculation statistics. `past_key_values` is None: the target's
-    cache has per-row holes and is not a cache a later `generate` call could continue from."""
+    """`GenerateDecoderOnlyOutput` plus the call's speculation statistics. Its cache is stock's (class, layers,
+    shapes, each row's committed tokens in stock's columns), so a later plain `generate` can continue from it; it is
+    None without `use_cache`, and where a row that stopped early would need a catch-up forward over inputs other than
+    tokens (images, encoder outputs), see spec_adapt.returned_cache."""
 
     spec_stats: SpecStats | None = None
 
@@ -121,8 +124,8 @@ def generate(
     positions = model_kwargs.pop("decoder_position_ids" if decoder else "position_ids", None)
     for name in _PREPARED_INPUTS:
         model_kwargs.pop(name, None)
+    check_model_kind(model)         # first: a model refused by name is refused whatever inputs it takes
     _check_inputs(model, model_kwargs)
-    check_model_kind(model)
     _check_cache(cache)
     # transformers drops an all-ones mask before calling us and records its width (compat.mask_length).
     width = attention_mask.shape[-1] if attention_mask is not None else compat.mask_length(generation_config)
@@ -159,11 +162,21 @@ def generate(
     set_last_stats(stats)
     saved.save(policy, _SAVED_AS.get(policy))      # a default policy's state, for the next process's first call
     if generation_config.return_dict_in_generate:
-        fields = dict(sequences=sequences, scores=loop.outputs("scores"), logits=loop.outputs("logits"))
+        fields = dict(sequences=sequences, scores=loop.outputs("scores"), logits=loop.outputs("logits"),
+                      **compat.output_cache_field(_returned_cache(loop, sequences)))
         if decoder:   # stock's own class: Whisper's generate splits every field per row (stats: `spec_stats=`)
             return compat.GenerateEncoderDecoderOutput(**fields)
         return SpecGenerateOutput(**fields, spec_stats=stats)
     return sequences
+
+
+def _returned_cache(loop, sequences):
+    """Stock's cache for the returned sequences (spec_adapt.returned_cache), or None: without a cache (use_cache=False)
+    or where the rows' entries cannot be laid out as stock's."""
+    if loop.returned is None:
+        return None
+    with torch.no_grad():
+        return loop.returned.build(sequences, loop.lengths, tokens_only=loop.target.inputs is None)
 
 
 # `tokenizer=` and `assistant_tokenizer=` reach `generate` through transformers' generate, which builds the stop-string
@@ -258,6 +271,9 @@ def check_parts(model, drafter, policy, verifier) -> tuple:
     verifier.check(model)
     if policy.trees and drafter is not None and drafter.trees:
         check_trees(model, verifier)
+    if drafter is not None and drafter.wants_hidden and not verifier.hands_hidden:
+        raise ValueError(f"{drafter!r} drafts from the target's hidden states, which {verifier!r} does not hand over "
+                         "(it may stop a position before the last layer): verify with FullVerifier().")
     return drafter, policy, verifier
 
 
@@ -321,7 +337,6 @@ _REFUSED = (
     ("force_words_ids", lambda v: bool(v), "constrained beam search is beam search"),
     ("token_healing", lambda v: bool(v), "token healing rewrites the prompt's tail: heal the prompt first, then "
      "generate"),
-    ("use_mtp", lambda v: bool(v), "multi-token prediction is another speculative method"),
     ("prefill_chunk_size", lambda v: v is not None, "the prompt is prefilled in one forward: leave it unset"),
 )
 
@@ -333,6 +348,8 @@ def _stock_speculation(model, cfg, drafter):
     probability (the two are read where they differ from generate's defaults, 20 and 0.4, i.e. where someone set
     them). Returns (the drafter, the width bound or None)."""
     lookup, exit_layers = cfg.prompt_lookup_num_tokens, getattr(cfg, "assistant_early_exit", None)
+    if getattr(cfg, "use_mtp", None):
+        return _mtp_speculation(model, drafter, lookup, exit_layers)
     if lookup is not None and exit_layers is not None:
         raise ValueError("Set prompt_lookup_num_tokens or assistant_early_exit, not both: each is a drafter.")
     if lookup is not None and _bare_model(drafter):      # stock refuses the pair; here it is several sources
@@ -359,6 +376,16 @@ def _stock_speculation(model, cfg, drafter):
     if threshold is not None and isinstance(drafter, torch.nn.Module):
         drafter = ModelDrafter(drafter, confidence_threshold=threshold)
     return drafter, width
+
+
+def _mtp_speculation(model, drafter, lookup, exit_layers):
+    """Stock's `use_mtp=True`: draft with the MTP layers of the target's checkpoint, at most as many tokens a step
+    as it has layers (stock drafts exactly that many)."""
+    if drafter is not None or lookup is not None or exit_layers is not None:
+        raise ValueError("use_mtp=True drafts with the target's own multi-token prediction layers: do not also pass "
+                         "drafter=, assistant_model=, prompt_lookup_num_tokens or assistant_early_exit.")
+    drafter = mtp_drafter(model)
+    return drafter, drafter.depth
 
 
 def _without_lookup(cfg):
@@ -560,7 +587,8 @@ def _encoder_inputs(model, draft, args: tuple, kwargs: dict) -> dict:
 def _stock_drafts(model, kwargs) -> bool:
     """Whether a call asks for stock's own drafting (prompt lookup or early exit), by argument or generation config."""
     config = kwargs.get("generation_config") or model.generation_config
-    return any(kwargs.get(name, getattr(config, name, None)) is not None for name in _STOCK_DRAFTING)
+    return any(kwargs.get(name, getattr(config, name, None)) is not None for name in _STOCK_DRAFTING) or \
+        bool(kwargs.get("use_mtp", getattr(config, "use_mtp", None)))
 
 
 _STOCK_DRAFTING = ("prompt_lookup_num_tokens", "assistant_early_exit")

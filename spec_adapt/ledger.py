@@ -148,6 +148,9 @@ CHUNKED = "chunked_attention"      # its "window" is a chunk: a token sees the e
 _ONE_TOKEN_AT_A_TIME = {
     "blt": "its global model runs over byte patches, and a forward of several new bytes over a filled cache does not "
            "line up with them (it fails inside the model)",
+    "voxtral_realtime": "its streaming audio encoder takes the next slice of audio with every generated token, by "
+                        "the cache length, and keeps a cache of its own that cannot go back (transformers' own "
+                        "tests skip assisted decoding for it: it does not fall in the paradigm of assisted decoding)",
 }
 
 
