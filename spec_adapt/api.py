@@ -23,7 +23,7 @@ from .drafters.sources import MultiSourceDrafter, SourceState
 from .drafters.suffix import SuffixDrafter, SuffixIndex
 from .acceptor import Acceptor, EnsembleAcceptor
 from .inputs import LEDGER_INPUTS, encoder_decoder
-from .ledger import check_model_kind, check_rollback_cache
+from .ledger import check_model_kind, check_one_mask, check_rollback_cache
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import MAX_WIDTH, Policy, check_policy
@@ -125,6 +125,7 @@ def generate(
     for name in _PREPARED_INPUTS:
         model_kwargs.pop(name, None)
     check_model_kind(model)         # first: a model refused by name is refused whatever inputs it takes
+    check_one_mask(model, generation_config.max_length)
     _check_inputs(model, model_kwargs)
     _check_cache(cache)
     # transformers drops an all-ones mask before calling us and records its width (compat.mask_length).

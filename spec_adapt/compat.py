@@ -166,6 +166,16 @@ def takes_4d_mask(model) -> bool:
     return attn_implementation(model) in ("sdpa", "eager")
 
 
+# Model types whose forward builds every layer type's attention mask from the one mask it is given (PaliGemma calls
+# create_causal_mask on it, whatever it is): a {layer type: mask} mapping fails there.
+_ONE_MASK_MODELS = frozenset({"paligemma"})
+
+
+def takes_one_mask(model) -> bool:
+    """Whether `model` takes one attention mask for all its layer types (PaliGemma 2's full and sliding layers)."""
+    return getattr(model.config, "model_type", None) in _ONE_MASK_MODELS
+
+
 def generation_default(name: str):
     """The value generate fills into a GenerationConfig field left unset (e.g. num_assistant_tokens = 20): a setting
     equal to it may not have been chosen by the user."""

@@ -227,6 +227,30 @@ def _sees(kind: str, window: int, queries: torch.Tensor, keys: torch.Tensor, dis
     return distance < window
 
 
+def _one_mask(model, masks: dict) -> torch.Tensor:
+    """The one mask of a model that takes one for all its layer types: exact while no window binds (every layer
+    type's mask is the same), refused where one would."""
+    first, *others = masks.values()
+    if any(not torch.equal(first, other) for other in others):
+        raise ValueError(one_mask_refusal(model))
+    return first
+
+
+def one_mask_refusal(model) -> str:
+    windows = [window for window in (sliding_windows(model) or {}).values() if window]
+    return (f"{type(model).__name__} builds the masks of its sliding-window layers (window {min(windows)}) from the one "
+            "attention mask it is given, which cannot carry both a full and a sliding mask: spec_adapt serves it "
+            f"while no window binds, up to {min(windows)} tokens in all (prompt and generated). Generate fewer tokens, "
+            "or without a drafter.")
+
+
+def check_one_mask(model, max_length: int | None) -> None:
+    """Refuse up front a call on a model that takes one mask (`compat.takes_one_mask`) where a window would bind."""
+    windows = [window for window in (sliding_windows(model) or {}).values() if window]
+    if windows and compat.takes_one_mask(model) and (max_length is None or max_length > min(windows)):
+        raise ValueError(one_mask_refusal(model))
+
+
 def _with_columns(tensor: torch.Tensor, n: int, dim: int = 2, after: bool = False) -> torch.Tensor:
     """`tensor` with n zero columns before (or after) the others along `dim`."""
     zeros = tensor.new_zeros(tensor.shape[:dim] + (n,) + tensor.shape[dim + 1:])
@@ -312,7 +336,10 @@ class KVLedger:
         # type of each layer, and the leading columns each type's tensors no longer hold.
         if rewind is not None and (isinstance(rewind, bool) or not isinstance(rewind, int) or rewind < 0):
             raise ValueError(f"KVLedger(rewind=...) must be None or a count >= 0, got {rewind!r}")
-        self.rewind = rewind if self.windows and any(self.windows.values()) else None
+        # A model that takes one mask for all layer types gets the full layers' mask (see `_one_mask`): its sliding
+        # layers keep every column.
+        self.one_mask = bool(self.windows) and compat.takes_one_mask(model)
+        self.rewind = rewind if self.windows and any(self.windows.values()) and not self.one_mask else None
         self._kinds = [kind for kind, _ in layer_types(model)] if self.rewind is not None else []
         self.dropped: dict[str, int] = {}
         check_rollback_cache(self.cache)
@@ -551,7 +578,9 @@ class KVLedger:
                                                                  | own[None])
                  for kind, window in self.windows.items()}
         masks = {kind: mask[..., self.dropped.get(kind, 0):] for kind, mask in masks.items()}   # what layers hold
-        return next(iter(masks.values())) if len(masks) == 1 else masks
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        return _one_mask(self.model, masks) if self.one_mask else masks
 
     def _with_spares(self, tokens, mask, position_ids):
         """The forward's inputs with the spare rows after the live ones: token 0 at position 0, attending to every
