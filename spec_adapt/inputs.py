@@ -11,7 +11,8 @@ prompt of L columns, generated tokens), following stock's `_update_model_kwargs_
 - positions (any number of channels): the prompt's own for i < L; for a generated token the last prompt position
   plus (i - L + 1) in every channel. So a verified draft gets the position one-token decoding would have given it;
 - `token_type_ids`: the prompt's for i < L, the last prompt value after it;
-- `mm_token_type_ids` (and `moe_mm_token_type_ids`): the prompt's for i < L, 0 (text) after it.
+- `mm_token_type_ids` (and `moe_mm_token_type_ids`): the prompt's for i < L, 0 (text) after it;
+- `image_attention_mask` (IDEFICS: [B, L, images]): the prompt's for i < L, its last row after it.
 
 An encoder-decoder model decodes its `decoder_input_ids`: the ledger's tokens and mask go there, and the encoder
 mask and outputs go with every forward.
@@ -27,7 +28,9 @@ import torch
 from . import compat
 
 # Inputs as long as the sequence and what a generated token gets: None = the last prompt value, an int = that value.
-_PER_TOKEN = {"token_type_ids": None, "mm_token_type_ids": 0, "moe_mm_token_type_ids": 0}
+# IDEFICS's image_attention_mask [B, L, images] says which images each token attends to; stock repeats the prompt's
+# last row for generated tokens.
+_PER_TOKEN = {"token_type_ids": None, "mm_token_type_ids": 0, "moe_mm_token_type_ids": 0, "image_attention_mask": None}
 # What the ledger supplies itself, whatever prepare_inputs_for_generation says (the masks besides: see `mask_key`).
 LEDGER_INPUTS = frozenset({"input_ids", "decoder_input_ids", "position_ids", "decoder_position_ids", "use_cache",
                            "logits_to_keep", "cache_position", "inputs_embeds", "decoder_inputs_embeds",
@@ -138,11 +141,14 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _per_token(table: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+    """table [B, L, ...] at index [B, W] -> [B, W, ...]: a column's value, or after the prompt `fill` (None: the last
+    prompt column's)."""
+    table = table.movedim((0, 1), (-2, -1))                  # [..., B, L], as _gather takes it
     last = table.shape[-1] - 1
     found = _gather(table, index.clamp(0, last))
-    if fill is None:
-        return found
-    return torch.where(index.to(table.device) <= last, found, torch.full_like(found, fill))
+    if fill is not None:
+        found = torch.where(index.to(table.device) <= last, found, torch.full_like(found, fill))
+    return found.movedim((-2, -1), (0, 1))
 
 
 def _rows(value, index: torch.Tensor, batch: int):

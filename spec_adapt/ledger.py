@@ -119,20 +119,25 @@ def positions_from_cache(model) -> str | None:
     elif getattr(model, "_pp_stage", None) is not None:      # a pipeline stage cannot be probed alone
         reason = None
     else:
-        reason = None if _reads_positions(model) else (
+        reason = None if _reads_positions(model) is not False else (
             f"{type(model).__name__} numbers tokens by their cache column and ignores position_ids")
     _POSITIONS[model] = reason
     return reason
 
 
-def _reads_positions(model) -> bool:
+def _reads_positions(model) -> bool | None:
+    """Whether `model` reads position_ids; None where it cannot run on token ids alone (IDEFICS cross-attends to
+    images in every forward): stock passes it positions, which it is taken to read, as `GenerationMixin` does."""
     vocab = model.config.get_text_config().vocab_size
     ids = torch.tensor([[1, 2, 3]], device=model.device) % vocab
     outputs = []
     with torch.no_grad():
         for positions in ([0, 1, 2], [0, 3, 7]):     # other gaps: rotary embeddings see only relative positions
-            out = model(input_ids=ids, position_ids=torch.tensor([positions], device=model.device),
-                        use_cache=False, output_hidden_states=True)
+            try:
+                out = model(input_ids=ids, position_ids=torch.tensor([positions], device=model.device),
+                            use_cache=False, output_hidden_states=True)
+            except ValueError:          # a forward that needs inputs of its own (the model says which)
+                return None
             # Hidden states, where a model has them: soft-capped logits can saturate to the same values.
             outputs.append(out.hidden_states[-1] if getattr(out, "hidden_states", None) else out.logits)
     return not torch.equal(*outputs)
