@@ -14,7 +14,8 @@ quality harness and workloads; `tools/` the CLI and benchmarks (docs/design.md h
 
 from .acceptor import Acceptor
 from .api import SpecGenerateOutput, disable, enable, generate, reset_default_policies
-from .drafters import ChainDrafter, Drafter, ModelDrafter, PromptLookupDrafter, ScriptedDrafter, SuffixDrafter
+from .drafters import (ChainDrafter, Drafter, ModelDrafter, MTPDrafter, PromptLookupDrafter, ScriptedDrafter,
+                       SuffixDrafter)
 from .drafters.offload import DraftOffload
 from .drafters.sources import MultiSourceDrafter
 from .metrics import SpecStats, last_stats
@@ -26,7 +27,8 @@ from .verifiers import EarlyExitVerifier, FullVerifier
 __version__ = "0.1.0"
 
 # The names a user starts from (at most 25). Also importable: SpecGenerateOutput (what generate returns with
-# return_dict_in_generate) and ScriptedDrafter (scripted drafts for tests); `spec_adapt.compat` names the transformers
+# return_dict_in_generate), MTPDrafter (a checkpoint's multi-token prediction layers; `use_mtp=True` after `enable`
+# makes one) and ScriptedDrafter (scripted drafts for tests); `spec_adapt.compat` names the transformers
 # internals spec_adapt relies on.
 __all__ = [
     # entry points

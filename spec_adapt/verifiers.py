@@ -36,10 +36,15 @@ class Verification:
 
     A row with kept[b] = k < n_valid[b] keeps drafts d_1..d_k (position k - 1 scores d_k; the dropped position k
     would have scored d_{k+1} or given the bonus token), so it commits d_k with no token after it when all of its
-    kept drafts are accepted."""
+    kept drafts are accepted.
+
+    hidden [B, W', H]: the target's last hidden states at the kept positions, where the ledger keeps them
+    (`KVLedger.want_hidden`, for a drafter with `wants_hidden`) and the verifier hands them on (`hands_hidden`); else
+    None."""
 
     logits: torch.Tensor
     kept: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 class Verifier:
@@ -51,6 +56,7 @@ class Verifier:
 
     trees = False
     rank_local = False   # True: decides from this process's own timings, which ranks of a sharded target disagree on
+    hands_hidden = False  # True: its Verification carries the target's last hidden states when the ledger keeps them
 
     def check(self, model) -> None:
         pass
@@ -73,9 +79,11 @@ class FullVerifier(Verifier):
     """One full forward of the chunk through the target (a tree's nodes each see their ancestors only)."""
 
     trees = True
+    hands_hidden = True
 
     def verify(self, ledger, chunk, n_valid, parents=None):
-        return Verification(ledger.forward(chunk, n_valid, parents=parents), n_valid.to(ledger.device))
+        logits = ledger.forward(chunk, n_valid, parents=parents)
+        return Verification(logits, n_valid.to(ledger.device), ledger.hidden)
 
     def __repr__(self):
         return "FullVerifier()"

@@ -4,8 +4,9 @@ from .cross import CrossTokenizerDrafter
 from .hf import CandidateGeneratorDrafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
+from .mtp import MTPDrafter
 from .scripted import ScriptedDrafter
 from .sources import MultiSourceDrafter, SourceState
 from .suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "CrossTokenizerDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "MultiSourceDrafter", "ScriptedDrafter", "SourceState", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]
+__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "CrossTokenizerDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "MTPDrafter", "MultiSourceDrafter", "ScriptedDrafter", "SourceState", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]

@@ -133,6 +133,9 @@ class Drafter:
                       # (DraftRequest.free), even on a step the policy planned plain
     offloaded = False  # True while the draft's weights are away from its device (a DraftOffload)
     events: tuple = ()  # what went wrong inside the drafter this call (a ChainDrafter's dropped levels)
+    wants_hidden = False  # True: a feature drafter, which drafts from the target's own last hidden states: the loop
+                          # has the target's forwards keep them and hands those of committed positions to `take_hidden`
+                          # (other drafters cost the target nothing of it)
 
     def validate(self, target) -> None:
         """Raise a clear error if this drafter cannot serve `target` (tokenizer, vocabulary). Called once per call."""
@@ -179,6 +182,13 @@ class Drafter:
             f"The policy's plan names chain members {members!r}, but {type(self).__name__} is not a ChainDrafter: "
             "pass the ChainDrafter the policy schedules as drafter=."
         )
+
+    def take_hidden(self, hidden: torch.Tensor, count: torch.Tensor) -> None:
+        """Feature drafters (`wants_hidden`): after each target forward (the prefill, every step), once its tokens are
+        committed and after `rollback`, the target's last hidden states [B, W, H] of the active rows, row b's first
+        count[b] being those of positions now committed (a tree's: its root and accepted path). They continue the
+        row's earlier ones: the drafter then holds the hidden state of every buffer position the target has cached
+        (its first row's prefill: every prompt position, left padding included)."""
 
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Buffer tokens [0, keep_len[b]) of each active row are committed; anything drafted past them is not."""
