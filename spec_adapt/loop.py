@@ -87,6 +87,7 @@ class SpeculativeLoop:
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=0)   # never below a commit
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
+        self.target.want_hidden = drafter is not None and drafter.wants_hidden     # a feature drafter's input
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
                                                    model_inputs or {}, positions))
         # A target that numbers tokens by cache column: its rows commit in step, and its cache is never compacted.
@@ -142,6 +143,7 @@ class SpeculativeLoop:
         self._retire()
         with self.policy_lock:
             self.policy.begin(len(self.rows))
+            self._hand_hidden(self.target.hidden, torch.full_like(self.lengths, self.prompt_length))
         while len(self.rows):
             self.step()
         if self.drafter is not None:
@@ -166,10 +168,10 @@ class SpeculativeLoop:
         self._reserve(plan.deepest + 1)
         proposal = self._propose(plan)                                     # 1. propose
         t1 = self._now()
-        proposal, bonus, scores, logits = self._verify(proposal)           # 2. verify: [B, S+1, V]
+        proposal, bonus, scores, logits, hidden = self._verify(proposal)   # 2. verify: [B, S+1, V]
         t2 = self._now()
         accepted, next_token, path = self._accept(scores, proposal)        # 3. accept (a tree: along `path`)
-        committed = self._commit(proposal, accepted, next_token, scores, logits, bonus, path)   # 4. commit
+        committed = self._commit(proposal, accepted, next_token, scores, logits, bonus, path, hidden=hidden)  # 4.
         t3 = self._now()
         self._observe(plan, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)    # 5. observe
         self._retire()
@@ -273,7 +275,8 @@ class SpeculativeLoop:
     def _verify(self, proposal: Proposal):
         """The verifier's logits for the last committed token and the drafts. A verifier may keep fewer positions
         of a row (Top-K early exit): the row keeps that many drafts and, with no position after them, no bonus.
-        Returns (proposal, bonus [B] bool, scores, logits), scores and logits [B, S'+1, V] for the kept drafts."""
+        Returns (proposal, bonus [B] bool, scores, logits, hidden), scores and logits [B, S'+1, V] for the kept
+        drafts, hidden the target's last hidden states there for a feature drafter (else None)."""
         lengths = self.lengths[self.rows]
         last = self.buffer[self.rows, lengths - 1]
         chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
@@ -285,7 +288,7 @@ class SpeculativeLoop:
         logits = _pad_positions(result.logits.float(), proposal.tokens.shape[1] + 1)     # [B, S'+1, V]
         context = with_drafts(self.buffer[self.rows], lengths, proposal.tokens)
         scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows)
-        return proposal, bonus, scores, logits
+        return proposal, bonus, scores, logits, result.hidden
 
     def _verify_tree(self, proposal: Proposal, chunk, lengths):
         """A tree: one forward where each node sees its ancestors; every position is kept (a bonus for every row)."""
@@ -294,7 +297,7 @@ class SpeculativeLoop:
         anc, depth = ancestry(proposal.parents, proposal.lengths)
         scores = tree_positions(self.process, logits, self.buffer[self.rows], lengths, proposal.tokens, anc, depth,
                                 proposal.lengths, self.rows)
-        return proposal, torch.ones_like(lengths, dtype=torch.bool), scores, logits
+        return proposal, torch.ones_like(lengths, dtype=torch.bool), scores, logits, result.hidden
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal):
         """(accepted [B], next_token [B], path): path [B, S] bool marks a tree's accepted nodes (None: a chain)."""
@@ -309,19 +312,21 @@ class SpeculativeLoop:
                                                     self.sampling)
         return accepted, next_token, None
 
-    def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path, plain=False) -> torch.Tensor:
+    def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path, plain=False,
+                hidden=None) -> torch.Tensor:
         """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one).
         A tree commits its accepted path as a chain: the ledgers keep the path's slots and the rest become holes.
         `plain`: a step without drafts (`_plain_step`; proposal and accepted None): `bonus` is then each row's count
         of tokens (1 where the verifier kept the position), and nothing was cached beyond the committed tokens, so
         a rollback to them changes no slot, adds no hole and frees nothing to compact: it runs only for a ledger
-        that drops what left a sliding window."""
+        that drops what left a sliding window. `hidden`: the target's last hidden states of the forward, whose
+        committed positions go to a feature drafter after its rollback."""
         drafted = 0 if plain else proposal.tokens.shape[1]
         if path is not None:
             self.target.keep_tree(torch.cat([torch.ones_like(path[:, :1]), path], dim=1))   # the root stays
             if self.drafter is not None:
                 self._guard("keep_tree", self.drafter.keep_tree, path)
-            proposal, scores, logits = _along_path(proposal, path, scores, logits)
+            proposal, scores, logits, hidden = _along_path(proposal, path, scores, logits, hidden)
         rows, old = self.rows, self.lengths[self.rows]
         if plain:
             new, n_new = next_token[:, None], bonus                                       # [B, 1]
@@ -345,6 +350,7 @@ class SpeculativeLoop:
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : max(int(n_keep[0]), 0)].cpu())
+        self._hand_hidden(hidden, keep - old + 1)      # the last committed token's position and the accepted drafts'
         taken = n_keep < 0      # Stopper.settle took back tokens of earlier steps: they are not counted
         if bool(taken.any()):
             self._count_first_token(rows[taken], n_keep[taken])
@@ -403,7 +409,8 @@ class SpeculativeLoop:
             _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device))
         else:                            # greedy without drafts: the argmax (what greedy_accept answers then)
             next_token = self.ranks.decide(_first_argmax, scores)
-        n_keep = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True)     # 4. commit
+        n_keep = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True,     # 4. commit
+                              hidden=result.hidden)
         t3 = self._now()
         zeros = plan.gammas
         record = StepRecord(len(rows), rows, zeros, zeros, zeros, n_keep, t3 - t0, t1 - t0, t2 - t1,   # 5. observe
@@ -456,6 +463,12 @@ class SpeculativeLoop:
         with self.policy_lock:
             answer = self.policy.batch_rows(live, held)
         return check_rows(self.policy, answer, live, held)
+
+    def _hand_hidden(self, hidden, count) -> None:
+        """A feature drafter (Drafter.wants_hidden) gets the target's last hidden states of the positions just
+        committed: row b's first count[b] positions of `hidden` [B, W, H]."""
+        if hidden is not None and self.drafter is not None and self.drafter.wants_hidden and len(self.rows):
+            self._guard("take_hidden", self.drafter.take_hidden, hidden, count)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _reserve(self, extra: int) -> None:
@@ -539,14 +552,17 @@ class SpeculativeLoop:
         return time.perf_counter()
 
 
-def _along_path(proposal: Proposal, path, scores, logits):
-    """A verified tree as the chain of its accepted path: (proposal, scores, logits) of the root and the path."""
+def _along_path(proposal: Proposal, path, scores, logits, hidden=None):
+    """A verified tree as the chain of its accepted path: (proposal, scores, logits, hidden) of the root and the
+    path (hidden None where the forward kept none)."""
     nodes, counts = path_nodes(path)                                                # [B, A]
     root = nodes.new_zeros((nodes.shape[0], 1))                    # column 0 even where no row accepted a node (A = 0)
     columns = torch.cat([root, nodes + 1], dim=1)                                   # [B, A+1]
     index = columns[..., None].expand(-1, -1, scores.shape[-1])
     chain = Proposal(proposal.tokens.gather(1, nodes), counts, None, proposal.telemetry)
-    return chain, scores.gather(1, index), logits.gather(1, index)
+    if hidden is not None:
+        hidden = hidden.gather(1, columns[..., None].expand(-1, -1, hidden.shape[-1]))
+    return chain, scores.gather(1, index), logits.gather(1, index), hidden
 
 
 def _first_argmax(scores: torch.Tensor) -> torch.Tensor:
