@@ -68,4 +68,4 @@ out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=Fals
                      custom_generate=spec_adapt.generate, drafter=MTPDrafter(model), assistant_policy=FixedLength(2))
 stats = spec_adapt.last_stats()
 print(f"MTPDrafter, FixedLength(2): drafted {stats.drafted}, accepted {stats.accepted}, "
-      f"{stats.new_tokens / max(stats.steps, 1):.2f} tokens per step")
+      f"{stats.new_tokens / max(stats.row_steps, 1):.2f} tokens per row and step")
