@@ -1,0 +1,179 @@
+"""transformers' own assisted-generation and prompt-lookup tests, run through spec_adapt on its tiny model testers.
+
+    python benchmarks/upstream_tests.py --transformers-src /tmp/tf --batch 1 3 --out upstream-5.24.json
+
+A manual tool (not part of CI: it needs a transformers source checkout, which CI does not have). `--transformers-src`
+is a checkout of the installed transformers release (its `tests/` folder; the release's tag, e.g. v5.24.0); the
+tests need what transformers' own test extras install (`parameterized`, `pytest`). For each batch size it runs
+
+    pytest <src>/tests/models -k "assisted_decoding or prompt_lookup" -p no:cacheprovider
+
+with a plugin (written next to the JSON) that calls `spec_adapt.enable` on every model the tests build, so their
+`assistant_model=` and `prompt_lookup_num_tokens=` calls speculate through spec_adapt (their plain greedy reference
+stays stock's), raises the batch the testers' `prepare_config_and_inputs_for_generate(batch_size=1)` asks for to the
+batch size run, and stops a test after `--timeout` seconds. The outcome of each architecture (a folder of
+tests/models) is its worst test's:
+
+- pass: every test that ran passed (skipped tests are transformers' own skips);
+- differs: a test's assertion failed (output or outputs' structure other than stock's);
+- refused: spec_adapt refused the call by name (a ValueError or NotImplementedError raised in spec_adapt);
+- crash: any other error, a timeout included.
+
+Prints a table and writes the counts, each architecture's outcome and its first failure's message as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from collections import Counter
+from pathlib import Path
+
+PLUGIN = '''"""pytest plugin: transformers' generation tests through spec_adapt (benchmarks/upstream_tests.py)."""
+import os
+import signal
+
+import pytest
+
+import spec_adapt
+from transformers.generation.utils import GenerationMixin
+
+BATCH = int(os.environ.get("SPEC_ADAPT_UPSTREAM_BATCH", "1"))
+TIMEOUT = int(os.environ.get("SPEC_ADAPT_UPSTREAM_TIMEOUT", "300"))
+_stock = GenerationMixin.generate
+
+
+def _generate(self, *args, **kwargs):
+    # A model's first call enables it (its generate becomes spec_adapt's); an enabled model's generate calls stock's
+    # through this class attribute, which then runs stock's.
+    if "generate" in self.__dict__:
+        return _stock(self, *args, **kwargs)
+    spec_adapt.enable(self)
+    return self.generate(*args, **kwargs)
+
+
+GenerationMixin.generate = _generate
+
+
+def _raised(prepare):
+    def prepare_with_batch(self, batch_size=2):
+        return prepare(self, batch_size=BATCH if batch_size == 1 else batch_size)
+    return prepare_with_batch
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    cls = getattr(item, "cls", None)
+    prepare = getattr(cls, "prepare_config_and_inputs_for_generate", None)
+    if BATCH != 1 and prepare is not None and not getattr(prepare, "raised", False):
+        wrapped = _raised(prepare)
+        wrapped.raised = True
+        cls.prepare_config_and_inputs_for_generate = wrapped
+
+
+def _time_out(signum, frame):
+    raise TimeoutError(f"test ran past {TIMEOUT} s")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    signal.signal(signal.SIGALRM, _time_out)
+    signal.alarm(TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+'''
+
+ORDER = ["crash", "differs", "refused", "pass", "skipped"]    # worst first
+
+
+def classify(case) -> tuple[str, str]:
+    """(outcome, message) of one junit testcase."""
+    for tag in ("error", "failure"):
+        node = case.find(tag)
+        if node is not None:
+            message = (node.get("message") or "").strip()
+            text = node.text or ""
+            if tag == "failure" and message.startswith(("AssertionError", "assert")):
+                return "differs", message
+            refused = ("ValueError" in message or "NotImplementedError" in message) and "spec_adapt" in text
+            return ("refused" if refused else "crash"), message
+    if case.find("skipped") is not None:
+        return "skipped", ""
+    return "pass", ""
+
+
+def architecture(case) -> str:
+    """The tests/models folder a testcase comes from (`tests.models.llama.test_modeling_llama.LlamaModelTest`)."""
+    parts = (case.get("classname") or "").split(".")
+    return parts[parts.index("models") + 1] if "models" in parts else parts[0]
+
+
+def summarize(junit: Path) -> dict:
+    per_arch: dict[str, dict] = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        outcome, message = classify(case)
+        entry = per_arch.setdefault(architecture(case), {"outcome": "skipped", "tests": {}, "error": ""})
+        entry["tests"][case.get("name")] = outcome
+        if ORDER.index(outcome) < ORDER.index(entry["outcome"]):
+            entry["outcome"], entry["error"] = outcome, message[:500]
+    counts = Counter(entry["outcome"] for entry in per_arch.values())
+    tests = Counter(outcome for entry in per_arch.values() for outcome in entry["tests"].values())
+    return {"counts": {name: counts.get(name, 0) for name in ORDER},
+            "test_counts": {name: tests.get(name, 0) for name in ORDER}, "architectures": per_arch}
+
+
+def run(src: Path, batch: int, timeout: int, workdir: Path, select: str, extra: list[str]) -> dict:
+    (workdir / "spec_adapt_upstream.py").write_text(PLUGIN)
+    junit = workdir / f"junit-batch{batch}.xml"
+    env = dict(os.environ, SPEC_ADAPT_UPSTREAM_BATCH=str(batch), SPEC_ADAPT_UPSTREAM_TIMEOUT=str(timeout),
+               PYTHONPATH=os.pathsep.join([str(workdir), str(src), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "pytest", "tests/models", "-k", select, "-p", "spec_adapt_upstream",
+               "-p", "no:cacheprovider", "-q", "-rN", f"--junitxml={junit}", *extra]
+    print(f"batch {batch}: {' '.join(command)}  (in {src})", flush=True)
+    subprocess.run(command, cwd=src, env=env)
+    return summarize(junit)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transformers-src", type=Path, required=True, help="a transformers checkout (with tests/)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    parser.add_argument("-k", dest="select", default="assisted_decoding or prompt_lookup")
+    parser.add_argument("--out", type=Path, default=None, help="JSON of counts and per-architecture outcomes")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args()
+    src = args.transformers_src.resolve()
+    if not (src / "tests" / "models").is_dir():
+        raise SystemExit(f"{src} has no tests/models: pass a transformers source checkout")
+    import spec_adapt  # noqa: F401 (fail early if it is not importable)
+    import transformers
+
+    report = {"transformers": transformers.__version__, "select": args.select, "timeout_s": args.timeout,
+              "batches": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for batch in args.batch:
+            report["batches"][str(batch)] = run(src, batch, args.timeout, workdir, args.select, args.pytest_args)
+    print(f"\ntransformers {report['transformers']}: architectures by outcome ({args.select!r})")
+    print("batch  " + "  ".join(f"{name:>8}" for name in ORDER))
+    for batch, result in report["batches"].items():
+        print(f"{batch:>5}  " + "  ".join(f"{result['counts'][name]:>8}" for name in ORDER))
+    for batch, result in report["batches"].items():
+        for name, entry in sorted(result["architectures"].items()):
+            if entry["outcome"] in ("crash", "differs", "refused"):
+                print(f"  batch {batch} {entry['outcome']:>8} {name}: {entry['error'][:160]}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1, sort_keys=True))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
