@@ -44,7 +44,8 @@ def main():
 
     policy = Adaptive(max_gamma=6)
     for batch, s, seconds in ((1, 0, 0.010), (1, 4, 0.013), (16, 0, 0.020), (16, 1, 0.060)):
-        policy.measured[(batch, s, False)] = [seconds, 5]
+        for _ in range(5):
+            policy.cost.observe_verify(batch, s + 1, seconds)
     policy.tried[:, :2], policy.accepted[:, :2] = 10.0, 8.0
     target = ModelConfig(model=args.model)
     for name, config in exported_configs(policy, args.model).items():

@@ -25,6 +25,7 @@ import torch
 from .acceptor import token_rank
 from .compat import attn_implementation, create_causal_mask, takes_4d_mask, with_cache
 from .estimators import ProbeBackoff, bucket, mean_then_ema
+from .policies.cost import StepCost
 from .ledger import check_tree_attention, positions_from_cache
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
@@ -132,10 +133,12 @@ class EarlyExitVerifier(Verifier):
     vocabulary about as much as several decoder layers) against the layers the dropped positions skip, what a
     skipped position saves depends on whether this device is compute-bound at this shape (on a CPU at batch 1 a
     forward costs the weights' read, whatever the width), and a wrong prediction costs accepted tokens. All of it is
-    measured rather than guessed: per (batch bucket, chunk width) the gate keeps each path's mean step seconds per
-    committed token and takes the lower, trying the other path after 8 steps, then after twice as many each time the
-    other path loses again (`ProbeBackoff`), so a change of regime is still seen. `predicted_gain` is the shape-only
-    prediction reported beside the measurements.
+    measured rather than guessed: the step-cost model (`spec_adapt.policies.cost.StepCost`) keeps each path's
+    verification time by batch size and width ("full" and "pruned") and the rest of a step, and the gate keeps each
+    path's mean committed tokens per step; per (batch bucket, chunk width) it takes the path with the fewer seconds
+    per committed token, trying the other path after 8 steps, then after twice as many each time the other path
+    loses again (`ProbeBackoff`), so a change of regime is still seen. `predicted_gain` is the shape-only prediction
+    reported beside the measurements.
     """
 
     rank_local = True
@@ -147,7 +150,8 @@ class EarlyExitVerifier(Verifier):
             raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
         self.layers, self.top_k, self.gate = layers, top_k, gate
         self.stats = PruneStats()
-        self.timing: dict = {}         # (bucket, width) -> {"full": [mean, n], "pruned": [mean, n], "probes": ...}
+        self.cost = StepCost()         # each path's verification time, and the rest of a step
+        self.timing: dict = {}         # (bucket, width) -> {"full": [tokens, n], "pruned": [tokens, n], "probes": ...}
         self._checkpoints: tuple[int, ...] = ()
         self.kernels = "auto"
         self._full = FullVerifier()        # the path the gate compares against
@@ -193,7 +197,7 @@ class EarlyExitVerifier(Verifier):
             self.stats.full_steps += 1
             return self._full.verify(ledger, chunk, n_valid)
         key = (bucket(batch), width)
-        path = self._choose(key)
+        path = self._choose(key, batch)
         if path == "full":
             result = self._full.verify(ledger, chunk, n_valid)
             self.stats.full_steps += 1
@@ -201,7 +205,7 @@ class EarlyExitVerifier(Verifier):
             logits, kept = ledger.forward_pruned(chunk, n_valid, self._run)
             result = Verification(logits, kept)
             self.stats.steps += 1
-        self._last = (key, path)
+        self._last = (key, path, batch)
         return result
 
     def observe(self, record) -> None:
@@ -210,7 +214,10 @@ class EarlyExitVerifier(Verifier):
         # still lose, committing fewer tokens per step).
         last, self._last = getattr(self, "_last", None), None
         if last is not None:
-            self._observe(*last, record.step_time / max(1, sum(record.committed)))
+            key, path, batch = last
+            self.cost.observe_verify(batch, key[1], record.verify_time, path)
+            self.cost.observe_host(batch, max(0.0, record.step_time - record.verify_time))
+            self._observe(key, path, batch, sum(record.committed) / max(1, record.batch_size))
 
     def _run(self, model, tokens, n_valid, mask2d, position_ids, cache, past):
         base = model.model
@@ -262,28 +269,34 @@ class EarlyExitVerifier(Verifier):
         return new
 
     # -- the cost model ------------------------------------------------------------------------------------------------
-    def _choose(self, key) -> str:
+    def _per_token(self, key, batch: int, path: str) -> float:
+        """A step's seconds per committed token on this path: its verification and the rest of a step, over the
+        tokens per row it commits."""
+        tokens = self.timing[key][path][0]
+        return self.cost.step_time(batch, key[1], path=path) / max(tokens, 1e-9)
+
+    def _choose(self, key, batch: int) -> str:
         if self.gate != "auto":
             return "pruned" if self.gate == "always" else "full"
         entry = self.timing.setdefault(key, {"full": None, "pruned": None, "probes": ProbeBackoff(8, 1 << 16)})
         for path in ("pruned", "full"):             # two samples of each path first
             if entry[path] is None or entry[path][1] < 2:
                 return path
-        best = min(("full", "pruned"), key=lambda p: entry[p][0])
+        best = min(("full", "pruned"), key=lambda p: self._per_token(key, batch, p))
         entry["probes"].wait()
         if entry["probes"].due():
             entry["probing"] = best
             return "pruned" if best == "full" else "full"          # a probe of the path that is losing
         return best
 
-    def _observe(self, key, path, seconds) -> None:
+    def _observe(self, key, path, batch: int, tokens: float) -> None:
         if self.gate != "auto":
             return
         entry = self.timing[key]
-        entry[path] = mean_then_ema(entry[path], seconds, 1 / 32)     # a mean over the recent past
+        entry[path] = mean_then_ema(entry[path], tokens, 1 / 32)     # a mean over the recent past
         best = entry.pop("probing", None)
-        if best is not None:                         # the probe wins if it beat the mean of the path it challenged
-            entry["probes"].result(won=seconds < entry[best][0])
+        if best is not None:        # the probe wins if it now predicts fewer seconds per token than the path it challenged
+            entry["probes"].result(won=self._per_token(key, batch, path) < self._per_token(key, batch, best))
 
     def report(self) -> dict:
         s = self.stats

@@ -232,19 +232,17 @@ def test_a_call_kept_plain_never_runs_the_draft():
 
 def test_catch_up_cost_is_a_line_in_the_lag():
     policy = Adaptive()
-    assert policy.catchup_time(0, 100) == 0.0                   # nothing seen: no charge
-    from spec_adapt.policies.estimators import LineFit
-
-    policy.catchup[0] = fit = LineFit(window=32, min_samples=3)
-    fit.add(100, 1.0)
-    assert policy.catchup_time(0, 10) == pytest.approx(0.1)     # one sample: proportional to the lag
-    fit.add(10, 0.2)
-    fit.add(100, 1.0)
-    assert policy.catchup_time(0, 50) == pytest.approx(0.2 + 40 * 0.8 / 90)   # a line once two lags are seen
+    assert policy.catchup_time(1, 100) == 0.0                   # nothing seen: no charge
+    policy.cost.observe_catchup("model", 1, 100, 1.0)
+    assert policy.catchup_time(1, 10) == pytest.approx(0.1)     # one sample: proportional to the lag
+    policy.cost.observe_catchup("model", 1, 10, 0.2)
+    policy.cost.observe_catchup("model", 1, 100, 1.0)
+    assert policy.catchup_time(1, 50) == pytest.approx(0.2 + 40 * 0.8 / 90)   # a line once two lags are seen
+    assert policy.catchup_time(4, 50) == pytest.approx(policy.catchup_time(1, 50))   # the nearest batch size seen
     state = policy.state_dict()
     again = Adaptive()
     again.load_state_dict(json.loads(json.dumps(state)))
-    assert again.catchup_time(0, 50) == pytest.approx(policy.catchup_time(0, 50))
+    assert again.catchup_time(1, 50) == pytest.approx(policy.catchup_time(1, 50))
 
 
 def test_a_stall_does_not_stand_for_a_plain_step():
@@ -253,7 +251,6 @@ def test_a_stall_does_not_stand_for_a_plain_step():
     otherwise raise the plain estimate enough that the policy drafts at a loss, and plain steps are not re-measured
     while it drafts."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.adaptive import bucket
     from spec_adapt.policies.base import StepInfo
 
     def plain(seconds):
@@ -262,7 +259,8 @@ def test_a_stall_does_not_stand_for_a_plain_step():
 
     policy = Adaptive()
     policy.begin(8)
-    policy.measured[(bucket(8), 1, False)] = [0.0045, 30]       # width 1 measured at 4.5 ms
+    for _ in range(30):
+        policy.cost.observe_verify(8, 2, 0.0045)                 # width 1 measured at 4.5 ms
     policy.tried[:, 0], policy.accepted[:, 0] = 100.0, 33.0       # a third of first drafts accepted
     policy._refresh()
     for _ in range(50):
@@ -278,13 +276,14 @@ def test_a_probe_pays_for_its_catch_up():
     """A probe whose draft first caught up on a long lag (a whole prompt) is judged with that time: when the catch-up
     costs more than the probe's drafts saved, the gap to the next probe doubles instead of resetting."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.adaptive import bucket
 
     def record(seconds, committed):
-        return StepRecord(4, [0, 1, 2, 3], [3] * 4, [3] * 4, [c - 1 for c in committed], committed, seconds, 0, 0)
+        return StepRecord(4, [0, 1, 2, 3], [3] * 4, [3] * 4, [c - 1 for c in committed], committed, seconds,
+                          seconds - 0.3, 0.3)
 
     policy = Adaptive(probe_every=4, max_probe_gap=64)
-    policy.measured[(bucket(4), 0, False)] = [0.2, 10]          # a plain step at batch 4: 0.2 s for 4 tokens
+    for _ in range(10):
+        policy.cost.observe_verify(4, 1, 0.2)                    # a plain step at batch 4: 0.2 s for 4 tokens
     gap = policy.probe_gap
     # The step itself (0.4 s for 12 tokens: 0.033 s per row-token) beats plain (0.05 s), its 3 s catch-up does not.
     policy._pending = {"width": 3, "lag": 300, "probing": True, "burst": False}
@@ -359,15 +358,13 @@ def test_a_profiled_catch_up_cost_is_used_until_one_is_measured():
 def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
     """No catch-up measured yet: a probe that would catch a draft model up on a 500-token prompt is not due however
     long the plain run (worst case: a plain step per lag token); once a catch-up is measured cheap, it is."""
-    from spec_adapt.policies.estimators import LineFit, bucket
-
     policy = Adaptive(probe_every=4)
-    policy.measured[(bucket(32), 0, False)] = [1.0, 10]
+    for _ in range(10):
+        policy.cost.observe_verify(32, 1, 1.0)
     policy.probes.idle = 10_000
     assert not policy._probe_due(32, 500)
     assert policy._probe_due(32, 1)                              # nothing to catch up on: the usual gap
-    policy.catchup[bucket(32)] = fit = LineFit(window=32, min_samples=3)
-    fit.add(500, 5.0)                                            # measured: 5 s, within 1% of 10,000 plain seconds
+    policy.cost.observe_catchup("model", 32, 500, 5.0)           # measured: 5 s, within 1% of 10,000 plain seconds
     assert policy._probe_due(32, 500)
 
 
@@ -474,7 +471,7 @@ def test_a_slow_batch_of_three_keeps_a_spare_row_in_a_real_loop(monkeypatch):
             held.append({r.held for r in stats.trace if r.batch_size == 3})
     finally:
         hook.remove()
-    assert held[0] == {3} and held[1] == {4}, sorted(policy.shapes.items())
+    assert held[0] == {3} and held[1] == {4}, sorted(policy.cost.verify.items())
 
 
 def drive(policy, steps: int, plain_seconds, draft_seconds=0.06, verify_seconds=0.10, accept=0.8, seed=0):
@@ -556,21 +553,21 @@ def _choices(policy) -> list:
     return out
 
 
-@pytest.mark.parametrize("poison", ["measured key of two", "measured key of four", "span key of three",
-                                    "shapes key with a bool", "negative tree gap", "tree key of one",
+@pytest.mark.parametrize("poison", ["cost key of two", "cost key of four", "span key of two",
+                                    "cost key with a bool", "negative tree gap", "tree key of one",
                                     "calibration accepting more than it reached", "calibration of 3 bins"])
 def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
     ruled = poison.startswith("calibration")
     source = Adaptive(seed=3, trees=True) if "tree" in poison else Adaptive(seed=3, stop_rule=True) if ruled \
         else _learned()
     state = json.loads(json.dumps(source.state_dict()))
-    if poison.startswith("measured"):
-        key = state["measured"][0][0]
-        state["measured"][0][0] = key[:2] if "two" in poison else key + [1]
+    if poison == "cost key with a bool":
+        state["cost"]["near"].append([["full", True, 2], [0.1, 3]])
+    elif poison.startswith("cost"):
+        key = state["cost"]["verify"][0][0]
+        state["cost"]["verify"][0][0] = key[:2] if "two" in poison else key + [1]
     elif poison.startswith("span"):
-        state["span"].append([[1, True, 3], 1.0])
-    elif poison.startswith("shapes"):
-        state["shapes"].append([[True, 2], [0.1, 3]])
+        state["span"].append([[1, True], 1.0])
     elif poison.startswith("calibration"):
         calibration = state["calibration"]
         if "3 bins" in poison:

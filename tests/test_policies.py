@@ -457,7 +457,7 @@ def test_a_saved_step_time_of_zero_is_refused():
     from spec_adapt import Adaptive
 
     state = _fuzz_state()
-    state["measured"][0][1][0] = 0
+    state["cost"]["verify"][0][1][0] = 0
     policy = Adaptive(seed=1, trees=True)
     with pytest.raises(ValueError, match="not positive"):
         policy.load_state_dict(state)

@@ -13,7 +13,8 @@ import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
 from spec_adapt.drafters.base import DraftRequest, InvalidProposal, Proposal, check_proposal
 from spec_adapt.drafters.sources import MODEL, PLAIN, MultiSourceDrafter, SourceState
-from spec_adapt.policies.estimators import SourceAcceptance, StepCost
+from spec_adapt.policies.cost import StepCost
+from spec_adapt.policies.estimators import SourceAcceptance
 from spec_adapt.serving.engine import Engine
 from spec_adapt.tools.synthetic import perturbed_copy
 
@@ -41,16 +42,16 @@ class FixedCost(StepCost):
         super().__init__()
         self.verify_slope, self.per_token = verify_slope, per_token
 
-    def observe_verify(self, batch, fed, seconds):
+    def observe_verify(self, batch, fed, seconds, path="full"):
         pass
 
     def observe_draft(self, source, batch, tokens, seconds):
         pass
 
-    def verify_time(self, batch, fed):
+    def verify_time(self, batch, fed, path="full"):
         return 1.0 + self.verify_slope * (fed - 1)
 
-    def draft_time(self, source, batch, tokens):
+    def draft_time(self, source, batch, tokens, unknown=None):
         return self.per_token * tokens
 
 

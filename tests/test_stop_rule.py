@@ -150,12 +150,13 @@ def test_a_steep_line_through_wide_steps_never_predicts_a_negative_step_or_thres
     from spec_adapt.policies.estimators import LineFit
 
     policy = Adaptive(stop_rule=True, probe_every=1, max_probe_gap=1)
-    fit = policy.fits[1] = LineFit()
+    fit = policy.cost.lines[("full", 1)] = LineFit()
     for _ in range(4):
         fit.add(7, 0.5)
         fit.add(8, 1.0)
     assert fit(1) < 0                                   # what the line says at width 1
-    policy.measured[(1, 0, False)] = [0.2, 5]
+    for _ in range(5):
+        policy.cost.observe_verify(1, 1, 0.2)
     assert all(policy.step_time(1, s) >= 0.2 for s in range(policy.max_gamma + 1))
     info = StepInfo(1, torch.tensor([0]), torch.tensor([5]), torch.tensor([40]), 3, draft_lag=torch.tensor([1]),
                     closed=True)
@@ -178,7 +179,8 @@ def test_the_threshold_is_the_goodput_the_rule_reached_times_the_time_per_drafte
     from spec_adapt.metrics import StepRecord
 
     policy = Adaptive(explore=0.0, stop_rule=True)
-    policy.measured[(1, 0, False)] = [0.25, 5]
+    for _ in range(5):
+        policy.cost.observe_verify(1, 1, 0.25)
     policy.calibration.update(torch.full((1, 2), 0.9), [2], [2])      # the drafter has reported its confidence
     for depth in (2, 4, 6, 2, 4, 6):
         plan = _ruled_plan(policy)

@@ -183,26 +183,40 @@ def test_unsupported_models_and_settings_are_refused():
         EarlyExitVerifier(gate="sometimes")
 
 
+def _gate_step(verifier, key, batch, seconds, tokens=2.0):
+    """One gated step at (bucket, width) = key: the gate picks a path, the step verifies in seconds[path] and
+    commits `tokens` per row."""
+    path = verifier._choose(key, batch)
+    verifier.cost.observe_verify(batch, key[1], seconds[path], path)
+    verifier._observe(key, path, batch, tokens)
+    return path
+
+
 def test_gate_takes_the_faster_path_and_keeps_probing():
+    """The gate reads each path's verification time from the step-cost model: mostly the faster path, with rare
+    probes of the other; swap the times and it swaps paths."""
     verifier = EarlyExitVerifier(gate="auto")
-    key = (4, 5)
-    chosen = []
-    for _ in range(4):                               # two samples of each path first
-        path = verifier._choose(key)
-        chosen.append(path)
-        verifier._observe(key, path, 1.0 if path == "full" else 0.5)
+    key, fast_pruned = (4, 5), {"full": 1.0, "pruned": 0.5}
+    chosen = [_gate_step(verifier, key, 4, fast_pruned) for _ in range(4)]      # two samples of each path first
     assert sorted(chosen) == ["full", "full", "pruned", "pruned"]
-    picks = []
-    for _ in range(40):
-        path = verifier._choose(key)
-        picks.append(path)
-        verifier._observe(key, path, 1.0 if path == "full" else 0.5)
+    picks = [_gate_step(verifier, key, 4, fast_pruned) for _ in range(40)]
     assert picks.count("pruned") >= 36 and "full" in picks          # mostly the faster, with rare probes
     slow = EarlyExitVerifier(gate="auto")
     for _ in range(44):
-        path = slow._choose(key)
-        slow._observe(key, path, 1.0 if path == "pruned" else 0.5)
-    assert slow._choose(key) == "full"
+        _gate_step(slow, key, 4, {"full": 0.5, "pruned": 1.0})
+    assert slow._choose(key, 4) == "full"
+
+
+def test_gate_weighs_the_tokens_a_path_drops():
+    """A pruned path that verifies faster but commits fewer tokens per step (its cuts drop accepted drafts) loses
+    when its seconds per committed token are higher."""
+    verifier = EarlyExitVerifier(gate="auto")
+    key = (1, 5)
+    for _ in range(20):
+        path = verifier._choose(key, 1)
+        verifier.cost.observe_verify(1, 5, {"full": 1.0, "pruned": 0.8}[path], path)
+        verifier._observe(key, path, 1, {"full": 4.0, "pruned": 2.0}[path])
+    assert verifier._choose(key, 1) == "full"
 
 
 def test_cost_model_head_in_layers():

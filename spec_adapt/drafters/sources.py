@@ -36,7 +36,8 @@ import time
 
 import torch
 
-from ..policies.estimators import SourceAcceptance, StepCost
+from ..policies.cost import StepCost
+from ..policies.estimators import SourceAcceptance
 from .base import Drafter, DraftRequest, Proposal
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
@@ -51,7 +52,7 @@ class SourceState:
 
     def __init__(self, max_free: int = 32):
         self.acceptance = SourceAcceptance(positions=max(max_free, 16))
-        self.cost = StepCost()
+        self.cost = StepCost(prior_draft=0.25)    # an unmeasured draft model: a quarter of a verification per token
         self.lock = threading.Lock()
 
 

@@ -23,17 +23,15 @@ from pathlib import Path
 
 import torch
 
-from ..estimators import Calibration, StopRule, ema, mean_then_ema
+from ..estimators import Calibration, StopRule, ema
 from ..metrics import StepRecord
-from .estimators import (LatencyTable, LineFit, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile,
+from .cost import StepCost
+from .estimators import (LatencyTable, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile,
                          decay_counts, reach, state_key)
 from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo
 from .fixed import _check_int
 
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (docs/policies.md, rule 1)
-# A step time over STALL x its width's estimate (after STALL_AFTER samples) counts as STALL x: one stalled plain step
-# must not make drafting look cheaper, since plain steps are not re-measured while the policy drafts.
-STALL, STALL_AFTER = 3.0, 8
 
 
 # The largest batch a vLLM schedule is exported for (the schedule has one entry per power of two up to it).
@@ -99,11 +97,11 @@ class Adaptive(Policy):
         # The state axis: the row's last step was 0 plain (or none), 1 drafted with a rejection, 2 all accepted.
         self.tried, self.accepted = torch.ones(STATES, size), torch.full((STATES, size), 0.5)
         self.begin(0)
-        self.fits: dict[int, LineFit] = {}        # bucket -> T(s) = a + d s over its recent steps
-        self.measured: dict[tuple, list] = {}     # (bucket, asked s, burst) -> [EMA seconds, samples]
-        self.catchup: dict[int, LineFit] = {}     # bucket -> seconds a catch-up adds to a step, as a + d x lag
-        self.span: dict[tuple, float] = {}        # (bucket, any row in a burst) -> EMA widest proposal / width asked
-        self.shapes: dict[tuple, list] = {}       # (rows the target ran, widest proposal) -> [EMA verify s, samples]
+        # What a step costs (verification by rows and tokens fed, the draft's time per token, its catch-up, host
+        # work): the one step-cost model, which the several-source router reads too.
+        self.cost = StepCost(self.table)
+        # (bucket, any row in a burst, width asked; 0: any width) -> EMA widest proposal / width asked
+        self.span: dict[tuple, float] = {}
         self.rng = random.Random(self.seed)
         self.probes, self.steps = ProbeBackoff(self.probe_every, self.max_probe_gap), 0
         # While the policy drafts, plain steps are not measured; a plain step now and then keeps T(B, 0) current.
@@ -138,35 +136,19 @@ class Adaptive(Policy):
 
     # -- the model ---------------------------------------------------------------------------------------------------
     def step_time(self, batch: int, width: int, burst: bool = False) -> float:
-        """Predicted seconds of a step at batch size `batch` when `width` drafts are asked (catch-up excluded)."""
+        """Predicted seconds of a step at batch size `batch` when `width` drafts are asked (catch-up excluded), from
+        the step-cost model: the verification of the widest row's proposal (a batch asked `width` proposes
+        `width` x span at its widest), its drafting and the host work."""
+        if width == 0:
+            return self.cost.step_time(batch, 1)
         key = bucket(batch)
-        burst = burst and width > 0          # a plain step is a plain step, whatever the rows' state
-        measured = self.measured.get((key, width, burst))
-        if measured is not None and (measured[1] >= 3 or width == 0):
-            return measured[0]
-        widest = width * self.span.get((key, burst), 1.0)      # what a batch asked `width` really proposes
-        fit = self.fits.get(key)
-        if fit is not None and fit.ready():
-            # A line through drafting steps of clustered widths can extrapolate below zero at narrow ones; a step
-            # never costs less than a plain one (where measured), and never nothing.
-            plain = self.measured.get((key, 0, False))
-            return max(fit(widest), plain[0] if plain is not None and width else 1e-6)
-        if self.table is not None and self.table.step:
-            return self.table.step_time(batch, int(round(widest)))
-        plain = [v[0] for (k, s, _), v in self.measured.items() if s == 0 and k == key] or \
-            [v[0] for (_, s, _), v in self.measured.items() if s == 0] or [1.0]
-        base = plain[0]
-        return base * (1.0 + (0.1 + 0.02 * batch) * widest)
+        widest = width * self.span.get((key, burst, width), self.span.get((key, burst, 0), 1.0))
+        return self.cost.step_time(batch, 1 + widest, {"model": widest})
 
-    def catchup_time(self, key: int, lag: int, unknown: float = 0.0) -> float:
-        """Seconds a catch-up of `lag` tokens adds to a step in bucket `key`: a line in the lag once two lags are
-        seen (the first proposal of a call catches up on the whole prompt, a re-enable after plain steps on a few
-        tokens), before that proportional to the lag; until one is seen, the profiled table's c_prefill(L, B), and
-        with no table, `unknown`."""
-        fit = self.catchup.get(key)
-        if fit is None or not fit.samples:
-            return self.table.switch_cost(lag, key) if self.table is not None and self.table.prefill else unknown
-        return fit(lag) if fit.ready() else fit.proportional(lag)
+    def catchup_time(self, batch: int, lag: int, unknown: float = 0.0) -> float:
+        """Seconds a catch-up of `lag` tokens adds to a step at this batch size (the step-cost model's; `unknown`
+        before one is seen and with no profile)."""
+        return self.cost.catchup_time("model", batch, lag, unknown)
 
     def expected(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """E[committed | s] for s = 0..max_gamma: [S+1] for a request not yet seen, or [B, S+1] for these rows.
@@ -192,7 +174,7 @@ class Adaptive(Policy):
         expected = self.expected(rows) if rows is not None else self.expected()[None].expand(batch, -1)
         tokens = batch_tokens(torch.where(expected >= 1 + self.row_floor, expected, 1.0), remaining)
         key, burst = bucket(batch), self._burst(rows)
-        catchup = self.catchup_time(key, lag) if lag > USUAL_LAG else 0.0
+        catchup = self.catchup_time(batch, lag) if lag > USUAL_LAG else 0.0
         out = []
         for s, n in enumerate(tokens):
             steps = self.horizon if left is None else min(self.horizon, max(1.0, left * batch / n))
@@ -210,7 +192,7 @@ class Adaptive(Policy):
         # (a cold probe at a large batch catches every row's prompt up at once, a cost a short call never earns back).
         plain = self.step_time(batch, 0)
         budget = self.probe_budget * self.probes.idle * plain
-        return self.catchup_time(bucket(batch), lag, unknown=lag * plain) <= budget
+        return self.catchup_time(batch, lag, unknown=lag * plain) <= budget
 
     def _burst(self, rows) -> bool:
         return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
@@ -224,8 +206,7 @@ class Adaptive(Policy):
         values = self.predict(batch, rows, lag, int(info.remaining.max()) if len(info.remaining) else None, remaining)
         width = max(range(len(values)), key=values.__getitem__)
         probing, recheck = False, None     # recheck: a plain step re-measuring T(B, 0), and the goodput it must beat
-        baseline = self.measured.get((bucket(batch), 0, False))
-        if baseline is None or baseline[1] < self.baseline_steps:
+        if self.cost.samples(batch) < self.baseline_steps:
             # Measure this bucket's plain step first: extrapolated from drafting steps, T(B, 0) can come out high
             # enough at large batches to keep the draft on where plain decoding is faster.
             width = 0
@@ -270,11 +251,7 @@ class Adaptive(Policy):
         if not (self.stop_rule and self.confident) or width == 0 or isinstance(gammas, Plan):
             return gammas
         key, burst = bucket(batch), pending["burst"]
-        fit = self.fits.get(key)
-        if fit is not None and fit.ready():
-            marginal = fit.slope()
-        else:
-            marginal = max(0.0, self.step_time(batch, width, burst) - self.step_time(batch, width - 1, burst))
+        marginal = max(0.0, self.step_time(batch, width, burst) - self.step_time(batch, width - 1, burst))
         threshold = min(1.0, max(0.0, self.goodput.get(key, values[width]) * marginal / batch))
         pending["stop"] = True
         gammas = torch.where(torch.as_tensor(gammas) > 0, self.max_gamma, 0)
@@ -289,8 +266,7 @@ class Adaptive(Policy):
         pending = self._pending
         if self.tree_shapes is None or pending["width"] == 0 or pending["probing"] or pending["lag"] > USUAL_LAG:
             return gammas
-        plain = self.measured.get((bucket(batch), 0, False))
-        floor = 1.0 / plain[0] if plain is not None and plain[1] >= self.baseline_steps and plain[0] > 0 else None
+        floor = 1.0 / self.step_time(batch, 0) if self.cost.samples(batch) >= self.baseline_steps else None
         factor = self.tree_shapes.pick(batch, floor)
         pending["factor"] = factor
         if factor == 1:
@@ -300,9 +276,12 @@ class Adaptive(Policy):
     def observe(self, record: StepRecord):
         pending, self._pending = self._pending, None
         self.steps += 1
-        shape = (record.held or record.batch_size, max(record.drafted, default=0))
-        # A mean over the first samples, then an EMA: a slow first forward of a new shape must not stand for it.
-        self.shapes[shape] = mean_then_ema(self.shapes.get(shape), record.verify_time, self.ema)
+        widest = max(record.drafted, default=0)
+        if pending is None or record.free is not None and any(f and d for f, d in zip(record.free, record.drafted)) \
+                or pending.get("factor", 1) != 1:
+            # A verification is a verification whoever drafted; the rest of the step is the chain model's only when
+            # the policy's own width drafted it (not a free source's rows, not a tree).
+            self.cost.observe_verify(record.held or record.batch_size, widest + 1, record.verify_time)
         if pending is None:
             return
         if record.free is not None and any(f and d for f, d in zip(record.free, record.drafted)):
@@ -319,16 +298,16 @@ class Adaptive(Policy):
         if factor != 1:                 # a tree step: its counts and times are not the chain's model
             return
         batch, width, key, burst = record.batch_size, pending["width"], bucket(record.batch_size), pending["burst"]
-        widest = max(record.drafted, default=0)
         ruled = pending.get("stop", False)
         if self.calibration is not None and record.confidence is not None:
             self.calibration.update(record.confidence, record.drafted, record.accepted)
         self._count(record, ruled=ruled)
         if ruled:       # the rule chose the depth: the step's time is that of the widest chain drafted, not asked
             width = widest
-        self._measure(record, key, width, burst, pending["lag"], ruled)
+        self._measure(record, key, pending["lag"], ruled)
         if width and not ruled:
-            self.span[(key, burst)] = ema(self.span.get((key, burst)), widest / width, self.ema)
+            for at in ((key, burst, 0), (key, burst, width)):
+                self.span[at] = ema(self.span.get(at), widest / width, self.ema)
         if pending.get("recheck") is not None:
             # Plain decoding measured again while drafting: the gap to the next recheck doubles when it lost; when it
             # won, the estimate is stale, and plain runs again at the next drafting choice until it loses or T(B, 0)
@@ -343,28 +322,24 @@ class Adaptive(Policy):
             lost = record.step_time / max(sum(record.committed) / batch, 1e-9) > self.step_time(batch, 0)
             self.probes.result(won=not lost)
 
-    def _measure(self, record: StepRecord, key: int, width: int, burst: bool, lag: int, ruled: bool) -> None:
-        """A step's time into the model: a catch-up's extra into the switching cost, the rest into T(B, width)."""
-        seconds, widest = record.step_time, max(record.drafted, default=0)
-        if lag > USUAL_LAG and widest:     # a catch-up step: its extra time is the switching cost
-            extra = max(0.0, seconds - self.step_time(record.batch_size, width, burst))
-            self.catchup.setdefault(key, LineFit(window=32, min_samples=3)).add(lag, extra)
-            return
-        if widest:     # drafting steps only: a long plain run would push every drafting width out of the window
-            self.fits.setdefault(key, LineFit()).add(widest, seconds)
-            if ruled:
-                self.goodput[key] = ema(self.goodput.get(key), sum(record.committed) / max(seconds, 1e-9), self.ema)
-        slot = (key, width, burst and width > 0)
-        old = self.measured.get(slot)
-        if old is not None and old[1] >= STALL_AFTER:   # a stall (GC, the OS) is not what this width costs
-            seconds = min(seconds, STALL * old[0])
-        self.measured[slot] = [ema(old and old[0], seconds, self.ema), (old[1] if old else 0) + 1]
+    def _measure(self, record: StepRecord, key: int, lag: int, ruled: bool) -> None:
+        """A step's time into the step-cost model: its verification, its drafting, its host work; on a step whose
+        draft first caught up on `lag` tokens, the drafting beyond the usual is the catch-up's cost."""
+        batch, seconds, widest = record.batch_size, record.step_time, max(record.drafted, default=0)
+        drafting = record.draft_time
+        if lag > USUAL_LAG and widest:
+            usual = self.cost.draft_time("model", batch, widest)
+            self.cost.observe_catchup("model", batch, lag, max(0.0, drafting - usual))
+            drafting = min(drafting, usual)
+        self.cost.observe_step(batch, widest + 1, seconds - record.draft_time + drafting, record.verify_time,
+                               {"model": (widest, drafting)} if widest else None, held=record.held)
+        if ruled and widest:
+            self.goodput[key] = ema(self.goodput.get(key), sum(record.committed) / max(seconds, 1e-9), self.ema)
 
     def allows_free(self, batch_size: int) -> bool:
         """Model-free drafts only once this batch size's plain step is measured: the goodput every drafting choice is
         held to."""
-        baseline = self.measured.get((bucket(batch_size), 0, False))
-        return baseline is not None and baseline[1] >= self.baseline_steps
+        return self.cost.samples(batch_size) >= self.baseline_steps
 
     def batch_rows(self, live: int, held: int) -> int:
         """Rows the target's batch keeps when rows finish (docs/policies.md, rule 9): the size in [live, held] whose
@@ -372,7 +347,8 @@ class Adaptive(Policy):
         of the best."""
         # Each width weighted by how often the batch at its current size ran it: which size runs faster can flip with
         # the width (more rows may win at one token and lose at several), so a batch that mostly drafts wide compacts.
-        weights = {width: samples for (size, width), (_, samples) in self.shapes.items() if size == held}
+        weights = {fed: samples for (path, size, fed), (_, samples) in self.cost.verify.items()
+                   if size == held and path == "full"}
         ratios = {live: 1.0}
         for rows in range(live + 1, held + 1):
             ratio = self._shape_ratio(rows, live, weights)
@@ -384,8 +360,8 @@ class Adaptive(Policy):
     def _shape_ratio(self, rows: int, live: int, weights: dict) -> float | None:
         """Weighted T(rows) / T(live) over the widths both sizes ran twice or more; None if there is none."""
         mine = theirs = 0.0
-        for width, weight in weights.items():
-            a, b = self.shapes.get((rows, width)), self.shapes.get((live, width))
+        for fed, weight in weights.items():
+            a, b = self.cost.exact(rows, fed), self.cost.exact(live, fed)
             if a is not None and b is not None and a[1] >= 2 and b[1] >= 2:
                 mine, theirs = mine + weight * a[0], theirs + weight * b[0]
         return mine / theirs if theirs > 0 else None
@@ -425,13 +401,10 @@ class Adaptive(Policy):
                        "stop_rule": self.stop_rule},
             "tree_shapes": self.tree_shapes.state_dict() if self.tree_shapes is not None else None,
             "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
-            "fits": [[k, list(map(list, f.samples))] for k, f in self.fits.items()],
-            "measured": [[list(k), v] for k, v in self.measured.items()],
-            "catchup": [[k, list(map(list, f.samples))] for k, f in self.catchup.items()],
+            "cost": self.cost.state_dict(),
             "span": [[list(k), v] for k, v in self.span.items()],
             "calibration": self.calibration.state_dict() if self.calibration is not None else None,
             "goodput": [[k, v] for k, v in self.goodput.items()],
-            "shapes": [[list(k), v] for k, v in self.shapes.items()],
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
             "probe_gap": self.probes.gap, "idle": self.probes.idle, "steps": self.steps,
             "recheck_gap": self.rechecks.gap, "recheck_idle": self.rechecks.idle,
@@ -473,13 +446,8 @@ class Adaptive(Policy):
         out_of_range = bool(((row_state < 0) | (row_state >= STATES)).any())
         if not (len(row_tried) == len(row_accepted) == len(row_state)) or out_of_range:
             raise ValueError("row tables of different lengths, or a row state out of range")
-        measured = {state_key(k, (int, int, bool), "measured"): _times(v, "measured") for k, v in state["measured"]}
-        fits, catchup = {}, {}
-        for table, key, window, least in ((fits, "fits", 128, 6), (catchup, "catchup", 32, 3)):
-            for bucket_key, samples in state[key]:
-                fit = table[int(bucket_key)] = LineFit(window=window, min_samples=least)
-                for x, y in samples:
-                    fit.add(*_finite(x, y, what=key))
+        cost = StepCost(self.table)
+        cost.load_state_dict(state["cost"])
         gap, idle, steps = (int(state[k]) for k in ("probe_gap", "idle", "steps"))
         if gap < 1 or idle < 0 or steps < 0:
             raise ValueError(f"probe_gap {gap}, idle {idle} and steps {steps} must be >= 1, >= 0, >= 0")
@@ -488,12 +456,11 @@ class Adaptive(Policy):
             raise ValueError(f"recheck_gap {rechecks[0]} and recheck_idle {rechecks[1]} must be >= 1 and >= 0")
         rng = random.Random()
         rng.setstate(_tupled(state["rng"]))
-        return {"tried": tried, "accepted": accepted, "measured": measured, "fits": fits, "catchup": catchup,
-                "span": {state_key(k, (int, bool), "span"): _finite(v, what="span")[0] for k, v in state["span"]},
+        return {"tried": tried, "accepted": accepted, "cost": cost,
+                "span": {state_key(k, (int, bool, int), "span"): _finite(v, what="span")[0] for k, v in state["span"]},
                 "calibration": self._parse_calibration(state.get("calibration")),
                 "goodput": {state_key([k], (int,), "goodput")[0]: _times([v, 1], "goodput")[0]
                             for k, v in state.get("goodput", [])},
-                "shapes": {state_key(k, (int, int), "shapes"): _times(v, "shapes") for k, v in state.get("shapes", [])},
                 "row_tried": row_tried, "row_accepted": row_accepted, "row_state": row_state, "rng": rng,
                 "_probes": (gap, idle, steps), "_rechecks": rechecks,
                 "tree_shapes": self._parse_trees(state.get("tree_shapes"))}

@@ -5,15 +5,15 @@ the others verify; [0] alone is the plain 2-level pair, [j] an intermediate mode
 `widths`, it predicts the time per committed target token
     T_eff(C, W) = [W d_first + sum_j P(reach j) v_j + T_target(B, s)] / E[tokens the target commits]
 with, between consecutive members i -> j of the chain, E[accepted] = sum_{k=1..w} alpha_ij^k (w = what reaches j)
-and each intermediate level adding one token of its own. Inputs are exponential moving averages updated from what
-the chain and the loop measure, timings per batch size B (the nearest B seen stands in for a new one): d_i per
-position drafted by level i (one draft step for the whole batch: a step's draft time over the tokens drafted per row), v_j per verification call of level j (a level that has never drafted is assumed to draft
-a token for the price of one verification call), a switching cost (Nightjar's c_prefill, here per level: a model
-left out of the chain, or idle during target-only steps, must first catch up on the tokens committed meanwhile;
-c_i per catch-up token, measured on the steps that had it, and kept out of d_i and v_j), the fill of the
-drafting level (tokens it proposes per token asked: a prompt lookup without a match proposes none), T_target(B, s)
-for a step apart from drafting (verification, acceptance, bookkeeping) with s tokens reaching the target (an
-online least-squares fit, as Nightjar's, once two widths have been seen; plain averages before). A batch is
+and each intermediate level adding one token of its own. Times come from the step-cost model
+(`spec_adapt.policies.cost.StepCost`, per batch-size bucket; the nearest bucket seen stands in for a new one): d_i,
+level i's drafting (source "level<i>": one draft step for the whole batch, by tokens drafted per row), v_j, a
+verification call of level j (source "level<j>-verify"; a level that has never drafted is assumed to draft a token
+for the price of one verification call), a switching cost (Nightjar's c_prefill, here per level: a model left out
+of the chain, or idle during target-only steps, must first catch up on the tokens committed meanwhile; measured on
+the steps that had it, and kept out of d_i and v_j), and T_target(B, s), the target's verification of s tokens plus
+the step's host work. Exponential moving averages count the rest: the fill of the drafting level (tokens it
+proposes per token asked: a prompt lookup without a match proposes none). A batch is
 verified as wide as its longest row, so s is the chain's measured span (largest proposal / W, per B: a prompt
 lookup's average row may propose a fraction of W while some row nearly always proposes W), not the average row's,
 alpha_ij per pair of adjacent members, and
@@ -37,8 +37,9 @@ import random
 from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
 from ..estimators import ema
-from .estimators import OnlineLatency, ProbeBackoff, _listed, _tupled
 from .base import USUAL_LAG, Plan, Policy, StepInfo
+from .cost import StepCost
+from .estimators import ProbeBackoff, _listed, _tupled
 
 
 class ChainScheduler(Policy):
@@ -66,17 +67,10 @@ class ChainScheduler(Policy):
         self.rng = random.Random(self.seed)
         self.alpha: dict[tuple, float] = {}        # (i, j) chain members (indices into the levels, "T" = target)
         self.sim: dict[tuple, float] = {}
-        self.t_draft: dict[tuple, float] = {}      # (level, B): seconds per draft position (one pass, every row)
-        self.t_verify: dict[tuple, float] = {}     # (level, B): seconds per verification call
-        self.catchup: dict[tuple, float] = {}      # (level, B): seconds per committed token a level catches up on
+        self.cost = StepCost()     # the target's verification, each level's drafting, verification and catch-up
         self.step_lags: list[int] = []             # each level's lag when the current step was chosen
         self.fill: dict[int, float] = {}           # tokens a level drafts per token asked (prompt lookup: < 1)
         self.span: dict[tuple, float] = {}         # (members, B): the batch's longest proposal at the target / W
-        self.t_target: float | None = None
-        self.t_plain: float | None = None          # a target step with nothing drafted
-        # The target's step grows with the tokens it verifies: once samples at two widths are in, T(B, s) comes from
-        # an online fit instead of the two averages above.
-        self.latency = OnlineLatency(window=256, min_samples=8, refit_every=8)
         self.current = (tuple(range(self.levels)), self.widths[-1])
         self.history: list[tuple] = []
         self.probes = ProbeBackoff(self.probe_every, 16 * self.probe_every)   # target-only steps, then a probe
@@ -95,11 +89,7 @@ class ChainScheduler(Policy):
         return self.prior_alpha
 
     def _target_time(self, batch: int, verified: float) -> float:
-        if self.latency.ready():
-            return self.latency.step_time(batch, int(round(verified)))
-        if verified == 0 and self.t_plain is not None:
-            return self.t_plain
-        return self.t_target if self.t_target is not None else (self.t_plain or 1.0)
+        return self.cost.verify_time(batch, verified + 1) + self.cost.host_time(batch)
 
     def predict(self, members: tuple, width: int, batch: int = 1, lags=None) -> float:
         """Predicted seconds per committed target token for this chain (levels, first one drafting) and width;
@@ -107,9 +97,10 @@ class ChainScheduler(Policy):
         if width == 0:
             return self._target_time(batch, 0)
         first = members[0]
-        per_token = _at(self.t_draft, first, batch, _at(self.t_verify, first, batch, 0.0))
         reaching = width * self.fill.get(first, 1.0)
-        cost = reaching * per_token + self._catch_up(members, batch, lags)
+        per_call = self.cost.draft_time(_verifying(first), batch, 1, unknown=0.0)
+        cost = self.cost.draft_time(_drafting(first), batch, reaching, unknown=per_call) + \
+            self._catch_up(members, batch, lags)
         chain = list(members) + ["T"]
         for a, b in zip(chain, chain[1:]):
             alpha = self._alpha(a, b)
@@ -117,7 +108,7 @@ class ChainScheduler(Policy):
             if b == "T":
                 verified = max(reaching, width * _at(self.span, tuple(members), batch, 0.0))
                 return (cost + self._target_time(batch, verified)) / (accepted + 1.0)
-            cost += _at(self.t_verify, b, batch, 0.0)
+            cost += self.cost.draft_time(_verifying(b), batch, 1, unknown=0.0)
             reaching = min(float(width), accepted + 1.0)
         raise AssertionError("unreachable")
 
@@ -148,7 +139,7 @@ class ChainScheduler(Policy):
         for level, s in enumerate(stats):
             if s["draft_tokens"]:
                 per_row = s["draft_tokens"] / batch             # positions: one draft pass covers every row
-                self._timing(self.t_draft, level, batch, s["draft_seconds"] / per_row, per_row)
+                self._timing(_drafting(level), level, batch, s["draft_seconds"], per_row)
         first = next((level for level, s in enumerate(stats) if s["draft_calls"]), None)   # who drafted
         members = [] if first is None else [first] + [m for m in telemetry["members"] if m > first]
         if members and sum(record.gammas):
@@ -157,23 +148,19 @@ class ChainScheduler(Policy):
         for a, b in zip(members, members[1:]):
             s = stats[b]
             if s["calls"]:
-                self._timing(self.t_verify, b, batch, s["seconds"] / s["calls"], 1)
+                self._timing(_verifying(b), b, batch, s["seconds"] / s["calls"], 1)
             if s["tried"]:      # alpha = P(accept | reached): accepted over positions decided, not over drafted
                 self._count(a, b, s["accepted"], s["tried"])
             if s["tv"]:
                 self._update(self.sim, (a, b), 1.0 - sum(s["tv"]) / len(s["tv"]))
         if self.probing and members:
             self._back_off(record, members)
-        drafted = sum(record.drafted)
         tried = sum(a + (a < d) for a, d in zip(record.accepted, record.drafted))
-        self.latency.add(record.batch_size, max(record.drafted, default=0), record.step_time - record.draft_time)
-        if drafted:
-            if tried:
-                self._count(members[-1], "T", sum(record.accepted), tried)
-            # Everything in a step but drafting: verification, acceptance and bookkeeping all grow with steps.
-            self.t_target = ema(self.t_target, record.step_time - record.draft_time, self.ema)
-        else:
-            self.t_plain = ema(self.t_plain, record.step_time, self.ema)
+        if sum(record.drafted) and tried:
+            self._count(members[-1], "T", sum(record.accepted), tried)
+        # The target's verification and the step's host work (drafting, with its catch-up, is the levels' own).
+        self.cost.observe_verify(record.held or batch, max(record.drafted, default=0) + 1, record.verify_time)
+        self.cost.observe_host(batch, max(0.0, record.step_time - record.draft_time - record.verify_time))
 
     def _back_off(self, record: StepRecord, members: list[int]) -> None:
         """Did the probe beat a target-only step per committed token? Its catch-up is not held against it (it is
@@ -186,17 +173,19 @@ class ChainScheduler(Policy):
 
     def _catch_up(self, members, batch: int, lags) -> float:
         """Seconds the members need to catch up on what was committed while they sat out."""
-        return sum(_behind(lags, m) * _at(self.catchup, m, batch, 0.0) for m in members)
+        return sum(self.cost.catchup_time(_drafting(m), batch, _behind(lags, m)) for m in members
+                   if _behind(lags, m))
 
-    def _timing(self, table, level, batch, seconds, units) -> None:
-        """Update a per-(level, B) time per unit, or, on a step where the level first had to catch up, the
-        catch-up cost per token behind: what the step took beyond the usual, so d_i and v_j stay clean."""
+    def _timing(self, source: str, level, batch, seconds, units) -> None:
+        """A level's drafting (`units` tokens per row) or verification call into the step-cost model, or, on a step
+        where the level first had to catch up, what the step took beyond the usual as its catch-up cost, so d_i
+        and v_j stay clean."""
         behind = _behind(self.step_lags, level)
         if not behind:
-            self._update(table, (level, batch), seconds)
-        elif (level, batch) in table:
-            extra = max(0.0, (seconds - table[(level, batch)]) * units) / behind
-            self._update(self.catchup, (level, batch), extra)
+            self.cost.observe_draft(source, batch, units, seconds)
+        elif self.cost.knows(source, batch):
+            extra = max(0.0, seconds - self.cost.draft_time(source, batch, units))
+            self.cost.observe_catchup(_drafting(level), batch, behind, extra)
 
     def _count(self, a, b, accepted, tried) -> None:
         """alpha is a ratio of moving averages (EMA accepted / EMA decided): an EMA of per-step ratios is biased low
@@ -208,12 +197,12 @@ class ChainScheduler(Policy):
         table[key] = ema(table.get(key), value, self.ema)
 
     # The tables are keyed by tuples; JSON has lists, so keys are written as lists and read back as tuples.
-    _TABLES = ("alpha", "sim", "t_draft", "t_verify", "catchup", "span")
+    _TABLES = ("alpha", "sim", "span")
 
     def state_dict(self):
         tables = {name: [[_listed(k), v] for k, v in getattr(self, name).items()] for name in self._TABLES}
-        return {**tables, "fill": [[k, v] for k, v in self.fill.items()], "t_target": self.t_target,
-                "t_plain": self.t_plain, "latency": self.latency.state_dict(), "current": _listed(self.current),
+        return {**tables, "fill": [[k, v] for k, v in self.fill.items()], "cost": self.cost.state_dict(),
+                "current": _listed(self.current),
                 "idle": self.probes.idle, "probe_gap": self.probes.gap, "rng": _listed(self.rng.getstate())}
 
     def load_state_dict(self, state):
@@ -221,8 +210,7 @@ class ChainScheduler(Policy):
         for name in self._TABLES:
             setattr(self, name, {_tupled(k): v for k, v in state[name]})
         self.fill = {k: v for k, v in state["fill"]}
-        self.t_target, self.t_plain = state["t_target"], state["t_plain"]
-        self.latency.load_state_dict(state["latency"])
+        self.cost.load_state_dict(state["cost"])
         self.current = _tupled(state["current"])
         self.probes.idle, self.probes.gap = state["idle"], state["probe_gap"]
         self.rng.setstate(_tupled(state["rng"]))
@@ -230,6 +218,14 @@ class ChainScheduler(Policy):
 
 def _behind(lags, level) -> int:
     return max(0, lags[level] - USUAL_LAG) if lags and level < len(lags) else 0
+
+
+def _drafting(level) -> str:
+    return f"level{level}"
+
+
+def _verifying(level) -> str:
+    return f"level{level}-verify"
 
 
 def _at(table: dict, level, batch: int, default: float) -> float:

@@ -312,10 +312,10 @@ def cached_profile(model, draft=None) -> LatencyTable | None:
 
 
 def state_key(values, kinds: tuple, what: str) -> tuple:
-    """A dictionary key read back from a saved state: exactly len(kinds) values, each of its kind (int or bool; an int
-    is never a bool), ints non-negative."""
+    """A dictionary key read back from a saved state: exactly len(kinds) values, each of its kind (int, bool or str;
+    an int is never a bool), ints non-negative."""
     ok = isinstance(values, (list, tuple)) and len(values) == len(kinds) and all(
-        isinstance(v, kind) and (kind is bool or not isinstance(v, bool) and v >= 0) for v, kind in zip(values, kinds))
+        isinstance(v, kind) and (kind is not int or not isinstance(v, bool) and v >= 0) for v, kind in zip(values, kinds))
     if not ok:
         names = ", ".join(kind.__name__ for kind in kinds)
         raise ValueError(f"{what} key {values!r}: expected [{names}] (non-negative ints)")
@@ -393,54 +393,6 @@ class TreeShapes:
             probe.gap, probe.idle = int(gap), int(idle)
             probes[state_key(k, (int, int), "tree shape probe")] = probe
         self.value, self.probes = value, probes
-
-
-class StepCost:
-    """The step-cost model: seconds of a verification by tokens fed per row and batch size, and seconds per drafted
-    token of each drafting source, learned from the steps as they run.
-
-    - verification: T(B, w) = a + d w per batch-size bucket (a `LineFit` over the widest row's tokens fed, the last
-      committed token included), once two widths are seen; before that, the one-token time measured, widened by
-      `prior_slope` of itself per extra token; with nothing measured, 1 s per step (only ratios are read);
-    - drafting: an EMA of seconds per drafted token per (source, bucket); a source never measured costs
-      `prior_draft` of a one-token verification per token.
-    """
-
-    def __init__(self, prior_slope: float = 0.1, prior_draft: float = 0.25, ema_weight: float = 0.2):
-        self.prior_slope, self.prior_draft, self.ema_weight = prior_slope, prior_draft, ema_weight
-        self.verify: dict[int, LineFit] = {}       # bucket -> T(w)
-        self.one: dict[int, float] = {}            # bucket -> EMA seconds of a one-token verification
-        self.draft: dict[tuple, float] = {}        # (source, bucket) -> EMA seconds per drafted token
-
-    def observe_verify(self, batch: int, fed: int, seconds: float) -> None:
-        if not (seconds > 0 and fed >= 1 and math.isfinite(seconds)):
-            return
-        key = bucket(batch)
-        self.verify.setdefault(key, LineFit(window=64, min_samples=4)).add(fed, seconds)
-        if fed == 1:
-            self.one[key] = ema(self.one.get(key), seconds, self.ema_weight)
-
-    def observe_draft(self, source: str, batch: int, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
-            key = (source, bucket(batch))
-            self.draft[key] = ema(self.draft.get(key), seconds / tokens, self.ema_weight)
-
-    def verify_time(self, batch: int, fed: int) -> float:
-        key = bucket(batch)
-        fit = self.verify.get(key)
-        base = self.one.get(key)
-        if fit is not None and fit.ready():
-            value = fit(fed)
-            return max(value, base if base is not None else 1e-6, 1e-6)
-        if base is None:
-            base = fit.moments[0] / fit.gram[0][0] if fit is not None and fit.samples else 1.0
-        return base * (1.0 + self.prior_slope * (fed - 1))
-
-    def draft_time(self, source: str, batch: int, tokens: int) -> float:
-        per = self.draft.get((source, bucket(batch)))
-        if per is None:
-            per = self.prior_draft * self.verify_time(batch, 1)
-        return per * tokens
 
 
 class SourceAcceptance:

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from ..policies.cost import StepCost
+
 
 def agreement_runs(draft, prompt: torch.Tensor, output: torch.Tensor, vocab: int) -> list[int]:
     """run[i]: how many output tokens from i on the draft predicts in a row, given the target's own prefix
@@ -127,11 +129,11 @@ def verify_costs(costs: Sequence[float], draft_token: float, width: int) -> list
     """verify[g], g = 0..width: a step's seconds without its g draft tokens (costs[g] - g x draft_token), the
     widths past the measured ones on the least-squares line through them (never below a plain step)."""
     known = [max(costs[0], c - g * draft_token) for g, c in enumerate(costs)]
-    xs, ys = list(range(len(known))), known
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-                / max(sum((x - mean_x) ** 2 for x in xs), 1e-12))
-    return known + [max(known[0], mean_y + slope * (g - mean_x)) for g in range(len(known), width + 1)]
+    cost = StepCost()
+    for g, seconds in enumerate(known):
+        for _ in range(3):      # each point counts as measured (the step-cost model reads a width after 3 samples)
+            cost.observe_verify(1, g + 1, seconds)
+    return known + [cost.verify_time(1, g + 1) for g in range(len(known), width + 1)]
 
 
 def fixed_schedule(runs: Sequence[int], costs: Sequence[float], width: int) -> float:
@@ -152,7 +154,8 @@ def step_costs(model, draft, max_width: int, context: int = 256, progress: bool 
 
     table = profile(model, draft, batch_sizes=(1,), lengths=tuple(range(max_width + 1)), lags=(), context=context,
                     progress=progress)
-    return [table.step_time(1, g) for g in range(max_width + 1)]
+    cost = StepCost(table)
+    return [cost.step_time(1, g + 1, {"model": g}) for g in range(max_width + 1)]
 
 
 MIN_STEPS = 3    # a width's median step time is used when at least this many timed steps drafted that width
@@ -161,20 +164,18 @@ MIN_STEPS = 3    # a width's median step time is used when at least this many ti
 def measured_costs(step_times: dict[int, list[float]], plain: float, max_width: int) -> list[float] | None:
     """costs[g], g = 0..max_width, from a run's own timed steps: costs[0] = `plain` (seconds per plainly decoded
     token), costs[g] = the median of `step_times[g]` (seconds of each step whose widest row drafted g) where at least
-    MIN_STEPS steps drafted g, else the count-weighted least-squares line through those medians (its slope at least
-    0, its values at least a plain step's: drafting never makes a step cheaper). None where the run cannot give them:
-    fewer than two widths measured that often, or a plain time that is not positive."""
+    MIN_STEPS steps drafted g, else the step-cost model's line through those medians (`StepCost`: its slope at
+    least 0, its values at least a plain step's: drafting never makes a step cheaper). None where the run cannot
+    give them: fewer than two widths measured that often, or a plain time that is not positive."""
     measured = {g: statistics.median(t) for g, t in step_times.items() if 1 <= g <= max_width and len(t) >= MIN_STEPS}
     if len(measured) < 2 or not plain > 0:
         return None
-    weights = {g: len(step_times[g]) for g in measured}
-    total = sum(weights.values())
-    mean_g = sum(w * g for g, w in weights.items()) / total
-    mean_t = sum(w * measured[g] for g, w in weights.items()) / total
-    slope = max(0.0, sum(w * (g - mean_g) * (measured[g] - mean_t) for g, w in weights.items())
-                / sum(w * (g - mean_g) ** 2 for g, w in weights.items()))
-    line = lambda g: max(plain, mean_t + slope * (g - mean_g))      # noqa: E731
-    return [plain] + [measured.get(g, line(g)) for g in range(1, max_width + 1)]
+    cost = StepCost()
+    cost.observe_verify(1, 1, plain)
+    for g, median in measured.items():      # a width's median counted once per timed step: robust to a stall
+        for _ in step_times[g]:
+            cost.observe_verify(1, g + 1, median)
+    return [plain] + [measured[g] if g in measured else cost.verify_time(1, g + 1) for g in range(1, max_width + 1)]
 
 
 def prefill_seconds(model, prompt: torch.Tensor, repeats: int = 3) -> float:

@@ -6,8 +6,9 @@ accept if the drafter proposed from position t (unbounded γ). Under greedy deco
 exact. `record_traces` measures runs[t] for a real target and drafter; `synthetic_requests` draws them with a
 known acceptance rate, so the best fixed γ is known analytically.
 
-Step time = table.step_time(B, max tokens drafted in the batch) (+ with `draft_cost`, the draft model's per-token
-cost and its catch-up cost c_prefill(L_max, B) when a row drafts after sitting out steps, or for the first time:
+The simulated clock is the step-cost model (`spec_adapt.policies.cost.StepCost`) over the table: a step verifies the
+widest row's drafts plus one token (+ with `draft_cost`, the draft model's per-token cost and its catch-up cost
+c_prefill(L_max, B) when a row drafts after sitting out steps, or for the first time:
 `Request.prompt` is the lag it arrives with, as a draft model that is not prefilled has its prompt to catch up on; a
 model-free drafter costs neither). A row drafts min(γ, lengths[t]) tokens and accepts min(that, runs[t]).
 
@@ -27,6 +28,7 @@ import torch
 
 from ..metrics import StepRecord
 from ..policies.base import Policy, StepInfo, check_plan
+from ..policies.cost import StepCost
 from ..policies.estimators import LatencyTable
 
 
@@ -133,6 +135,7 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
     arrivals = schedule.arrivals(len(requests), rng)
     pending = sorted(zip(arrivals, range(len(requests))))
     result = SimResult(name or type(policy).__name__)
+    clock = StepCost(table)      # never observes: the table's own times
     active: list[dict] = []
     now, last_gamma, extra = 0.0, None, 0.0
     policy.begin(limit)
@@ -161,9 +164,10 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
         committed = [a + 1 for a in accepted]
         top = max(drafted)
         lag = max((r["lag"] for r, g in zip(active, gammas) if g > 0), default=0)
-        seconds = table.step_time(batch, top, with_draft=draft_cost)
-        seconds += table.switch_cost(lag, batch) if draft_cost else 0.0
-        record = StepRecord(batch, info.rows.tolist(), gammas, drafted, accepted, committed, seconds, 0.0, seconds)
+        verify = clock.verify_time(batch, top + 1)
+        drafting = clock.draft_time("model", batch, top) + clock.catchup_time("model", batch, lag) if draft_cost else 0.0
+        seconds = verify + drafting
+        record = StepRecord(batch, info.rows.tolist(), gammas, drafted, accepted, committed, seconds, drafting, verify)
         start = time.perf_counter()
         policy.observe(record)
         result.decision_seconds += time.perf_counter() - start

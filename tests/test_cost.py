@@ -1,0 +1,122 @@
+"""The step-cost model (`spec_adapt.policies.cost.StepCost`): what every time-weighing decision reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, strategies as st
+
+from spec_adapt.policies.cost import StepCost
+from spec_adapt.policies.estimators import LatencyTable
+
+
+def test_a_measured_width_is_its_mean_and_the_others_lie_on_the_line():
+    cost = StepCost()
+    for _ in range(3):
+        for fed, seconds in ((1, 0.20), (3, 0.24), (5, 0.28)):
+            cost.observe_verify(1, fed, seconds)
+    assert cost.verify_time(1, 3) == pytest.approx(0.24)
+    assert cost.verify_time(1, 4) == pytest.approx(0.26)            # the line through the drafting steps
+    assert cost.verify_time(1, 3.5) == pytest.approx(0.25)          # a mix of widths 3 and 4
+    assert cost.verify_time(1, 9) == pytest.approx(0.36)
+
+
+def test_verification_never_costs_less_than_a_plain_step():
+    """A steep line through wide steps says less than nothing at narrow widths: never under the one-token time."""
+    cost = StepCost()
+    for _ in range(4):
+        cost.observe_verify(1, 8, 0.5)
+        cost.observe_verify(1, 9, 1.0)
+    cost.observe_verify(1, 1, 0.2)
+    assert cost.lines[("full", 1)](2) < 0
+    assert all(cost.verify_time(1, w) >= 0.2 for w in range(1, 10))
+
+
+def test_a_stall_counts_as_three_times_the_estimate():
+    cost = StepCost()
+    for _ in range(20):
+        cost.observe_verify(8, 1, 0.002)
+    cost.observe_verify(8, 1, 0.5)                                   # a GC pause
+    assert cost.verify_time(8, 1) < 0.0025
+
+
+def test_a_batch_size_never_seen_reads_the_nearest_one():
+    cost = StepCost()
+    for batch, seconds in ((1, 0.1), (16, 0.4)):
+        cost.observe_step(batch, 1, seconds + 0.01, seconds)
+        cost.observe_draft("model", batch, 4, 4 * seconds / 10)
+    assert cost.verify_time(12, 1) == cost.verify_time(16, 1)       # bucket 8: 16 is nearer than 1
+    assert cost.verify_time(2, 1) == cost.verify_time(1, 1)
+    assert cost.draft_time("model", 2, 4) == pytest.approx(0.04)
+    assert cost.host_time(2) == pytest.approx(0.01)
+
+
+def test_an_unmeasured_source_costs_what_the_caller_or_the_prior_says():
+    cost = StepCost(prior_draft=0.25)
+    cost.observe_verify(1, 1, 0.2)
+    assert cost.draft_time("suffix", 1, 4) == pytest.approx(4 * 0.25 * 0.2)
+    assert cost.draft_time("suffix", 1, 4, unknown=0.0) == 0.0
+    assert not cost.knows("suffix", 1)
+    cost.observe_draft("suffix", 1, 4, 0.004)
+    assert cost.knows("suffix", 8) and cost.draft_time("suffix", 1, 2) == pytest.approx(0.002)
+
+
+def test_with_a_profile_and_nothing_measured_it_is_the_profile():
+    """The lab's clock: a StepCost over a table reads the table's own times."""
+    table = LatencyTable(step={1: {0: 0.1, 4: 0.14}, 8: {0: 0.3, 4: 0.5}}, draft_token={1: 0.01, 8: 0.02},
+                         prefill={100: {1: 0.3, 8: 0.9}})
+    cost = StepCost(table)
+    for batch in (1, 4, 8):
+        for width in (0, 2, 4):
+            drafts = {"model": width} if width else None
+            assert cost.step_time(batch, width + 1, drafts) == pytest.approx(table.step_time(batch, width))
+    assert cost.catchup_time("model", 8, 50) == pytest.approx(table.switch_cost(50, 8))
+
+
+def test_the_catch_up_is_proportional_then_a_line():
+    cost = StepCost()
+    assert cost.catchup_time("model", 1, 100) == 0.0 and cost.catchup_time("model", 1, 100, unknown=7.0) == 7.0
+    cost.observe_catchup("model", 1, 100, 1.0)
+    assert cost.catchup_time("model", 1, 10) == pytest.approx(0.1)
+    cost.observe_catchup("model", 1, 10, 0.2)
+    cost.observe_catchup("model", 1, 100, 1.0)
+    assert cost.catchup_time("model", 1, 50) == pytest.approx(0.2 + 40 * 0.8 / 90)
+
+
+observations = st.lists(st.tuples(st.sampled_from([1, 2, 3, 8, 16]), st.integers(1, 9),
+                                  st.floats(1e-4, 2.0, allow_nan=False)), min_size=1, max_size=60)
+
+
+@given(observations, st.sampled_from([1, 2, 5, 16, 64]), st.floats(1.0, 12.0))
+def test_every_prediction_is_a_positive_finite_time_and_survives_a_round_trip(seen, batch, fed):
+    cost = StepCost()
+    for b, w, seconds in seen:
+        cost.observe_step(b, w, 1.5 * seconds, seconds, {"model": (w - 1, 0.3 * seconds)} if w > 1 else None)
+    value = cost.step_time(batch, fed, {"model": fed - 1})
+    assert 0 < value < float("inf")
+    again = StepCost()
+    again.load_state_dict(json.loads(json.dumps(cost.state_dict())))
+    assert again.step_time(batch, fed, {"model": fed - 1}) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("poison", ["key of two", "bool batch", "zero time", "negative sample", "host of a string"])
+def test_a_poisoned_state_is_refused_whole(poison):
+    cost = StepCost()
+    for w in (1, 2, 3):
+        cost.observe_step(2, w, 0.3, 0.2, {"model": (w, 0.05)})
+    state = json.loads(json.dumps(cost.state_dict()))
+    if poison == "key of two":
+        state["verify"][0][0] = state["verify"][0][0][:2]
+    elif poison == "bool batch":
+        state["near"].append([["full", True, 2], [0.1, 3]])
+    elif poison == "zero time":
+        state["verify"][0][1][0] = 0
+    elif poison == "negative sample":
+        state["draft"][0][1].append([2, -1.0])
+    else:
+        state["host"].append(["2", 0.1])
+    before = json.dumps(cost.state_dict())
+    with pytest.raises(ValueError):
+        cost.load_state_dict(state)
+    assert json.dumps(cost.state_dict()) == before
