@@ -127,3 +127,28 @@ def test_rescore_reads_the_position_before_each_token():
     model = chain_table()
     logits = rescore(model, torch.tensor([1, 2]), torch.tensor([3, 4]))
     assert logits.shape == (2, V) and logits.argmax(-1).tolist() == [3, 4]
+
+
+def test_the_bench_reports_ties_apart_from_differences():
+    """The bench's harness judges an output that is not equal to the reference with the identity rule: a
+    difference at the target's own near-ties is "tie-equivalent (k ties)", a clear one "differs" (and so is any
+    difference when no judge is given)."""
+    from types import SimpleNamespace
+
+    from spec_adapt.tools.bench import time_interleaved
+
+    reference, other = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])
+    fns = {"target": lambda item: (reference, None), "tie": lambda item: (other, None),
+           "same": lambda item: (reference, None)}
+    verdicts = {"tie": SimpleNamespace(ok=True, ties=2)}
+
+    def judge(item, ref, out):
+        return verdicts["tie"] if item == "tied input" else SimpleNamespace(ok=False, ties=0)
+
+    cells = time_interleaved(fns, ["tied input"], 2, 1, count=lambda i, o: 1, progress=False, judge=judge)
+    assert cells["tie"].verdict == "tie-equivalent (4 ties)" and cells["tie"].differing == 0
+    assert cells["same"].verdict == "identical"
+    cells = time_interleaved(fns, ["another input"], 1, 1, count=lambda i, o: 1, progress=False, judge=judge)
+    assert cells["tie"].verdict == "differs" and cells["tie"].differing == 1
+    cells = time_interleaved(fns, ["tied input"], 1, 1, count=lambda i, o: 1, progress=False)
+    assert cells["tie"].verdict == "differs"

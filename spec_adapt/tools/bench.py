@@ -61,7 +61,18 @@ class Cell:
     per_position: list[list[int]] = field(default_factory=list)   # [drafted, accepted] per position
     identical: bool | None = True     # None: a configuration identity is not judged against (target-eager)
     checks: int = 0                   # outputs compared with the reference's, and how many of them differed
-    differing: int = 0
+    differing: int = 0                # beyond ties (spec_adapt.identity): a failure
+    tied: int = 0                     # outputs that differ only at the target's own near-ties
+    ties: int = 0                     # tie positions in those outputs
+
+    @property
+    def verdict(self) -> str | None:
+        """"identical", "tie-equivalent (k ties)" or "differs" (the identity rule's words); None: not judged."""
+        if self.identical is None:
+            return None
+        if not self.identical:
+            return "differs"
+        return f"tie-equivalent ({self.ties} ties)" if self.tied else "identical"
     trace: list[dict] = field(default_factory=list)
     choices: list[tuple] = field(default_factory=list)     # a ChainScheduler's (batch size, chain, W) per step
     draft_seconds: float = 0.0     # drafting time of the steps that drafted
@@ -355,7 +366,8 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
             runnable["target"] = _keeping_outputs(runnable["target"], outputs)
         row = time_interleaved(runnable, batches, repeats, batch,
                                count=lambda enc, out: _count_new(out[:, enc["input_ids"].shape[1]:], eos),
-                               desc=f"B={batch}", progress=progress, unchecked={"target-eager"})
+                               desc=f"B={batch}", progress=progress, unchecked={"target-eager"},
+                               judge=_judge(model, eos))
         if bounded:
             _add_bound(row, model, draft, batches, outputs, bound, progress)
         for name, fn in runnable.items():   # warm-up included: the scheduler's choices from its first step
@@ -440,10 +452,12 @@ def _policy_file(folder, name: str, batch: int, fn, load: bool) -> bool | None:
 
 
 def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, count, desc: str = "",
-                     progress: bool = True, unchecked=frozenset()) -> dict[str, Cell]:
+                     progress: bool = True, unchecked=frozenset(), judge=None) -> dict[str, Cell]:
     """The one timing harness of every benchmark. `fns`: name -> fn(input) -> (output, SpecStats | None); the first
     is the reference the others' outputs must equal (except those named in `unchecked`, another execution
-    configuration). After a warm-up on inputs[0], each of `repeats` rounds runs every input through every fn in turn
+    configuration). `judge(input, reference, output)`: where an output is not equal to the reference, the identity
+    rule's `Verdict` (`spec_adapt.identity.judge`: a difference at the target's own near-ties is not a failure),
+    run after the timing; None: any difference fails. After a warm-up on inputs[0], each of `repeats` rounds runs every input through every fn in turn
     (interleaved, so machine noise hits all of them alike) and records per fn the round's seconds and tokens
     (`count(input, output)`: the one way tokens are counted). The progress bar ticks once per call."""
     from tqdm import tqdm
@@ -471,10 +485,7 @@ def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, cou
                 elif reference is None:
                     reference = out
                 else:
-                    cells[name].checks += 1
-                    if not torch.equal(out, reference):
-                        cells[name].identical = False
-                        cells[name].differing += 1
+                    _check(cells[name], item, reference, out, judge)
                 if stats is not None:
                     cells[name].add_stats(stats)
         for name in fns:
@@ -482,6 +493,27 @@ def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, cou
             cells[name].tokens.append(produced[name])
     bar.close()
     return cells
+
+
+def _judge(model, eos):
+    """The identity rule over a bench input (a tokenizer's batch): tie-aware, in the target's dtype."""
+    from ..identity import judge
+
+    return lambda enc, reference, out: judge(model, enc["input_ids"], enc.get("attention_mask"), reference, out,
+                                             eos_token_id=eos)
+
+
+def _check(cell: Cell, item, reference, out, judge) -> None:
+    cell.checks += 1
+    if torch.equal(out, reference):
+        return
+    verdict = judge(item, reference, out) if judge is not None else None
+    if verdict is not None and verdict.ok:
+        cell.tied += 1
+        cell.ties += verdict.ties
+    else:
+        cell.identical = False
+        cell.differing += 1
 
 
 def _count_new(new: torch.Tensor, eos_id) -> int:
@@ -522,7 +554,8 @@ def summarize(cells: list[Cell]) -> list[dict]:
                 "pruned_step_share": c.verifier["pruned_steps"] / max(1, c.verifier["pruned_steps"]
                                                                     + c.verifier["full_steps"])}
                if c.verifier else {}),
-            "identical": c.identical, "checks": c.checks, "differing": c.differing, "repeats": len(c.times),
+            "identical": c.identical, "verdict": c.verdict, "checks": c.checks, "differing": c.differing,
+            "tied": c.tied, "ties": c.ties, "repeats": len(c.times),
             **({"chains_chosen": chain_windows(c.choices)} if c.choices else {}),
         })
     return out
@@ -646,7 +679,7 @@ def print_table(summary: list[dict], run: dict | None = None) -> None:
         spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
         versus = (f"{s['speedup_vs_eager']:>7.2f}x " if s.get("speedup_vs_eager") else f"{'-':>8} ") if eager else ""
         share = (f"{s['of_bound']:>8.0%} " if s.get("of_bound") is not None else f"{'-':>8} ") if bound else ""
-        same = "n/a" if s["identical"] is None else s["identical"]
+        same = "n/a" if s["identical"] is None else s.get("verdict") or s["identical"]
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "
               f"{versus}{share}{alpha:>6} {length:>7} {ratio:>5} {plain:>5} {same}")
     if bound and run is not None:

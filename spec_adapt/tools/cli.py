@@ -59,22 +59,23 @@ def demo(args) -> None:
                             plan["new_tokens"], plan["repeats"], draft, rows=plan["prompts"])
         summaries[label] = b.summarize(cells)
     if dtype == torch.bfloat16:
-        print("\nThe target runs in bfloat16 (--dtype bfloat16): the 'identical' column compares two bf16 execution "
-              "orders, one-token decoding against multi-token verification, which can break a tie between two "
-              "logits 1 bf16 ulp apart differently (stock assisted generation included). float32 (the default) "
-              "is token-identical.")
+        print("\nThe target runs in bfloat16 (--dtype bfloat16): one-token decoding and multi-token verification "
+              "sum in other orders and can break a tie between two logits 1 bf16 ulp apart differently (stock "
+              "assisted generation included), so outputs are judged by the tie-aware identity rule: a difference "
+              "only at the target's own near-ties is 'tie-equivalent', any other 'differs'.")
     for label, summary in summaries.items():
         print(f"\n--- {label} ---")
         b.print_table(summary)
     print(f"\nspeedup = stock generate's time / the configuration's, same prompts, measured now on this machine"
           + ("; 'vs eager' = against stock generate on the model before spec_adapt.prepare" if args.prepare else "")
-          + "; 'identical' = token-for-token equal to stock generate on the same model. Configurations: "
+          + "; 'identical' = token-for-token equal to stock generate on the same model, 'tie-equivalent (k ties)' = "
+          "equal up to the target's own near-ties (docs/execution.md), 'differs' = a failure. Configurations: "
           f"{', '.join(plan['configs'])} (spec_adapt/tools/bench.py names them).")
     print("\nIdentity checks (each call's output against stock generate's, same model and batch):")
     for label, summary in summaries.items():
         for s in summary:
             if s["identical"] is not None and s["checks"]:
-                verdict = "identical" if not s["differing"] else f"{s['differing']} DIFFERENT"
+                verdict = f"{s['differing']} DIFFERENT" if s["differing"] else s.get("verdict") or "identical"
                 calls = f"{s['checks']} call" + ("s" if s["checks"] != 1 else "")
                 print(f"  {label:<10} {s['config']:<16} B={s['batch_size']}: {calls}, {verdict}")
 
