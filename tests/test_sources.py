@@ -239,18 +239,18 @@ def test_sampling_at_batch_two_routes_one_row_each_way(small):  # noqa: F811
 
 # -- 4. the router picks per row -------------------------------------------------------------------------------------
 def per_row_sources(trace, rows):
-    """For each row, how many of its drafting steps took each source."""
+    """For each row, how many tokens it drafted from each source."""
     counts = {row: {} for row in rows}
     for record in trace:
         sources = (record.telemetry or {}).get("source") or [None] * record.batch_size
         for row, source, d in zip(record.rows, sources, record.drafted):
             if source is not None and d > 0 and row in counts:
-                counts[row][source] = counts[row].get(source, 0) + 1
+                counts[row][source] = counts[row].get(source, 0) + d
     return counts
 
 
 def rows_took_their_right_source(trace) -> bool:
-    """Rows 0 and 2 mostly drafted from the model-free script, rows 1 and 3 mostly from the `model` slot."""
+    """Rows 0 and 2 drafted mostly from the model-free script, rows 1 and 3 mostly from the `model` slot (tokens)."""
     counts = per_row_sources(trace, [0, 1, 2, 3])
     right = {0: "ScriptedDrafter", 1: "model", 2: "ScriptedDrafter", 3: "model"}
     return all(counts[row].get(name, 0) > 0.5 * sum(counts[row].values()) for row, name in right.items())
@@ -336,6 +336,21 @@ def test_source_acceptance_expected_tokens(seen, feature, most, with_row):
     assert expected.shape == (most + 1,) and float(expected[0]) == 1.0
     assert bool((expected[1:] >= expected[:-1] - 1e-6).all())
     assert bool((expected <= torch.arange(most + 1) + 1 + 1e-5).all())
+
+
+def test_a_long_copy_keeps_its_rate_past_the_positions_it_reached():
+    """A source whose copies survived every token they drafted, up to 8 each time: position 12, never reached, keeps
+    the rate of the positions before it (a copy that has held for 8 tokens is likely to hold on), not the 0.5
+    prior a fresh source starts from; a source whose drafts stop at the 2nd token has a low rate from there on."""
+    acceptance = SourceAcceptance(positions=16)
+    for _ in range(30):
+        acceptance.observe("lookup", 3, 8, 8)
+        acceptance.observe("suffix", 3, 8, 1)
+    rates = acceptance.rates("lookup", 3)
+    assert float(rates[11]) > 0.9 and float(rates[15]) > 0.9
+    assert acceptance.expected("lookup", 3, 16)[-1] > 12
+    assert float(acceptance.rates("suffix", 3)[1]) < 0.1 and float(acceptance.rates("suffix", 3)[11]) < 0.1
+    assert float(acceptance.rates("lookup", 5)[0]) == acceptance.prior          # a feature never seen
 
 
 # -- 6. serving ------------------------------------------------------------------------------------------------------

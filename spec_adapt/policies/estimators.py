@@ -395,21 +395,37 @@ class TreeShapes:
         self.value, self.probes = value, probes
 
 
+def chained_rates(reached: list[float], accepted: list[float], prior: float, weight: float) -> torch.Tensor:
+    """Per position i: (accepted_i + r_{i-1} x weight) / (reached_i + weight), r_{-1} = prior."""
+    out, rate = [], prior
+    for r, a in zip(reached, accepted):
+        rate = (a + rate * weight) / (r + weight)
+        out.append(rate)
+    return torch.tensor(out)
+
+
 class SourceAcceptance:
     """Per drafting source and feature bucket (a lookup's match length, a suffix count's share, a draft's state):
     decayed counts, per draft position, of drafts that reached the position and of those accepted. The survival rate
-    at a position is (accepted + prior x weight) / (reached + weight); `expected(source, feature, k)` is the tokens a
-    step commits when the row drafts k tokens from it: 1 + sum over j <= k of the product of the first j rates."""
+    at position i is (accepted_i + r_{i-1} x weight) / (reached_i + weight), shrunk toward the rate at the position
+    before it (the first toward `prior`): a position rarely reached keeps its neighbour's rate instead of falling
+    back to the prior, so a copy that has survived 8 tokens is not predicted to stop at the 9th as often as a fresh
+    draft. `expected(source, feature, k)` is the tokens a step commits when the row drafts k tokens from it: 1 + sum
+    over j <= k of the product of the first j rates."""
 
     def __init__(self, positions: int = 32, prior: float = 0.5, weight: float = 2.0, decay: float = 0.99):
         self.positions, self.prior, self.weight, self.decay = positions, prior, weight, decay
         self.counts: dict[tuple, torch.Tensor] = {}     # (source, feature) -> [2, positions]: reached, accepted
+        self._rates: dict[tuple, torch.Tensor] = {}     # the rates of the counts as they are (cleared on a change)
 
     def rates(self, source: str, feature: int) -> torch.Tensor:
-        counts = self.counts.get((source, int(feature)))
+        key = (source, int(feature))
+        counts = self.counts.get(key)
         if counts is None:
             return torch.full((self.positions,), self.prior)
-        return (counts[1] + self.prior * self.weight) / (counts[0] + self.weight)
+        if key not in self._rates:
+            self._rates[key] = chained_rates(counts[0].tolist(), counts[1].tolist(), self.prior, self.weight)
+        return self._rates[key]
 
     def expected(self, source: str, feature: int, most: int, row: torch.Tensor | None = None,
                  shrink: float = 4.0) -> torch.Tensor:
@@ -434,3 +450,4 @@ class SourceAcceptance:
         counts = self.counts.get(key)
         counts = counts * self.decay if counts is not None else torch.zeros(2, self.positions)
         self.counts[key] = counts + self.step_counts(drafted, accepted)
+        self._rates.pop(key, None)
