@@ -86,8 +86,8 @@ class SpeculativeLoop:
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=0)   # never below a commit
-        # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.want_hidden = drafter is not None and drafter.wants_hidden     # a feature drafter's input
+        # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
                                                    model_inputs or {}, positions))
         # A target that numbers tokens by cache column: its rows commit in step, and its cache is never compacted.
@@ -129,35 +129,72 @@ class SpeculativeLoop:
         start = self._now()
         self.stats.start(self.buffer.shape[0])
         self.verifier.begin()
-        logits = self.target.prefill(self.input_ids, self.attention_mask).float()[:, None]   # [B, 1, V]
+        logits = self._prefill(self.target, self.input_ids, self.attention_mask)
         self.vocab = logits.shape[-1]
         self._reserve(1)
-        committed, self.finished, scores = self._commit_first(self.rows, logits)
-        self._record_outputs(committed, scores, logits)
-        if self.streamer is not None:
-            self.streamer.put(self.buffer[0, self.prompt_length : self.prompt_length + int(committed[0])].cpu())
-        self.stats.time_prefill = self._now() - start
-        if self.drafter is not None:   # begins with the whole batch, then follows the rows that leave it
-            self._guard("prefill", self.drafter.share_inputs, self.target.inputs)
-            self._guard("prefill", self.drafter.begin, self.input_ids, self.attention_mask)
+        self.finished = self._first_tokens(self.rows, logits)
+        self._drafter_joins("prefill", self.input_ids, self.attention_mask)   # then follows the rows that leave
         self._retire()
         with self.policy_lock:
             self.policy.begin(len(self.rows))
-            self._hand_hidden(self.target.hidden, torch.full_like(self.lengths, self.prompt_length))
         while len(self.rows):
             self.step()
         if self.drafter is not None:
             self._guard("end", self.drafter.end, self.buffer, self.lengths)
         if self.streamer is not None:
             self.streamer.end()
-        self.stats.fallback = self.ranks.decide(lambda: self.stats.fallback)    # every rank reports the leader's
-        self.stats.compactions = self.target.compactions
-        compact = {"compact": self.target.compact_path} if self.target.compact_path else {}
-        self.stats.kernel_paths = {**self.acceptor.paths, **compact}
-        self.stats.verifier = self.verifier.report()
-        self.stats.drafter_events = list(self.given_drafter.events) if self.given_drafter is not None else []
+        self.report()
         self.stats.time_total = self._now() - start
         return self.buffer[:, : int(self.lengths.max())]
+
+    # -- the lifecycle a generate call and a serving engine share ------------------------------------------------------
+    def _prefill(self, ledger: KVLedger, ids, mask) -> torch.Tensor:
+        """The prompts' forward (a call's batch, or requests joining a running one) into `ledger`: the logits after
+        each prompt [n, 1, V]. Its time counts as prefill."""
+        began = self._now()
+        logits = ledger.prefill(ids, mask).float()[:, None]
+        self.stats.time_prefill += self._now() - began
+        return logits
+
+    def _first_tokens(self, rows, logits) -> torch.Tensor:
+        """Freshly prefilled rows' first token (`_commit_first`), recorded and streamed; its time counts as prefill.
+        Returns finished [n]."""
+        began = self._now()
+        committed, finished, scores = self._commit_first(rows, logits)
+        self._record_outputs(committed, scores, logits, rows)
+        if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
+            start = int(self.starts[0])
+            self.streamer.put(self.buffer[0, start : start + max(int(committed[0]), 0)].cpu())
+        self.stats.time_prefill += self._now() - began
+        return finished
+
+    def _drafter_joins(self, what: str, ids, mask, rows: torch.Tensor | None = None) -> None:
+        """Prompts [n, L] (left padded, `mask`) enter the drafter: the first rows begin it, with the target's inputs
+        and the hidden states of the prefill; `rows` (their row numbers) join a running batch (`Drafter.add_rows`).
+        A failure in any of these drops the drafter, as anywhere else (`_guard`: `what` names the phase)."""
+        if self.drafter is not None and rows is not None:
+            self._guard(what, self.drafter.add_rows, ids, mask, rows.tolist())
+            return
+        if self.drafter is not None:
+            self._guard(what, self.drafter.share_inputs, self.target.inputs)
+        if self.drafter is not None:         # not dropped by share_inputs
+            self._guard(what, self.drafter.begin, ids, mask)
+        self._hand_hidden(self.target.hidden, torch.full((len(ids),), ids.shape[1], device=self.device))
+
+    compacted = (0, None)    # (compactions, last path) of target ledgers let go (a serving batch reset after a failure)
+
+    def report(self) -> None:
+        """What the statistics say beside the step counts: the fallback (every rank reports the leader's), the
+        target's compactions, the kernel paths that ran, the verifier's counters and the drafter's events. At the end
+        of a generate call; a serving engine's after every engine step, counting all it has served."""
+        self.stats.fallback = self.ranks.decide(lambda: self.stats.fallback)
+        compactions, path = self.compacted
+        if self.target is not None:
+            compactions, path = compactions + self.target.compactions, self.target.compact_path or path
+        self.stats.compactions = compactions
+        self.stats.kernel_paths = {**self.acceptor.paths, **({"compact": path} if path else {})}
+        self.stats.verifier = self.verifier.report()
+        self.stats.drafter_events = list(self.given_drafter.events) if self.given_drafter is not None else []
 
     def step(self) -> None:
         t0 = self._now()
@@ -347,10 +384,10 @@ class SpeculativeLoop:
             self.target.rollback(keep)
         if self.drafter is not None and drafted and len(rows):
             self._guard("rollback", self.drafter.rollback, keep)
+        self._hand_hidden(hidden, keep - old + 1)      # the last committed token's position and the accepted drafts'
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : max(int(n_keep[0]), 0)].cpu())
-        self._hand_hidden(hidden, keep - old + 1)      # the last committed token's position and the accepted drafts'
         taken = n_keep < 0      # Stopper.settle took back tokens of earlier steps: they are not counted
         if bool(taken.any()):
             self._count_first_token(rows[taken], n_keep[taken])
@@ -459,16 +496,16 @@ class SpeculativeLoop:
         if self.drafter is not None:
             self._guard("select_rows", self.drafter.select_rows, keep)
 
-    def _batch_rows(self, live: int, held: int) -> int:
-        with self.policy_lock:
-            answer = self.policy.batch_rows(live, held)
-        return check_rows(self.policy, answer, live, held)
-
     def _hand_hidden(self, hidden, count) -> None:
         """A feature drafter (Drafter.wants_hidden) gets the target's last hidden states of the positions just
         committed: row b's first count[b] positions of `hidden` [B, W, H]."""
         if hidden is not None and self.drafter is not None and self.drafter.wants_hidden and len(self.rows):
             self._guard("take_hidden", self.drafter.take_hidden, hidden, count)
+
+    def _batch_rows(self, live: int, held: int) -> int:
+        with self.policy_lock:
+            answer = self.policy.batch_rows(live, held)
+        return check_rows(self.policy, answer, live, held)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _reserve(self, extra: int) -> None:
@@ -507,11 +544,12 @@ class SpeculativeLoop:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _record_outputs(self, n_keep, scores, logits) -> None:
+    def _record_outputs(self, n_keep, scores, logits, rows=None) -> None:
+        """Each of `rows`' (default: the active rows') kept scores and logits, where the call returns them."""
         for store, values in ((self.scores, scores), (self.raw_logits, logits)):
             if store is None:
                 continue
-            for b, row in enumerate(self.rows.tolist()):
+            for b, row in enumerate((self.rows if rows is None else rows).tolist()):
                 n = int(n_keep[b])
                 if n < 0:              # Stopper.settle took back tokens of earlier steps
                     del store[row][n:]

@@ -177,14 +177,14 @@ class ServingLoop(SpeculativeLoop):
             ids[i, width - len(p):], mask[i, width - len(p):] = p.to(self.device), 1
         # The prefill first: if the target fails there, nothing of the running batch has changed yet.
         joining = KVLedger(self.model, kernels=self.acceptor.mode, rewind=0)    # never below a commit
-        logits = joining.prefill(ids, mask).float()[:, None]                        # [n, 1, V]
+        logits = self._prefill(joining, ids, mask)                                  # [n, 1, V]
         new_rows = self._take_slots(n)
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
         self._place(new_rows, ids, mask, limits)
         self.stats.admit(new_rows.tolist())
         with self.policy_lock:
             self.policy.admit(new_rows.tolist())
-        _, finished, _ = self._commit_first(new_rows, logits)
+        finished = self._first_tokens(new_rows, logits)
         first_rows = self.target is None
         if first_rows:
             self.target = joining
@@ -192,11 +192,9 @@ class ServingLoop(SpeculativeLoop):
             self.target.add_rows(joining)
         self.rows = torch.cat([self.rows, new_rows])
         self.finished = torch.cat([self.finished, finished])
-        if self.drafter is not None:
-            if first_rows:           # nothing runs: the slots taken are 0..n-1, the rows a call's begin numbers
-                self._guard("admission", self.drafter.begin, ids, mask)
-            else:
-                self._guard("admission", self.drafter.add_rows, ids, mask, new_rows.tolist())
+        # The first rows begin the drafter as a call's batch does (nothing runs: the slots taken are 0..n-1, the rows
+        # a call's begin numbers); later ones join it.
+        self._drafter_joins("admission", ids, mask, None if first_rows else new_rows)
         self._retire()
         return new_rows
 
@@ -300,6 +298,9 @@ class ServingLoop(SpeculativeLoop):
         new target batch. The drafter is dropped like after its own failure, and restarted after the back-off."""
         self.rows = self.rows[:0]
         self.finished = self.finished[:0]
+        if self.target is not None:          # what it compacted stays counted (`report`)
+            count, path = self.compacted
+            self.compacted = (count + self.target.compactions, self.target.compact_path or path)
         self.target = None
         if self.drafter is not None:
             self._drop_drafter("the batch was reset after a failure")
@@ -441,7 +442,9 @@ class Engine:
         self._stepping += 1
         self.loop.draft_time = 0.0          # each step's drafter calls get the whole step_timeout
         try:
-            return self._step()
+            busy = self._step()
+            self.loop.report()      # in the thread that steps, so nothing reported changes while it is read out
+            return busy
         finally:
             self.loop.draft_time = 0.0      # and a call between steps (a stop failing the rows) gets it too
             self._stepping -= 1

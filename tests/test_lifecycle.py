@@ -1,0 +1,150 @@
+"""A generate call and a serving engine share one lifecycle: the prefill and first token, the drafter's begin, and
+what the statistics report beside the step counts (compactions, kernel paths, the verifier's counters, the
+drafter's events). The engine's `stats` then say what a generate call's say, and every output stays stock's."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from spec_adapt import ChainDrafter, EarlyExitVerifier, FixedLength, PromptLookupDrafter, ScriptedDrafter
+from spec_adapt.serving.engine import Engine
+
+from conftest import PAD, cached_model, spec_generate, stock_greedy, tiny_model
+
+PROMPTS = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12], [20, 21, 22, 20, 21]]
+BUDGET = 14
+
+
+@functools.lru_cache(maxsize=None)
+def deep_model():
+    return tiny_model("llama", 0, layers=4)     # room for an early exit below the last layer
+
+
+def wrong(row, context, gamma):
+    return [3] * gamma
+
+
+def stock(model, prompt, budget=BUDGET):
+    ids = torch.tensor([prompt])
+    return stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=budget)[0, len(prompt):]
+
+
+def serve(model, drafter, policy, prompts=PROMPTS, **kw) -> Engine:
+    """An engine that serves `prompts` together; every request's output is checked against stock's alone."""
+    engine = Engine(model, drafter=drafter, assistant_policy=policy, max_batch=len(prompts), eos_token_id=None,
+                    pad_token_id=PAD, **kw)
+    handles = [engine.submit(p, max_new_tokens=BUDGET) for p in prompts]
+    engine.run_until_idle()
+    for prompt, handle in zip(prompts, handles):
+        assert handle.result() == stock(model, prompt).tolist()
+    return engine
+
+
+def call(model, drafter, policy, **kw):
+    """The same prompt through a generate call (greedy, checked against stock): its SpecStats."""
+    ids = torch.tensor([PROMPTS[0]])
+    out, stats = spec_generate(model, ids, torch.ones_like(ids), drafter, policy, max_new_tokens=BUDGET, **kw)
+    assert torch.equal(out[0, ids.shape[1]:], stock(model, PROMPTS[0]))
+    return stats
+
+
+def test_engine_reports_the_verifiers_counters_as_a_generate_call_does():
+    model = deep_model()
+
+    def verifier():
+        return EarlyExitVerifier(layers=[0], top_k=1, gate="always")
+
+    engine = serve(model, ScriptedDrafter(wrong), FixedLength(3), verifier=verifier())
+    report = engine.stats.verifier
+    assert report["tested"] > 0 and report["pruned"] > 0
+    assert set(report) == set(call(model, ScriptedDrafter(wrong), FixedLength(3), verifier=verifier()).verifier)
+
+
+@pytest.fixture
+def compact_every_rollback(monkeypatch):
+    from spec_adapt import ledger
+
+    original = ledger.KVLedger.rollback
+
+    def rollback_then_compact(self, keep_len):
+        original(self, keep_len)
+        self.compact()
+
+    monkeypatch.setattr(ledger.KVLedger, "rollback", rollback_then_compact)
+
+
+def test_engine_reports_compactions_kernel_paths_and_prefill_time(compact_every_rollback):
+    model = cached_model("llama")
+    engine = serve(model, ScriptedDrafter(wrong), FixedLength(3))
+    stats = call(model, ScriptedDrafter(wrong), FixedLength(3))
+    assert stats.compactions > 0 and engine.stats.compactions > 0
+    assert set(engine.stats.kernel_paths) == set(stats.kernel_paths) == {"greedy", "compact"}
+    assert engine.stats.time_prefill > 0
+
+
+def test_engine_compactions_count_on_after_its_batch_is_reset(compact_every_rollback):
+    """A failure that resets the batch lets its target ledger go (and drops the drafter until its back-off of 16
+    steps has passed): what that ledger compacted stays counted, and the next one's count adds to it."""
+    model = cached_model("llama")
+    engine = serve(model, ScriptedDrafter(wrong), FixedLength(3))
+    before = engine.stats.compactions
+    with pytest.warns(RuntimeWarning, match="the batch was reset"):
+        engine.loop.reset_rows()
+    engine.step()                        # nothing to serve: the stats are as they were
+    assert engine.stats.compactions == before > 0
+    handle = engine.submit(PROMPTS[1], max_new_tokens=24)      # long enough for the drafter to restart
+    engine.run_until_idle()
+    assert handle.result() == stock(model, PROMPTS[1], 24).tolist()
+    assert engine.stats.restarts == 1 and engine.stats.compactions > before
+
+
+class Breaks(torch.nn.Module):
+    """Wraps a model; its forward raises an out-of-memory error from the n-th call on."""
+
+    def __init__(self, model, after):
+        super().__init__()
+        self.inner, self.after, self.calls = model, after, 0
+        self.config, self.device, self.forward_signature = model.config, model.device, None
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        if self.calls > self.after:
+            raise torch.OutOfMemoryError("simulated out of memory in an intermediate level")
+        return self.inner(**kwargs)
+
+
+def test_engine_reports_the_drafters_events_as_a_generate_call_does():
+    """A chain's intermediate level fails: the chain drops it and says so in its events, which the engine's stats
+    carry as a generate call's do."""
+    model = cached_model("llama")
+    draft = tiny_model("llama", seed=7, layers=1)
+
+    def chain():
+        return ChainDrafter([PromptLookupDrafter(2, 1), Breaks(draft, after=2)])
+
+    engine = serve(model, chain(), FixedLength(3))
+    stats = call(model, chain(), FixedLength(3))
+    assert engine.fallback is None and stats.fallback is None
+    assert any("OutOfMemoryError" in e for e in stats.drafter_events)
+    assert any("OutOfMemoryError" in e for e in engine.stats.drafter_events)
+
+
+class NoInputs(ScriptedDrafter):
+    """A drafter that fails on the target's inputs, before its begin."""
+
+    def share_inputs(self, inputs):
+        raise RuntimeError("no inputs for me")
+
+
+def test_a_drafter_that_fails_before_its_begin_falls_back():
+    model = cached_model("llama")
+    with pytest.warns(RuntimeWarning, match="no inputs for me"):
+        stats = call(model, NoInputs(wrong), FixedLength(3))
+    assert stats.fallback.startswith("draft prefill failed (RuntimeError: no inputs for me)")
+    assert stats.drafted == 0
