@@ -7,12 +7,15 @@
 One engine iteration:
 1. cancellations: waiting requests are dropped; running rows leave the batch (their tokens so far are kept);
 2. admission (`ServingLoop.admit`): up to `max_batch - running` waiting requests are prefilled together (their own
-   KV ledger, left padded), take the lowest free slots, their first token is committed as a generate call's is
-   (`SpeculativeLoop._commit_first`), and their rows are appended
+   KV ledger, left padded), take the lowest free slots, their first token is committed, and their rows are appended
    to the running batch: the target's ledger and every draft ledger gain rows (`KVLedger.add_rows`,
-   `Drafter.add_rows`), and the policy forgets what it kept for those slots (`Policy.admit`);
+   `Drafter.add_rows`), and the policy forgets what it kept for those slots (`Policy.admit`). The prefill, the first
+   token and the drafter's begin are a generate call's own (`SpeculativeLoop._prefill`, `_first_tokens`,
+   `_drafter_joins`);
 3. one speculative step, exactly `SpeculativeLoop.step` (choose, propose, verify, accept, commit, observe, retire);
-4. delivery: new tokens go to each request's handle; finished rows complete their handle.
+4. delivery: new tokens go to each request's handle; finished rows complete their handle;
+5. the report: `engine.stats` as a generate call's end fills it (`SpeculativeLoop.report`: compactions, kernel paths,
+   the verifier's counters, the drafter's events), counting everything served so far.
 
 A step deadline (`Engine(step_timeout=s)`): the drafter's calls of one iteration run in a thread of their own and
 get s seconds together; a call that overruns them is abandoned and the drafter dropped, as after a failure
