@@ -343,7 +343,7 @@ def test_a_bad_state_is_refused_whole_and_leaves_the_policy_as_it_was(damage):
     elif damage == "negative":
         state["row_states"][0][0][0][0] = -3.0
     elif damage == "inf_time":
-        state["measured"][0][1][0] = float("inf")
+        state["cost"]["verify"][0][1][0] = float("inf")
     elif damage == "shape":
         state["pooled"]["tried"] = state["pooled"]["tried"][:2]
     before = json.dumps(policy.state_dict(), sort_keys=True)
