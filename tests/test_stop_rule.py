@@ -214,7 +214,8 @@ def test_an_unsure_draft_that_is_right_learns_to_draft_deep():
     for _ in range(2):
         stats = spec_adapt.SpecStats()
         out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
-                              eos_token_id=None, custom_generate=spec_adapt.generate, drafter=target,
+                              eos_token_id=None, custom_generate=spec_adapt.generate,
+                              drafter=spec_adapt.ModelDrafter(target),     # the draft model alone, its state fresh
                               assistant_policy=policy, spec_stats=stats)
         assert torch.equal(out, stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=24))
         if any(r.confidence is not None and r.confidence.shape[1] for r in stats.trace):
