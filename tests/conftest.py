@@ -152,3 +152,21 @@ def drive_engine(engine, prompts, budgets, arrivals):
         step += 1
         if not busy and step > max(arrivals):
             return handles
+
+
+class Breaks(torch.nn.Module):
+    """Wraps a model; its forward raises an out-of-memory error from the n-th call on."""
+
+    def __init__(self, model, after):
+        super().__init__()
+        self.inner, self.after, self.calls = model, after, 0
+        self.config, self.device, self.forward_signature = model.config, model.device, None
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        if self.calls > self.after:
+            raise torch.OutOfMemoryError("simulated out of memory in an intermediate level")
+        return self.inner(**kwargs)

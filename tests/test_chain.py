@@ -11,7 +11,7 @@ import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, FixedLength, PromptLookupDrafter, ScriptedDrafter
 from spec_adapt.tools.synthetic import agreement, perturbed_copy
 
-from conftest import Oracle, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
+from conftest import Breaks, Oracle, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
 
 
 def run(model, ids, mask, drafter, policy, **kw):
@@ -65,24 +65,6 @@ def test_chain_of_models_drafting_from_a_model():
     assert torch.equal(out, reference)
     # The last intermediate level is the target itself: everything it lets through is accepted by the target.
     assert stats.accepted == stats.drafted > 0
-
-
-class Breaks(torch.nn.Module):
-    """Wraps a model; its forward raises an out-of-memory error from the n-th call on."""
-
-    def __init__(self, model, after):
-        super().__init__()
-        self.inner, self.after, self.calls = model, after, 0
-        self.config, self.device, self.forward_signature = model.config, model.device, None
-
-    def get_output_embeddings(self):
-        return self.inner.get_output_embeddings()
-
-    def forward(self, **kwargs):
-        self.calls += 1
-        if self.calls > self.after:
-            raise torch.OutOfMemoryError("simulated out of memory in an intermediate level")
-        return self.inner(**kwargs)
 
 
 @pytest.mark.parametrize("drafting", [False, True])

@@ -12,7 +12,7 @@ import torch
 from spec_adapt import ChainDrafter, EarlyExitVerifier, FixedLength, PromptLookupDrafter, ScriptedDrafter
 from spec_adapt.serving.engine import Engine
 
-from conftest import PAD, cached_model, spec_generate, stock_greedy, tiny_model
+from conftest import PAD, Breaks, cached_model, spec_generate, stock_greedy, tiny_model
 
 PROMPTS = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12], [20, 21, 22, 20, 21]]
 BUDGET = 14
@@ -99,24 +99,6 @@ def test_engine_compactions_count_on_after_its_batch_is_reset(compact_every_roll
     engine.run_until_idle()
     assert handle.result() == stock(model, PROMPTS[1], 24).tolist()
     assert engine.stats.restarts == 1 and engine.stats.compactions > before
-
-
-class Breaks(torch.nn.Module):
-    """Wraps a model; its forward raises an out-of-memory error from the n-th call on."""
-
-    def __init__(self, model, after):
-        super().__init__()
-        self.inner, self.after, self.calls = model, after, 0
-        self.config, self.device, self.forward_signature = model.config, model.device, None
-
-    def get_output_embeddings(self):
-        return self.inner.get_output_embeddings()
-
-    def forward(self, **kwargs):
-        self.calls += 1
-        if self.calls > self.after:
-            raise torch.OutOfMemoryError("simulated out of memory in an intermediate level")
-        return self.inner(**kwargs)
 
 
 def test_engine_reports_the_drafters_events_as_a_generate_call_does():

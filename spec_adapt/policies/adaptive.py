@@ -277,21 +277,21 @@ class Adaptive(Policy):
         pending, self._pending = self._pending, None
         self.steps += 1
         widest = max(record.drafted, default=0)
-        if pending is None or record.free is not None and any(f and d for f, d in zip(record.free, record.drafted)) \
-                or pending.get("factor", 1) != 1:
+        free = record.free is not None and any(f and d for f, d in zip(record.free, record.drafted))
+        factor = pending.get("factor", 1) if pending is not None else 1
+        if pending is None or free or factor != 1:
             # A verification is a verification whoever drafted; the rest of the step is the chain model's only when
             # the policy's own width drafted it (not a free source's rows, not a tree).
             self.cost.observe_verify(record.held or record.batch_size, widest + 1, record.verify_time)
         if pending is None:
             return
-        if record.free is not None and any(f and d for f, d in zip(record.free, record.drafted)):
+        if free:
             # Rows drafted by a model-free source: the step's time is not a draft model's width, and their counts
             # are not the model's acceptance. The model's rows still count.
             model = _model_rows(record)
             if model.rows:
                 self._count(model)
             return
-        factor = pending.get("factor", 1)
         if pending["width"] and self.tree_shapes is not None:
             self.tree_shapes.observe(record.batch_size, factor, sum(record.committed) / record.batch_size,
                                      record.step_time)
