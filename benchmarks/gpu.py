@@ -15,8 +15,11 @@ and Llama-3.2-1B's widths, depths, heads and vocabularies), attention through sd
    errors;
 3. kernels: benchmarks/kernels.py's `run` (each Triton kernel equal to its PyTorch reference, then both timed);
 4. timing: both shapes at full depth in bfloat16, batch 1, 8 and 32, 64 new tokens: stock `generate`, spec_adapt
-   without a drafter, with prompt lookup (FixedLength(4)) and with an always-right scripted drafter at width 4 (the
-   stock output), median of 3 interleaved repeats; every spec_adapt output judged as in 1.
+   without a drafter and with prompt lookup (FixedLength(4)) on the random model; then stock and an always-right
+   scripted drafter at width 4 on the same model made to repeat (`repeating`: every layer's output projections
+   zeroed, so the same FLOPs run and greedy repeats the last token by a wide margin; on a random bfloat16 model a
+   script of the stock output goes wrong at the first near-tie and stays wrong). Median of 3 interleaved repeats;
+   every spec_adapt output judged as in 1.
 
 A run takes about 3-4 minutes on one H100 (under 8). Exit status 1 when an identity, sampling or kernel check fails.
 """
@@ -45,6 +48,7 @@ SHAPES = {
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=True)
+PARTS = ["identity", "sampling", "kernels", "timing"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAD = 0
 
@@ -77,6 +81,17 @@ def repetitive_batch(batch: int, vocab: int, device, seed: int = 0, length: int 
         ids[b, length - n:] = row
         mask[b, length - n:] = 1
     return ids.to(device), mask.to(device)
+
+
+def repeating(model):
+    """The model with every layer's output projections zeroed: the residual stream stays the token's embedding, so
+    with tied embeddings greedy repeats the last token by a margin of |e|^2 against random e.e' (no near-ties), while
+    every matrix product still runs at its real shape."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
 
 
 def stock(model, ids, mask, new_tokens):
@@ -209,7 +224,6 @@ def kernels(device, smoke: bool, log) -> dict:
 # -- 4. timing --------------------------------------------------------------------------------------------------------
 def timing(device, shapes, batches, new_tokens, repeats, dtype, log) -> list[dict]:
     from spec_adapt import FixedLength, PromptLookupDrafter
-    from spec_adapt.identity import judge
 
     rows = []
     for shape, (arch, config) in shapes.items():
@@ -224,38 +238,65 @@ def timing(device, shapes, batches, new_tokens, repeats, dtype, log) -> list[dic
                                                  assistant_policy=FixedLength(0)),
                 "spec, prompt lookup w4": lambda: spec(model, ids, mask, new_tokens, drafter=PromptLookupDrafter(),
                                                        assistant_policy=FixedLength(4)),
-                "spec, scripted w4": lambda: spec(model, ids, mask, new_tokens, drafter=scripted(reference, mask, None),
-                                                  assistant_policy=FixedLength(4)),
             }
-            seconds = {name: [] for name in configs}
-            verdicts, accepted = {}, {}
-            for name, run in configs.items():                 # warm-up, judged
-                out, stats = run()
-                if stats is not None:
-                    verdicts[name] = judge(model, ids, mask, reference, out, dtype=dtype)
-                    accepted[name] = (stats.accepted, stats.drafted)
-            for _ in range(repeats):
-                for name, run in configs.items():
-                    _sync(device)
-                    start = time.perf_counter()
-                    run()
-                    _sync(device)
-                    seconds[name].append(time.perf_counter() - start)
-            base = statistics.median(seconds["stock"])
-            for name, values in seconds.items():
-                median = statistics.median(values)
-                verdict = verdicts.get(name)
-                row = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "batch": batch, "config": name,
-                       "ms_per_token": 1e3 * median / new_tokens, "tokens_per_s": batch * new_tokens / median,
-                       "speedup": base / median, "seconds": values,
-                       "ok": verdict is None or verdict.ok, "ties": None if verdict is None else verdict.ties,
-                       "accepted": accepted.get(name)}
-                rows.append(row)
-                log(f"timing    {shape:<13} B={batch:<3} {name:<23} {row['ms_per_token']:8.2f} ms/step "
-                    f"{row['tokens_per_s']:9.0f} tok/s {row['speedup']:5.2f}x"
-                    + ("" if verdict is None else f"  {'ok' if verdict.ok else 'FAIL'} ties={verdict.ties}"))
+            rows += _timed(model, ids, mask, reference, configs, shape, batch, new_tokens, repeats, dtype, log)
+            rows += _timed_repeating(model, ids, mask, shape, batch, new_tokens, repeats, dtype, log)
         del model
         _free(device)
+    return rows
+
+
+def _timed_repeating(model, ids, mask, shape, batch, new_tokens, repeats, dtype, log) -> list[dict]:
+    """Stock and an always-right scripted draft at width 4 on the repeating copy of the model."""
+    from spec_adapt import FixedLength, ScriptedDrafter
+
+    saved = {k: v.clone() for k, v in model.state_dict().items() if "o_proj" in k or "down_proj" in k}
+    repeating(model)
+    try:
+        reference = stock(model, ids, mask, new_tokens)
+        always_right = ScriptedDrafter(lambda row, context, gamma: [int(context[-1])] * gamma)
+        configs = {
+            "stock (repeating)": lambda: (stock(model, ids, mask, new_tokens), None),
+            "spec, scripted w4 (repeating)": lambda: spec(model, ids, mask, new_tokens, drafter=always_right,
+                                                          assistant_policy=FixedLength(4)),
+        }
+        return _timed(model, ids, mask, reference, configs, shape, batch, new_tokens, repeats, dtype, log)
+    finally:
+        model.load_state_dict(saved, strict=False)
+
+
+def _timed(model, ids, mask, reference, configs, shape, batch, new_tokens, repeats, dtype, log) -> list[dict]:
+    from spec_adapt.identity import judge
+
+    device, rows = ids.device, []
+    seconds = {name: [] for name in configs}
+    verdicts, accepted = {}, {}
+    for name, run in configs.items():                 # warm-up, judged
+        out, stats = run()
+        if stats is not None:
+            verdicts[name] = judge(model, ids, mask, reference, out, dtype=dtype)
+            accepted[name] = (stats.accepted, stats.drafted)
+    for _ in range(repeats):
+        for name, run in configs.items():
+            _sync(device)
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            seconds[name].append(time.perf_counter() - start)
+    base = statistics.median(next(iter(seconds.values())))    # the first configuration is stock
+    for name, values in seconds.items():
+        median = statistics.median(values)
+        verdict = verdicts.get(name)
+        row = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "batch": batch, "config": name,
+               "ms_per_token": 1e3 * median / new_tokens, "tokens_per_s": batch * new_tokens / median,
+               "speedup": base / median, "seconds": values,
+               "ok": verdict is None or verdict.ok, "ties": None if verdict is None else verdict.ties,
+               "accepted": accepted.get(name)}
+        rows.append(row)
+        log(f"timing    {shape:<13} B={batch:<3} {name:<29} {row['ms_per_token']:8.2f} ms/step "
+            f"{row['tokens_per_s']:9.0f} tok/s {row['speedup']:5.2f}x"
+            + ("" if verdict is None else f"  {'ok' if verdict.ok else 'FAIL'} ties={verdict.ties}"
+                                          f" accepted {row['accepted'][0]}/{row['accepted'][1]}"))
     return rows
 
 
@@ -275,6 +316,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="run every part on the CPU at tiny shapes")
     parser.add_argument("--new-tokens", type=int, default=64, help="timing: new tokens per call")
     parser.add_argument("--repeats", type=int, default=3, help="timing: interleaved repeats (median)")
+    parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="the parts to run (default: all)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                        help="the model shapes (default: both)")
     args = parser.parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("benchmarks/gpu.py: skipped, no CUDA device here (run it on a machine with a GPU; "
@@ -289,7 +333,7 @@ def main(argv=None) -> int:
         id_batches, time_batches, new_tokens, repeats, n_samples = (1, 3), (1, 2), 8, 1, 600
     else:
         device = torch.device("cuda")
-        shapes, id_batches, time_batches = SHAPES, (1, 4), (1, 8, 32)
+        shapes, id_batches, time_batches = {k: SHAPES[k] for k in args.shapes}, (1, 4), (1, 8, 32)
         new_tokens, repeats, n_samples = args.new_tokens, args.repeats, 4000
     import transformers
 
@@ -309,6 +353,8 @@ def main(argv=None) -> int:
              ("timing", lambda: timing(device, shapes, time_batches, new_tokens, repeats,
                                        torch.bfloat16 if device.type == "cuda" else torch.float32, log)))
     for part, run in parts:
+        if part not in args.parts:
+            continue
         try:
             result[part] = run()
         except Exception as exc:  # noqa: BLE001 - a part that fails is reported, the others still run
@@ -320,9 +366,9 @@ def main(argv=None) -> int:
             if not row["ok"]:
                 result["failures"].append(f"{part}: {row}")
     result["elapsed_s"] = time.perf_counter() - began
-    print(f"\n{'shape':<14} {'B':>3} {'configuration':<23} {'ms/step':>8} {'tok/s':>9} {'x stock':>8}")
+    print(f"\n{'shape':<14} {'B':>3} {'configuration':<29} {'ms/step':>8} {'tok/s':>9} {'x stock':>8}")
     for row in result.get("timing") or []:
-        print(f"{row['shape']:<14} {row['batch']:>3} {row['config']:<23} {row['ms_per_token']:8.2f} "
+        print(f"{row['shape']:<14} {row['batch']:>3} {row['config']:<29} {row['ms_per_token']:8.2f} "
               f"{row['tokens_per_s']:9.0f} {row['speedup']:7.2f}x")
     verdicts = [v for row in result.get("identity") or [] for v in row["verdict"]]
     print(f"identity: {len(result.get('identity') or [])} cases, {sum(v == 'identical' for v in verdicts)} rows "

@@ -1,6 +1,6 @@
 """Host overhead of the speculative loop: a model whose forward costs almost nothing, so what is timed is the loop.
 
-    python benchmarks/host_overhead.py --out results/host-overhead.json
+    python benchmarks/host_overhead.py --out results/execution/host-overhead-cpu.json
 
 A 2-layer, 32-wide random Llama generates 200 new tokens (no EOS) at batch 1 and 8, greedy. Per configuration: ms
 per generated token (wall time / (rows x new tokens)), the median of 5 repeats, configurations interleaved within a
