@@ -46,6 +46,25 @@ def test_greedy_kernel_matches_reference(shape, dtype, seed):
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
+@pytest.mark.parametrize("chunk", [64, 100, 8192])
+def test_greedy_kernel_breaks_ties_to_the_first_index_across_chunks(chunk):
+    """Equal maxima in several vocabulary chunks (and inside one block): the first index wins, as torch.argmax."""
+    vocab, width = 700, 3
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, width + 1, vocab, generator=gen).round()     # many equal values
+    logits[0, :, [5, 64, 650]] = 9.0                                      # ties in three chunks
+    logits[1, :, [699, 128]] = 9.0                                        # the later chunk first in the list
+    logits[2, :, :] = float("-inf")                                       # nothing finite: index 0
+    logits[3, 1, [63, 64]] = 9.0                                          # a tie across a chunk boundary
+    drafts = logits.argmax(-1)[:, :width].clone()
+    drafts[3, 2] = (drafts[3, 2] + 1) % vocab                             # row 3 is rejected at position 2
+    lengths = torch.tensor([3, 2, 3, 3])
+    ref = greedy_accept(logits, drafts, lengths)
+    out = greedy_verify(logits, drafts, lengths, block=32, chunk=chunk)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert out[1].tolist()[:2] == [5, 128] and out[0].tolist()[3] == 2
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("point_mass", [False, True])

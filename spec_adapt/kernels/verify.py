@@ -4,8 +4,9 @@ References (the kernels must match them exactly; tests compare both):
 - greedy_verify     <-> spec_adapt.accept.greedy_accept
 - rejection_verify  <-> spec_adapt.accept.rejection_sample
 - token_rank        <-> token_rank_reference below
-One program per row scans the vocabulary in blocks, so no [B, S+1] argmax tensor (nor a [B, V] residual) is
-written to memory; a row stops reading logits after its first rejection.
+Greedy verification splits the vocabulary into chunks and runs one program per (row, position, chunk), then one per
+row to accept; rejection sampling and the rank test run one program per row scanning the vocabulary in blocks, so no
+[B, V] residual is written to memory and a row stops reading after its first rejection.
 """
 
 from __future__ import annotations
@@ -16,31 +17,45 @@ import triton.language as tl
 
 
 @triton.jit
-def _row_argmax(ptr, vocab, BLOCK: tl.constexpr):
-    """First index of the maximum of ptr[0:vocab] (float32 comparison; the first occurrence wins ties)."""
+def _chunk_argmax_kernel(logits, best_out, index_out, vocab, chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (row-position, vocabulary chunk): the chunk's maximum and the first index reaching it (float32
+    comparison), written to best_out / index_out[position * chunks + chunk]."""
+    position = tl.program_id(0)
+    chunk = tl.program_id(1)
+    base = logits + position.to(tl.int64) * vocab
+    first = chunk.to(tl.int64) * CHUNK
     best = tl.full([], float("-inf"), tl.float32)
-    index = tl.full([], 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        vals = tl.load(ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+    index = first
+    for offset in range(0, CHUNK, BLOCK):
+        offs = first + offset + tl.arange(0, BLOCK)
+        vals = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
         block_max = tl.max(vals, axis=0)
-        block_arg = tl.argmax(vals, axis=0).to(tl.int64) + start
+        block_arg = tl.argmax(vals, axis=0).to(tl.int64) + first + offset
         better = block_max > best
         index = tl.where(better, block_arg, index)
         best = tl.where(better, block_max, best)
-    return index
+    tl.store(best_out + position * chunks + chunk, best)
+    tl.store(index_out + position * chunks + chunk, index)
 
 
 @triton.jit
-def _greedy_kernel(logits, drafts, lengths, accepted_out, next_out, width, vocab, BLOCK: tl.constexpr):
+def _greedy_accept_kernel(best, index, drafts, lengths, accepted_out, next_out, width, chunks,
+                          BLOCK_C: tl.constexpr):
+    """One program per row: each position's argmax from its chunks' partial maxima (the lowest chunk wins ties, so the
+    first index overall), matched against the draft until the first rejection."""
     row = tl.program_id(0)
     length = tl.load(lengths + row)
     accepted = tl.full([], 0, tl.int64)
     next_token = tl.full([], 0, tl.int64)
     done = tl.full([], 0, tl.int32)
+    lanes = tl.arange(0, BLOCK_C)
     for i in range(0, width + 1):
         if done == 0:
-            token = _row_argmax(logits + (row * (width + 1) + i).to(tl.int64) * vocab, vocab, BLOCK)
+            at = (row * (width + 1) + i).to(tl.int64) * chunks + lanes
+            vals = tl.load(best + at, mask=lanes < chunks, other=float("-inf"))
+            top = tl.max(vals, axis=0)
+            winner = tl.min(tl.where(vals == top, lanes, BLOCK_C), axis=0)   # the lowest chunk reaching the max
+            token = tl.load(index + (row * (width + 1) + i).to(tl.int64) * chunks + winner)
             draft = tl.load(drafts + row * width + i, mask=i < width, other=-1)
             if (i < length) & (token == draft):
                 accepted += 1
@@ -51,17 +66,27 @@ def _greedy_kernel(logits, drafts, lengths, accepted_out, next_out, width, vocab
     tl.store(next_out + row, next_token)
 
 
-def greedy_verify(logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor, block: int = 1024):
-    """logits [B, S+1, V] (fp32/bf16/fp16), draft_tokens [B, S], lengths [B] -> (accepted [B], next_token [B])."""
+def greedy_verify(logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor, block: int = 1024,
+                  chunk: int = 8192):
+    """logits [B, S+1, V] (fp32/bf16/fp16), draft_tokens [B, S], lengths [B] -> (accepted [B], next_token [B]).
+
+    Every (row, position) and every `chunk` of the vocabulary is its own program, so the work spreads over the GPU
+    at batch 1 too; the per-row accept then reads only B x (S+1) x V/chunk partial maxima."""
     batch, width = draft_tokens.shape
     vocab = logits.shape[-1]
     logits = logits.contiguous()
-    drafts = draft_tokens.contiguous().long()
     accepted = torch.empty(batch, dtype=torch.long, device=logits.device)
     next_token = torch.empty_like(accepted)
     if batch:
-        _greedy_kernel[(batch,)](logits, drafts, lengths.contiguous().long(), accepted, next_token, width, vocab,
-                                 BLOCK=block)
+        block = min(block, chunk)
+        chunks = triton.cdiv(vocab, chunk)
+        positions = batch * (width + 1)
+        best = torch.empty(positions * chunks, dtype=torch.float32, device=logits.device)
+        index = torch.empty(positions * chunks, dtype=torch.long, device=logits.device)
+        _chunk_argmax_kernel[(positions, chunks)](logits, best, index, vocab, chunks, CHUNK=chunk, BLOCK=block)
+        _greedy_accept_kernel[(batch,)](best, index, draft_tokens.contiguous().long(), lengths.contiguous().long(),
+                                        accepted, next_token, width, chunks,
+                                        BLOCK_C=max(triton.next_power_of_2(chunks), 2))
     return accepted, next_token
 
 
