@@ -441,3 +441,29 @@ def test_a_long_offer_must_pay_for_the_whole_batchs_longer_step():
     assert batch == ([PLAIN] * 4, [0] * 4)
     everyone = drafter.route(4, [0] * 4, [[16] * 4], [[2] * 4])      # all four rows gain: the step pays again
     assert everyone[0] == [1] * 4
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(0, 3), min_size=0, max_size=14),
+                          st.integers(0, 24)), min_size=1, max_size=5),
+       st.integers(1, 4), st.integers(1, 4))
+def test_batched_lookup_equals_the_per_row_rule(rows, a, b):
+    """lookup_batch (every row in one set of tensor operations) proposes exactly what lookup_match proposes row by
+    row: the most recent match of the longest suffix, copies that run off the end repeating, rows without a match or
+    without a budget proposing nothing; left padding and garbage after a row's end never read."""
+    from spec_adapt.drafters.lookup import lookup_batch, lookup_match
+
+    min_ngram, max_ngram = min(a, b), max(a, b)
+    width = max(pad + len(ctx) for pad, ctx, _ in rows) + 3
+    tokens = torch.full((len(rows), width), 9, dtype=torch.long)      # 9: padding and garbage, never in a context
+    for i, (pad, ctx, _) in enumerate(rows):
+        tokens[i, pad:pad + len(ctx)] = torch.tensor(ctx, dtype=torch.long)
+    starts = torch.tensor([pad for pad, _, _ in rows])
+    ends = torch.tensor([pad + len(ctx) for pad, ctx, _ in rows])
+    gammas = torch.tensor([g for _, _, g in rows])
+    drafts, lengths, matched = lookup_batch(tokens, starts, ends, gammas, max_ngram, min_ngram)
+    for i, (pad, ctx, gamma) in enumerate(rows):
+        want, n = lookup_match(torch.tensor(ctx, dtype=torch.long), gamma, max_ngram, min_ngram) if gamma and ctx \
+            else ([], 0)
+        assert drafts[i, :int(lengths[i])].tolist() == want
+        assert int(matched[i]) == n

@@ -36,6 +36,33 @@ def lookup_match(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: i
     return [], 0
 
 
+def lookup_batch(tokens: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, gammas: torch.Tensor,
+                 max_ngram: int, min_ngram: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`lookup_match` for every row at once, in a fixed number of tensor operations (none per row), on the tokens'
+    device. Row b's context is tokens[b, starts[b]:ends[b]]. Returns (drafts [B, max gamma], lengths [B]: gammas[b]
+    where a match was found, else 0, matched n-gram length [B]: 0 without a match)."""
+    batch, width = tokens.shape
+    starts, ends, gammas = starts.long()[:, None], ends.long()[:, None], gammas.long()
+    position = torch.arange(width, device=tokens.device)
+    follow = torch.full((batch,), -1, dtype=torch.long, device=tokens.device)     # where the copy starts
+    matched = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+    for n in range(min(max_ngram, width - 1), min_ngram - 1, -1):
+        suffix = tokens.gather(1, (ends - n + position[:n]).clamp(min=0))       # the row's last n tokens
+        hit = (tokens.unfold(1, n, 1) == suffix[:, None, :]).all(dim=2)         # [B, W-n+1]: the n-gram at s
+        s = position[: width - n + 1]
+        hit &= (s >= starts) & (s < ends - n)                                  # inside the context, followed by a token
+        latest = torch.where(hit, s, -1).amax(dim=1)
+        take = (follow < 0) & (latest >= 0)                                    # the longest n-gram wins
+        follow = torch.where(take, latest + n, follow)
+        matched = torch.where(take, n, matched)
+    found = (follow >= 0) & (gammas > 0)
+    depth = int(gammas.max()) if batch else 0
+    period = (ends[:, 0] - follow).clamp(min=1)                                # a copy reaching the end repeats
+    index = follow.clamp(min=0)[:, None] + torch.arange(depth, device=tokens.device) % period[:, None]
+    drafts = tokens.gather(1, index.clamp(max=width - 1)) if depth else tokens[:, :0]
+    return drafts, torch.where(found, gammas, 0), torch.where(found, matched, 0)
+
+
 def lookup_branches(context: torch.Tensor, depth: int, max_ngram: int, min_ngram: int, most: int) -> list[list[int]]:
     """Up to `most` distinct continuations of up to `depth` tokens that followed earlier matches of the context's
     suffixes, best first (longer n-gram, then more recent)."""
@@ -85,17 +112,11 @@ class PromptLookupDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Proposal:
         if request.depths is not None:
             return self._propose_tree(request)
-        tokens = request.tokens.cpu()
-        drafts, matched = [], []
-        for b, (row, length, gamma) in enumerate(
-            zip(request.rows.tolist(), request.lengths.tolist(), request.gammas.tolist())
-        ):
-            found, n = lookup_match(tokens[b, self.pad[row] : length], gamma, self.max_ngram, self.min_ngram) \
-                if gamma else ([], 0)
-            drafts.append(torch.tensor(found, dtype=torch.long))
-            matched.append(n)
-        proposal = Proposal.pack(drafts, request.tokens.device)
-        proposal.telemetry = {"feature": matched}     # the matched n-gram's length per row (0: no match)
+        starts = torch.tensor([self.pad[row] for row in request.rows.tolist()], device=request.tokens.device)
+        drafts, lengths, matched = lookup_batch(request.tokens, starts, request.lengths, request.gammas,
+                                                self.max_ngram, self.min_ngram)
+        proposal = Proposal(drafts, lengths)
+        proposal.telemetry = {"feature": matched.tolist()}   # the matched n-gram's length per row (0: no match)
         return proposal
 
     def _propose_tree(self, request: DraftRequest) -> Proposal:
