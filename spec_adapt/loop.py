@@ -582,12 +582,27 @@ class SpeculativeLoop:
                 out[: len(values), row] = torch.stack(values)
         return tuple(out.unbind(0))
 
-    def _now(self) -> float:
-        # A device sync per phase is what makes GPU timings true, and it stalls the pipeline: only when the policy
-        # learns from times (Policy.needs_timing). Otherwise the per-phase times are host-side (approximate on a GPU).
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _now(self):
+        # On a GPU, when the policy learns from times (Policy.needs_timing): a point on the device's timeline (a CUDA
+        # event), so the phases' times are the device's without a sync per phase. Otherwise host time (approximate
+        # on a GPU, where the host runs ahead of the device).
+        return DeviceMark(self.device) if self.sync else time.perf_counter()
+
+
+class DeviceMark:
+    """A CUDA event recorded on the device's current stream. `later - earlier` is the seconds between two marks: it
+    waits for `later` alone (events on one stream complete in order, so the earlier ones are then done too), which
+    is the step's one wait for its times; the record's per-row counts read after it cost no further wait."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, device):
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(torch.cuda.current_stream(device))
+
+    def __sub__(self, earlier: "DeviceMark") -> float:
+        self.event.synchronize()
+        return earlier.event.elapsed_time(self.event) / 1e3
 
 
 def _along_path(proposal: Proposal, path, scores, logits, hidden=None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hypothesis import given, strategies as st
 
 from spec_adapt.policies.cost import StepCost
@@ -120,3 +121,33 @@ def test_a_poisoned_state_is_refused_whole(poison):
     with pytest.raises(ValueError):
         cost.load_state_dict(state)
     assert json.dumps(cost.state_dict()) == before
+
+
+def test_device_marks_read_the_device_timeline_waiting_once_per_step(monkeypatch):
+    """On a GPU the loop marks its phases with CUDA events: the differences are the device's seconds between the
+    marks, and reading a step's three times waits on its last mark, never a device-wide synchronize."""
+    import spec_adapt.loop as loop
+
+    clock, waits = [0.0], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self, stream=None):
+            clock[0] += 2.5                       # each phase takes 2.5 ms on the fake device
+            self.at = clock[0]
+
+        def synchronize(self):
+            waits.append(self.at)
+
+        def elapsed_time(self, later):
+            return later.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("a device-wide synchronize"))
+    t0, t1, t2, t3 = (loop.DeviceMark(torch.device("cuda")) for _ in range(4))
+    assert (t3 - t0, t1 - t0, t2 - t1) == (0.0075, 0.0025, 0.0025)
+    assert waits[0] == t3.event.at                # the first wait is on the step's last mark

@@ -63,8 +63,8 @@ class Plan:
 
 
 class Policy:
-    # Whether `observe` reads the step times: the loop then synchronizes the device around each phase so that the
-    # times are true on a GPU (a policy that only counts tokens sets it False and saves those syncs).
+    # Whether `observe` reads the step times: on a GPU the loop then marks each phase with a CUDA event and waits
+    # once per step for the last (a policy that only counts tokens sets it False and saves that wait).
     needs_timing = True
     trees = False        # True: `choose` may answer with tree plans (the call then checks the target can verify them)
 
