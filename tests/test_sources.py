@@ -4,6 +4,8 @@ router really picks per row, and every check makes sure the sources really draft
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -467,3 +469,63 @@ def test_batched_lookup_equals_the_per_row_rule(rows, a, b):
             else ([], 0)
         assert drafts[i, :int(lengths[i])].tolist() == want
         assert int(matched[i]) == n
+
+
+def _route_row_by_row(drafter, batch, gammas, lengths, features, rows):
+    """The router's rule written plainly, one row, option and width at a time (the reference `route` must equal)."""
+    acceptance, most = drafter.state.acceptance, drafter.max_free
+    cost = drafter.state.cost
+    verify = [cost.verify_time(batch, w + 1) for w in range(most + 1)]
+    per_token = cost.draft_time("model", batch, 1)
+    table = [[[-math.inf] * (most + 1) for _ in range(len(drafter.names) + 2)] for _ in range(batch)]
+    for b in range(batch):
+        if gammas[b] == 0:
+            table[b][0] = [1.0] * (most + 1)
+        offers = [(i + 1, name, min(lengths[i][b], most), features[i][b]) for i, name in enumerate(drafter.names)]
+        if gammas[b] > 0:
+            offers.append((len(drafter.names) + 1, "model", min(gammas[b], most), 0))
+        for slot, name, n, feature in offers:
+            if n > 0:
+                expected = acceptance.expected(name, feature, n, drafter.row_counts.get((name, rows[b])))
+                for w in range(1, most + 1):
+                    table[b][slot][w] = float(expected[min(w, n)])
+        if gammas[b] > 0:
+            for w in range(min(gammas[b], most)):
+                table[b][-1][w] = -math.inf
+    best = (-1.0, None, None)
+    for with_model in (False, True) if any(g > 0 for g in gammas) else (False,):
+        for w in range(most + 1):
+            options = [[table[b][o][w] for o in range(len(table[b]) - (0 if with_model else 1))] for b in range(batch)]
+            picks = [max(range(len(o)), key=lambda k, o=o: (o[k], -k)) for o in options]   # first best
+            values = [options[b][k] for b, k in enumerate(picks)]
+            if any(math.isinf(v) for v in values):
+                continue
+            model_width = max([min(gammas[b], most) for b, k in enumerate(picks) if k == len(table[b]) - 1],
+                              default=0)
+            rate = sum(values) / (verify[w] + per_token * model_width)
+            if rate > best[0]:
+                best = (rate, picks, w)
+    return drafter._choices(torch.tensor(best[1]), best[2], gammas, lengths)
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_route_equals_the_rule_row_by_row(batch, data):
+    """The router's vectorized choice (every width and row at once) equals the rule applied row by row, with
+    learned rates, rows' own counts and measured costs."""
+    drafter = MultiSourceDrafter(None, [PromptLookupDrafter(), spec_adapt.SuffixDrafter()], max_free=6)
+    acceptance = drafter.state.acceptance
+    for _ in range(data.draw(st.integers(0, 12))):
+        source = data.draw(st.sampled_from(["lookup", "suffix", "model"]))
+        drafted = data.draw(st.integers(1, 6))
+        accepted = data.draw(st.integers(0, drafted))
+        drafter._learn(source, data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, 3)), drafted, accepted)
+    for w in range(1, 8):
+        drafter.state.cost.observe_verify(batch, w, 0.1 + data.draw(st.floats(0.0, 0.05)) * w)
+    drafter.state.cost.observe_draft("model", batch, 2, data.draw(st.floats(0.01, 0.2)))
+    gammas = data.draw(st.lists(st.integers(0, 8), min_size=batch, max_size=batch))
+    lengths = [data.draw(st.lists(st.integers(0, 9), min_size=batch, max_size=batch)) for _ in range(2)]
+    features = [data.draw(st.lists(st.integers(0, 3), min_size=batch, max_size=batch)) for _ in range(2)]
+    rows = list(range(batch))
+    assert drafter.route(batch, gammas, lengths, features, rows) == \
+        _route_row_by_row(drafter, batch, gammas, lengths, features, rows)

@@ -178,21 +178,18 @@ class MultiSourceDrafter(Drafter):
             per_token = self.state.cost.draft_time("model", batch, 1)
             tokens, asked = self._option_tokens(batch, gammas, lengths, features, rows)
         model_widths = torch.tensor(gammas).clamp(max=self.max_free)
-        best = (-1.0, None, None)
-        for with_model in (False, True) if asked.any() else (False,):
-            for width in range(self.max_free + 1):
-                table = tokens[:, :, width].clone()
-                if not with_model:
-                    table[:, -1] = -math.inf
-                value, option = table.max(dim=1)                 # first best: free before model, plain first
-                if bool(torch.isinf(value).any()):
-                    continue
-                model_rows = option == table.shape[1] - 1
-                model_width = int(model_widths[model_rows].max()) if bool(model_rows.any()) else 0
-                rate = float(value.sum()) / float(verify[width] + per_token * model_width)
-                if rate > best[0]:
-                    best = (rate, option, width)
-        _, option, width = best
+        cases = (False, True) if asked.any() else (False,)
+        value = torch.empty(len(cases), batch, self.max_free + 1)
+        option = torch.empty(len(cases), batch, self.max_free + 1, dtype=torch.long)
+        for i, with_model in enumerate(cases):               # every step width at once: [B, options, widths]
+            table = tokens if with_model else torch.cat([tokens[:, :-1], torch.full_like(tokens[:, -1:], -math.inf)], 1)
+            value[i], option[i] = table.max(dim=1)            # first best: free before model, plain first
+        model_rows = option == tokens.shape[1] - 1                                      # [cases, B, widths]
+        model_width = torch.where(model_rows, model_widths[None, :, None], 0).amax(dim=1)   # [cases, widths]
+        rate = value.sum(dim=1) / (verify + per_token * model_width)       # -inf: a row has no option there
+        best = int(rate.flatten().argmax())                 # the first best, in the order: without the model first
+        case, width = divmod(best, self.max_free + 1)
+        option = option[case, :, width]
         return self._choices(option, width, gammas, lengths)
 
     def _option_tokens(self, batch, gammas, lengths, features, rows):
@@ -202,20 +199,20 @@ class MultiSourceDrafter(Drafter):
         acceptance, most = self.state.acceptance, self.max_free
         tokens = torch.full((batch, len(self.names) + 2, most + 1), -math.inf)
         asked = torch.tensor([g > 0 for g in gammas], dtype=torch.bool)
-        widths = torch.arange(most + 1)
-        for b in range(batch):
-            if not asked[b]:
-                tokens[b, 0] = 1.0                              # a plain row commits the target's one token
-            offers = [(i + 1, name, min(lengths[i][b], most), features[i][b]) for i, name in enumerate(self.names)]
-            if asked[b]:
-                offers.append((len(self.names) + 1, "model", min(gammas[b], most), 0))
-            for slot, name, n, feature in offers:
-                if n <= 0:
-                    continue
-                expected = acceptance.expected(name, feature, n, self.row_counts.get((name, rows[b])))
-                tokens[b, slot, 1:] = expected[torch.clamp(widths[1:], max=n)]
-            if asked[b]:      # the model drafts the width the policy asked (its counts judge that width): open from it
-                tokens[b, -1, : min(gammas[b], most)] = -math.inf
+        tokens[~asked, 0] = 1.0                                 # a plain row commits the target's one token
+        widths = torch.arange(1, most + 1)
+        offers = [(name, lengths[i], features[i]) for i, name in enumerate(self.names)]
+        offers.append(("model", [g if a else 0 for g, a in zip(gammas, asked.tolist())], [0] * batch))
+        for slot, (name, offered, feature) in enumerate(offers, start=1):
+            n = torch.tensor(offered).clamp(max=most)
+            live = n > 0
+            if not bool(live.any()):
+                continue
+            expected = acceptance.expected_rows(name, feature, most, [self.row_counts.get((name, r)) for r in rows])
+            at_width = expected.gather(1, torch.minimum(widths[None, :], n[:, None]))     # a cut offer, or all of it
+            tokens[live, slot, 1:] = at_width[live]
+        # The model drafts the width the policy asked (its counts judge that width): open from it.
+        tokens[:, -1] = torch.where(torch.arange(most + 1)[None, :] < n[:, None], -math.inf, tokens[:, -1])
         return tokens, asked
 
     def _choices(self, option, width, gammas, lengths):

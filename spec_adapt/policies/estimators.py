@@ -437,6 +437,18 @@ class SourceAcceptance:
         survive = rates[:most].cumprod(0)
         return torch.cat([torch.ones(1), 1.0 + survive.cumsum(0)])
 
+    def expected_rows(self, source: str, features: list[int], most: int, rows: list, shrink: float = 4.0
+                      ) -> torch.Tensor:
+        """[B, most + 1]: `expected` for B rows at once (row b: its feature, its own counts rows[b] or None)."""
+        by_feature = {f: self.rates(source, f) for f in set(features)}
+        rates = torch.stack([by_feature[f] for f in features])[:, :most]
+        own = [b for b, counts in enumerate(rows) if counts is not None]
+        if own:
+            counts = torch.stack([rows[b] for b in own])[:, :, :most]
+            rates[own] = (counts[:, 1] + shrink * rates[own]) / (counts[:, 0] + shrink)
+        survive = rates.cumprod(dim=1)
+        return torch.cat([torch.ones(len(features), 1), 1.0 + survive.cumsum(dim=1)], dim=1)
+
     def step_counts(self, drafted: int, accepted: int) -> torch.Tensor:
         """[2, positions]: the positions one step reached (it drafted `drafted`, `accepted` of them were accepted)
         and the ones accepted."""

@@ -107,7 +107,7 @@ class Cell:
                 self.verifier[key] = self.verifier.get(key, 0) + value
         self.trace.extend(
             {"batch_size": r.batch_size, "held": r.held, "gammas": r.gammas, "drafted": r.drafted,
-             "accepted": r.accepted, "step_time": r.step_time}
+             "accepted": r.accepted, "step_time": r.step_time, "source": (r.telemetry or {}).get("source")}
             for r in stats.trace
         )
 
