@@ -26,6 +26,7 @@ from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
+from .policies.cost import PolicyCost, StepCost
 from .processors import ScoreProcessor, tree_positions
 from .returned_cache import ReturnedCache
 from .tree import ancestry, chunk_tree, path_nodes
@@ -114,6 +115,8 @@ class SpeculativeLoop:
         self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
+        cost = getattr(policy, "cost", None)     # the policy's step-cost model, which a drafter may read
+        self.policy_cost = PolicyCost(cost, self.policy_lock) if isinstance(cost, StepCost) else None
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.sync = self.device.type == "cuda" and policy.needs_timing
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
@@ -300,7 +303,7 @@ class SpeculativeLoop:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
-            self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free,
+            self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy_cost,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)

@@ -287,7 +287,7 @@ def test_a_router_that_ignores_the_rows_fails_the_check(monkeypatch):
     """Mutation check for the test above: a router that always takes the draft model keeps the output exact, but
     the per-row check catches it."""
 
-    def always_model(self, batch, gammas, lengths, features, rows=None):
+    def always_model(self, batch, gammas, lengths, features, rows=None, cost=None):
         return [MODEL if g > 0 else PLAIN for g in gammas], list(gammas)
 
     monkeypatch.setattr(MultiSourceDrafter, "route", always_model)
@@ -529,3 +529,49 @@ def test_route_equals_the_rule_row_by_row(batch, data):
     rows = list(range(batch))
     assert drafter.route(batch, gammas, lengths, features, rows) == \
         _route_row_by_row(drafter, batch, gammas, lengths, features, rows)
+
+
+def test_the_router_reads_the_policys_step_cost_and_learns_no_times_of_its_own():
+    """One step-cost model: under `Adaptive` the router weighs the policy's `StepCost` (DraftRequest.cost) and its
+    own stays empty; the policy learns the draft model's seconds from the steps where free rows drafted too. Under
+    a policy that keeps none (FixedLength) the router learns its own."""
+    ids, mask = looping_batch(3, seed=40, distinct=[1])
+    reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
+    seen = []
+    drafter = MultiSourceDrafter(GOOD_DRAFT)
+    route = drafter.route
+    drafter.route = lambda *a, **k: seen.append(a[-1]) or route(*a, **k)
+    policy = Adaptive()
+    out, stats = run(TARGET, ids, mask, drafter, policy)
+    assert torch.equal(out, reference) and stats.fallback is None
+    assert seen and all(c is not None and c.cost is policy.cost for c in seen)
+    assert not drafter.state.cost.verify and not drafter.state.cost.draft
+    assert policy.cost.verify and any(source == "model" for source, _ in policy.cost.draft)
+    mixed = [r for r in stats.trace if r.free is not None and any(r.free) and "model" in (r.telemetry or {})
+             .get("source", [])]
+    assert mixed and all(r.telemetry["draft_seconds"]["model"][1] > 0 for r in mixed)
+
+    own = MultiSourceDrafter(GOOD_DRAFT)
+    out, stats = run(TARGET, ids, mask, own, FixedLength(2))
+    assert torch.equal(out, reference) and own.state.cost.verify
+
+
+def test_route_weighs_the_cost_it_is_given():
+    """A cost model where every extra verified token is dear makes the router cut a long, well-rated offer short."""
+    drafter = MultiSourceDrafter(None, [PromptLookupDrafter()], max_free=8, state=fixed_state(8))
+    for _ in range(20):
+        drafter.state.acceptance.observe("lookup", 3, 8, 6)          # right for 6 of 8, every time
+
+    class Dear:
+        def __init__(self, per_token):
+            self.per_token = per_token
+
+        def verify_times(self, batch, feds):
+            return [1.0 + self.per_token * (fed - 1) for fed in feds]
+
+        def draft_time(self, source, batch, tokens, unknown=None):
+            return 0.0
+
+    _, cheap = drafter.route(1, [0], [[8]], [[3]], None, Dear(0.01))
+    _, dear = drafter.route(1, [0], [[8]], [[3]], None, Dear(2.0))
+    assert cheap[0] >= 6 and dear[0] < cheap[0], (cheap, dear)

@@ -39,6 +39,8 @@ class DraftRequest:
     free: torch.Tensor | None = None    # [B] long, for a drafter with `max_free`: the most tokens a row may take from a
                                         # model-free source (point masses that cost no draft forward), whatever its
                                         # gamma; None = gammas bound every row
+    cost: "PolicyCost | None" = None    # the policy's step-cost model, read-only (spec_adapt.policies.cost.PolicyCost),
+                                        # for a drafter that weighs step times; None = the policy keeps none
 
 
 @dataclass

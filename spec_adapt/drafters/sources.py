@@ -10,8 +10,8 @@ Each step, for each row:
    - a model-free proposal, cut to a length (up to `max_free` tokens, even where the policy asked none);
    - nothing (a plain step for the row; not for a row the policy asked to draft).
    Tokens: `SourceAcceptance`, the survival per draft position learned per source and feature. Seconds:
-   `StepCost`, the verification of the widest row's drafts at this batch size, plus the draft model's time per
-   token when a row drafts with it. One verification serves the batch, so a long offer has to pay for every row's
+   the policy's `StepCost` (`DraftRequest.cost`; the router's own where the policy keeps none), the verification
+   of the widest row's drafts at this batch size, plus the draft model's time per token when a row drafts with it. One verification serves the batch, so a long offer has to pay for every row's
    longer step, not just its own (`route`);
 3. the draft model runs only for the rows that chose it: none, and the step runs no draft forward;
 4. the rows' drafts become one Proposal (`Proposal.free` marks the model-free rows).
@@ -152,20 +152,26 @@ class MultiSourceDrafter(Drafter):
         model_here = self.model_drafter is not None and self.model_drafter.available()   # not while offloaded
         gammas = request.gammas if model_here else torch.zeros_like(request.gammas)
         choice, cut = self.route(batch, gammas.tolist(), [o.lengths.tolist() for o in offers], features,
-                                 request.rows.tolist())
+                                 request.rows.tolist(), request.cost)
         self._offers = {"rows": request.rows.clone(), "lengths": request.lengths.clone(),
                         "offers": [(o.tokens.cpu(), o.lengths.cpu(), f) for o, f in zip(offers, features)]}
         model, seconds = self._model_proposal(request, choice, cut)
-        self._chosen = {"choice": choice, "features": features, "model_seconds": seconds}
-        return self._merge(request, choice, cut, offers, model, batch, device)
+        self._chosen = {"choice": choice, "features": features, "model_seconds": seconds,
+                        "policy_cost": request.cost is not None}
+        proposal = self._merge(request, choice, cut, offers, model, batch, device)
+        if model is not None:      # the draft model's own seconds, for a policy's step-cost model to learn
+            proposal.telemetry["draft_seconds"] = {"model": (max(c for c, k in zip(cut, choice) if k == MODEL),
+                                                             seconds)}
+        return proposal
 
     def route(self, batch: int, gammas: list[int], lengths: list[list[int]], features: list[list[int]],
-              rows: list[int] | None = None):
+              rows: list[int] | None = None, cost=None):
         """The step with the most predicted tokens per second: (choice [B] list: PLAIN, MODEL or free source i + 1;
         cut [B] list: the drafts each row takes). `gammas`: the policy's width per row (0: the draft model is not
         asked; a row it asked drafts from the model or a free source, never nothing); `lengths[i][b]`,
         `features[i][b]`: free source i's offer for row b; `rows`: the user's row numbers (each row's own record
-        with each source, shrunk toward the source's rates for the feature).
+        with each source, shrunk toward the source's rates for the feature); `cost`: the policy's step-cost model
+        (`DraftRequest.cost`; None: the router's own, `SourceState.cost`).
 
         One verification serves the whole batch, so the choice is the batch's: for each step width W (the widest
         row's drafts) and with or without the draft model, every row takes its option committing the most tokens
@@ -174,9 +180,13 @@ class MultiSourceDrafter(Drafter):
         tokens must pay for the whole batch's extra time."""
         rows = rows if rows is not None else list(range(batch))
         with self.state.lock:
-            verify = torch.tensor([self.state.cost.verify_time(batch, w + 1) for w in range(self.max_free + 1)])
-            per_token = self.state.cost.draft_time("model", batch, 1)
+            if cost is None:
+                verify = torch.tensor(self.state.cost.verify_times(batch, range(1, self.max_free + 2)))
+                per_token = self.state.cost.draft_time("model", batch, 1)
             tokens, asked = self._option_tokens(batch, gammas, lengths, features, rows)
+        if cost is not None:       # the policy's model; an unmeasured draft model: a quarter of a verification
+            verify = torch.tensor(cost.verify_times(batch, range(1, self.max_free + 2)))
+            per_token = cost.draft_time("model", batch, 1, unknown=self.state.cost.prior_draft * float(verify[0]))
         model_widths = torch.tensor(gammas).clamp(max=self.max_free)
         cases = (False, True) if asked.any() else (False,)
         value = torch.empty(len(cases), batch, self.max_free + 1)
@@ -295,14 +305,17 @@ class MultiSourceDrafter(Drafter):
         cost = self.state.cost
         chosen, self._chosen = self._chosen, None
         widest = max(record.drafted, default=0)
+        if chosen is None:          # a step the router did not choose (plain, a tree, a single source)
+            return
+        own = not chosen["policy_cost"]       # else the policy learns the times from the record
         with self.state.lock:
-            cost.observe_verify(record.batch_size, widest + 1, record.verify_time)
-            if chosen is None:
-                return
+            if own:
+                cost.observe_verify(record.batch_size, widest + 1, record.verify_time)
             model_rows = [b for b, c in enumerate(chosen["choice"]) if c == MODEL]
             if model_rows:
                 drafted = max(record.drafted[b] for b in model_rows)
-                cost.observe_draft("model", record.batch_size, drafted, chosen["model_seconds"])
+                if own:
+                    cost.observe_draft("model", record.batch_size, drafted, chosen["model_seconds"])
                 for b in model_rows:
                     self._learn("model", record.rows[b], 0, record.drafted[b], record.accepted[b])
 

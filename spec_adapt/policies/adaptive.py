@@ -291,6 +291,8 @@ class Adaptive(Policy):
             model = _model_rows(record)
             if model.rows:
                 self._count(model)
+            for source, (tokens, seconds) in ((record.telemetry or {}).get("draft_seconds") or {}).items():
+                self.cost.observe_draft(source, record.batch_size, tokens, seconds)   # the drafter timed its source
             return
         if pending["width"] and self.tree_shapes is not None:
             self.tree_shapes.observe(record.batch_size, factor, sum(record.committed) / record.batch_size,

@@ -127,6 +127,10 @@ class StepCost:
         per_token = self.prior_slope[0] + self.prior_slope[1] * batch
         return base * (1.0 + per_token * (w - 1))
 
+    def verify_times(self, batch: int, feds) -> list[float]:
+        """`verify_time` at each of `feds` (full path)."""
+        return [self.verify_time(batch, fed) for fed in feds]
+
     def draft_time(self, source: str, batch: int, tokens: float, unknown: float | None = None) -> float:
         """Seconds a source takes to draft `tokens` per row in one step (0 for none). A batch-size bucket this source
         has not run at reads the nearest one it has; a source never measured costs `unknown` per token where given,
@@ -239,3 +243,20 @@ def _fits(saved, make, out: dict, what: str) -> dict:
                 raise ValueError(f"{what} holds a sample that is not two finite non-negative numbers: {[x, y]}")
             fit.add(x, y)
     return out
+
+
+class PolicyCost:
+    """A policy's `StepCost` as a drafter reads it (`DraftRequest.cost`): each read under the policy's lock, so a
+    drafter that weighs step times (the several-source router) weighs the times the policy learned, and no second
+    model learns them apart. The policy keeps observing; the drafter only reads."""
+
+    def __init__(self, cost: StepCost, lock):
+        self.cost, self.lock = cost, lock
+
+    def verify_times(self, batch: int, feds) -> list[float]:
+        with self.lock:
+            return self.cost.verify_times(batch, feds)
+
+    def draft_time(self, source: str, batch: int, tokens: float, unknown: float | None = None) -> float:
+        with self.lock:
+            return self.cost.draft_time(source, batch, tokens, unknown)
