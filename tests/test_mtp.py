@@ -11,6 +11,7 @@ import torch
 import spec_adapt
 from spec_adapt import EarlyExitVerifier, FixedLength, MTPDrafter, ScriptedDrafter, compat
 from spec_adapt.drafters import MTPDrafter as ExportedMTPDrafter
+from spec_adapt.ledger import UnsupportedCacheError
 
 from mtp_models import FAMILIES, mtp_model
 from test_sampling import follows_target
@@ -25,7 +26,14 @@ def model_of(family: str, layers: int):
 
 # Every family with MTP checkpoints that spec_adapt serves, with the most MTP layers its checkpoints have (GLM-4 MoE
 # and DeepSeek-V3 chain two; the others one).
-CASES = [(family, layers) for family, (_, layers) in FAMILIES.items()]
+# Families with MTP checkpoints that cannot be served, and the refusal each meets at batch 1 (stock's own, or
+# spec_adapt's when stock runs MTP for them): Bailing hybrid's KDA layers make the model stateful, and stock refuses
+# assisted generation (MTP included) for it; Inkling's layers ("hybrid": attention with short convolutions) keep
+# convolution states that spec_adapt's cache ledger cannot roll back per row.
+UNSERVED = {"bailing_hybrid": ("stock", ValueError, "assisted generation is not supported with stateful models"),
+            "inkling_text": ("spec_adapt", UnsupportedCacheError,
+                             r"cannot roll back the \['hybrid', 'hybrid_sliding'\]")}
+CASES = [(family, layers) for family, (_, layers) in FAMILIES.items() if family not in UNSERVED]
 
 
 def ragged():
@@ -63,6 +71,20 @@ def test_greedy_matches_stock_per_row_and_the_layers_draft(family, layers):
     one = model.generate(ids[:1], max_new_tokens=NEW, do_sample=False, custom_generate=spec_adapt.generate,
                          drafter=MTPDrafter(model), assistant_policy=FixedLength(layers), strict=True)
     assert one[0].tolist() == references[0].tolist() and spec_adapt.last_stats().drafted > 0
+
+
+@pytest.mark.parametrize("family", list(UNSERVED))
+def test_unserved_families_are_refused_by_name(family):
+    who, error, message = UNSERVED[family]
+    model = model_of(family, FAMILIES[family][1])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with pytest.raises(error, match=message):
+        if who == "stock":
+            model.generate(ids, max_new_tokens=NEW, do_sample=False, use_mtp=True)
+        else:
+            assert model.generate(ids, max_new_tokens=NEW, do_sample=False, use_mtp=True).shape[1] > ids.shape[1]
+            model.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=spec_adapt.generate,
+                           drafter=MTPDrafter(model), assistant_policy=FixedLength(1), strict=True)
 
 
 @pytest.mark.parametrize("family,layers", CASES[:1])
