@@ -476,7 +476,7 @@ def _route_row_by_row(drafter, batch, gammas, lengths, features, rows):
     acceptance, most = drafter.state.acceptance, drafter.max_free
     cost = drafter.state.cost
     verify = [cost.verify_time(batch, w + 1) for w in range(most + 1)]
-    per_token = cost.draft_time("model", batch, 1)
+    drafting = [cost.draft_time("model", batch, k) for k in range(most + 1)]
     table = [[[-math.inf] * (most + 1) for _ in range(len(drafter.names) + 2)] for _ in range(batch)]
     for b in range(batch):
         if gammas[b] == 0:
@@ -502,7 +502,7 @@ def _route_row_by_row(drafter, batch, gammas, lengths, features, rows):
                 continue
             model_width = max([min(gammas[b], most) for b, k in enumerate(picks) if k == len(table[b]) - 1],
                               default=0)
-            rate = sum(values) / (verify[w] + per_token * model_width)
+            rate = sum(values) / (verify[w] + drafting[model_width])
             if rate > best[0]:
                 best = (rate, picks, w)
     return drafter._choices(torch.tensor(best[1]), best[2], gammas, lengths)
@@ -575,3 +575,23 @@ def test_route_weighs_the_cost_it_is_given():
     _, cheap = drafter.route(1, [0], [[8]], [[3]], None, Dear(0.01))
     _, dear = drafter.route(1, [0], [[8]], [[3]], None, Dear(2.0))
     assert cheap[0] >= 6 and dear[0] < cheap[0], (cheap, dear)
+
+
+def test_route_pays_the_draft_models_first_token_overhead_once():
+    """The draft model's time is a line a + d k in the tokens drafted: a large a (a forward, the catch-up) is paid
+    once per step, not once per token, so a well-rated 4-token model draft beats a poor free offer."""
+    drafter = MultiSourceDrafter(ScriptedDrafter(lambda row, context, gamma: [3] * gamma),
+                                 free=[PromptLookupDrafter()], max_free=8, state=fixed_state(8))
+    for _ in range(30):
+        drafter.state.acceptance.observe("model", 0, 4, 4)
+        drafter.state.acceptance.observe("lookup", 1, 4, 0)
+
+    class Line:
+        def verify_times(self, batch, feds):
+            return [1.0 + 0.01 * (fed - 1) for fed in feds]
+
+        def draft_time(self, source, batch, tokens, unknown=None):
+            return 1.0 + 0.01 * tokens if tokens > 0 else 0.0
+
+    choice, cut = drafter.route(1, [4], [[4]], [[1]], None, Line())
+    assert choice == [MODEL] and cut == [4]

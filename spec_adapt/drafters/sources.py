@@ -11,8 +11,9 @@ Each step, for each row:
    - nothing (a plain step for the row; not for a row the policy asked to draft).
    Tokens: `SourceAcceptance`, the survival per draft position learned per source and feature. Seconds:
    the policy's `StepCost` (`DraftRequest.cost`; the router's own where the policy keeps none), the verification
-   of the widest row's drafts at this batch size, plus the draft model's time per token when a row drafts with it. One verification serves the batch, so a long offer has to pay for every row's
-   longer step, not just its own (`route`);
+   of the widest row's drafts at this batch size, plus the draft model's time to draft the widest model row's
+   width (a line a + d k). One verification serves the batch, so a long offer has to pay for every row's longer
+   step, not just its own (`route`);
 3. the draft model runs only for the rows that chose it: none, and the step runs no draft forward;
 4. the rows' drafts become one Proposal (`Proposal.free` marks the model-free rows).
 
@@ -176,17 +177,19 @@ class MultiSourceDrafter(Drafter):
         One verification serves the whole batch, so the choice is the batch's: for each step width W (the widest
         row's drafts) and with or without the draft model, every row takes its option committing the most tokens
         within W, and the step's time is the verification of W + 1 tokens at this batch size plus, with the model,
-        its time per token times the widest model row. A row that drafts long makes every row's step longer: its
+        its time to draft the widest model row's width. A row that drafts long makes every row's step longer: its
         tokens must pay for the whole batch's extra time."""
         rows = rows if rows is not None else list(range(batch))
+        widths = range(self.max_free + 1)
         with self.state.lock:
             if cost is None:
                 verify = torch.tensor(self.state.cost.verify_times(batch, range(1, self.max_free + 2)))
-                per_token = self.state.cost.draft_time("model", batch, 1)
+                drafting = torch.tensor([self.state.cost.draft_time("model", batch, k) for k in widths])
             tokens, asked = self._option_tokens(batch, gammas, lengths, features, rows)
         if cost is not None:       # the policy's model; an unmeasured draft model: a quarter of a verification
             verify = torch.tensor(cost.verify_times(batch, range(1, self.max_free + 2)))
-            per_token = cost.draft_time("model", batch, 1, unknown=self.state.cost.prior_draft * float(verify[0]))
+            unknown = self.state.cost.prior_draft * float(verify[0])
+            drafting = torch.tensor([cost.draft_time("model", batch, k, unknown=unknown) for k in widths])
         model_widths = torch.tensor(gammas).clamp(max=self.max_free)
         cases = (False, True) if asked.any() else (False,)
         value = torch.empty(len(cases), batch, self.max_free + 1)
@@ -196,7 +199,9 @@ class MultiSourceDrafter(Drafter):
             value[i], option[i] = table.max(dim=1)            # first best: free before model, plain first
         model_rows = option == tokens.shape[1] - 1                                      # [cases, B, widths]
         model_width = torch.where(model_rows, model_widths[None, :, None], 0).amax(dim=1)   # [cases, widths]
-        rate = value.sum(dim=1) / (verify + per_token * model_width)       # -inf: a row has no option there
+        # The draft model's time at the widest model row's width: a line a + d k, so its first token's overhead
+        # (a forward, the catch-up on what committed since) is paid once, not once per token.
+        rate = value.sum(dim=1) / (verify + drafting[model_width])      # -inf: a row has no option at that width
         best = int(rate.flatten().argmax())                 # the first best, in the order: without the model first
         case, width = divmod(best, self.max_free + 1)
         option = option[case, :, width]
