@@ -26,7 +26,7 @@ from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
-from .policies.cost import PolicyCost, StepCost
+from .policies.cost import CostReader, StepCost
 from .processors import ScoreProcessor, tree_positions
 from .returned_cache import ReturnedCache
 from .tree import ancestry, chunk_tree, path_nodes
@@ -116,9 +116,9 @@ class SpeculativeLoop:
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
         cost = getattr(policy, "cost", None)     # the policy's step-cost model, which a drafter may read
-        self.policy_cost = PolicyCost(cost, self.policy_lock) if isinstance(cost, StepCost) else None
+        self.policy_cost = CostReader(cost, self.policy_lock) if isinstance(cost, StepCost) else None
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
-        self.sync = self.device.type == "cuda" and policy.needs_timing
+        self.device_timing = self.device.type == "cuda" and policy.needs_timing   # phases timed by CUDA events
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
 
     def _hold_rows(self, buffer, lengths, starts, limits) -> None:
@@ -589,7 +589,7 @@ class SpeculativeLoop:
         # On a GPU, when the policy learns from times (Policy.needs_timing): a point on the device's timeline (a CUDA
         # event), so the phases' times are the device's without a sync per phase. Otherwise host time (approximate
         # on a GPU, where the host runs ahead of the device).
-        return DeviceMark(self.device) if self.sync else time.perf_counter()
+        return DeviceMark(self.device) if self.device_timing else time.perf_counter()
 
 
 class DeviceMark:

@@ -531,25 +531,48 @@ def test_route_equals_the_rule_row_by_row(batch, data):
         _route_row_by_row(drafter, batch, gammas, lengths, features, rows)
 
 
+class RecordingFixedCost(FixedCost):
+    """Reads fixed numbers (so every choice is the same on any machine) and records what it is told, as a StepCost."""
+
+    observe_verify = StepCost.observe_verify
+
+    def observe_draft(self, source, batch, tokens, seconds):
+        self.told = getattr(self, "told", []) + [(source, tokens, seconds)]
+        StepCost.observe_draft(self, source, batch, tokens, seconds)
+
+
+class AdaptiveDraftingThree(Adaptive):
+    """`Adaptive` learning as always, but planning by a count, not by its own choices (they read the clock): plain
+    steps until its plain step is measured (model-free drafts are allowed from then on), then 3 drafts per row."""
+
+    def choose(self, info):
+        super().choose(info)
+        return 3 if self.allows_free(info.batch_size) else 0
+
+
 def test_the_router_reads_the_policys_step_cost_and_learns_no_times_of_its_own():
     """One step-cost model: under `Adaptive` the router weighs the policy's `StepCost` (DraftRequest.cost) and its
-    own stays empty; the policy learns the draft model's seconds from the steps where free rows drafted too. Under
-    a policy that keeps none (FixedLength) the router learns its own."""
-    ids, mask = looping_batch(3, seed=40, distinct=[1])
+    own stays empty; the policy learns the draft model's seconds, at the width it drafted, from the steps where free
+    rows drafted too. Under a policy that keeps none (FixedLength) the router learns its own."""
+    ids, mask = looping_batch(3, seed=40, distinct=[1])      # row 1: nothing for prompt lookup, it drafts the model
     reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
     seen = []
     drafter = MultiSourceDrafter(GOOD_DRAFT)
     route = drafter.route
     drafter.route = lambda *a, **k: seen.append(a[-1]) or route(*a, **k)
-    policy = Adaptive()
+    policy = AdaptiveDraftingThree()
+    policy.cost = RecordingFixedCost()
     out, stats = run(TARGET, ids, mask, drafter, policy)
     assert torch.equal(out, reference) and stats.fallback is None
     assert seen and all(c is not None and c.cost is policy.cost for c in seen)
     assert not drafter.state.cost.verify and not drafter.state.cost.draft
-    assert policy.cost.verify and any(source == "model" for source, _ in policy.cost.draft)
     mixed = [r for r in stats.trace if r.free is not None and any(r.free) and "model" in (r.telemetry or {})
              .get("source", [])]
-    assert mixed and all(r.telemetry["draft_seconds"]["model"][1] > 0 for r in mixed)
+    assert mixed and policy.cost.verify and any(source == "model" for source, _ in policy.cost.draft)
+    for r in mixed:                 # the policy learned the model's own seconds there, at the width it drafted
+        width, seconds = r.telemetry["draft_seconds"]["model"]
+        assert seconds > 0 and width == max(d for d, s in zip(r.drafted, r.telemetry["source"]) if s == "model")
+        assert ("model", width, seconds) in policy.cost.told
 
     own = MultiSourceDrafter(GOOD_DRAFT)
     out, stats = run(TARGET, ids, mask, own, FixedLength(2))

@@ -39,7 +39,7 @@ class DraftRequest:
     free: torch.Tensor | None = None    # [B] long, for a drafter with `max_free`: the most tokens a row may take from a
                                         # model-free source (point masses that cost no draft forward), whatever its
                                         # gamma; None = gammas bound every row
-    cost: "PolicyCost | None" = None    # the policy's step-cost model, read-only (spec_adapt.policies.cost.PolicyCost),
+    cost: "CostReader | None" = None    # the policy's step-cost model, read-only (spec_adapt.policies.cost.CostReader),
                                         # for a drafter that weighs step times; None = the policy keeps none
 
 

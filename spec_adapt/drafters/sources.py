@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from ..policies.cost import StepCost
+from ..policies.cost import CostReader, StepCost
 from ..policies.estimators import SourceAcceptance
 from .base import Drafter, DraftRequest, Proposal
 from .lookup import PromptLookupDrafter
@@ -160,9 +160,8 @@ class MultiSourceDrafter(Drafter):
         self._chosen = {"choice": choice, "features": features, "model_seconds": seconds,
                         "policy_cost": request.cost is not None}
         proposal = self._merge(request, choice, cut, offers, model, batch, device)
-        if model is not None:      # the draft model's own seconds, for a policy's step-cost model to learn
-            proposal.telemetry["draft_seconds"] = {"model": (max(c for c, k in zip(cut, choice) if k == MODEL),
-                                                             seconds)}
+        if model is not None:      # the draft model's own seconds at the width it drafted, for a policy to learn
+            proposal.telemetry["draft_seconds"] = {"model": (int(model.lengths.max()), seconds)}
         return proposal
 
     def route(self, batch: int, gammas: list[int], lengths: list[list[int]], features: list[list[int]],
@@ -180,16 +179,12 @@ class MultiSourceDrafter(Drafter):
         its time to draft the widest model row's width. A row that drafts long makes every row's step longer: its
         tokens must pay for the whole batch's extra time."""
         rows = rows if rows is not None else list(range(batch))
-        widths = range(self.max_free + 1)
+        cost = cost if cost is not None else CostReader(self.state.cost, self.state.lock)
+        verify = torch.tensor(cost.verify_times(batch, range(1, self.max_free + 2)))
+        unknown = self.state.cost.prior_draft * float(verify[0])    # an unmeasured draft model, per token
+        drafting = torch.tensor([cost.draft_time("model", batch, k, unknown=unknown) for k in range(self.max_free + 1)])
         with self.state.lock:
-            if cost is None:
-                verify = torch.tensor(self.state.cost.verify_times(batch, range(1, self.max_free + 2)))
-                drafting = torch.tensor([self.state.cost.draft_time("model", batch, k) for k in widths])
             tokens, asked = self._option_tokens(batch, gammas, lengths, features, rows)
-        if cost is not None:       # the policy's model; an unmeasured draft model: a quarter of a verification
-            verify = torch.tensor(cost.verify_times(batch, range(1, self.max_free + 2)))
-            unknown = self.state.cost.prior_draft * float(verify[0])
-            drafting = torch.tensor([cost.draft_time("model", batch, k, unknown=unknown) for k in widths])
         model_widths = torch.tensor(gammas).clamp(max=self.max_free)
         cases = (False, True) if asked.any() else (False,)
         value = torch.empty(len(cases), batch, self.max_free + 1)
@@ -227,7 +222,8 @@ class MultiSourceDrafter(Drafter):
             at_width = expected.gather(1, torch.minimum(widths[None, :], n[:, None]))     # a cut offer, or all of it
             tokens[live, slot, 1:] = at_width[live]
         # The model drafts the width the policy asked (its counts judge that width): open from it.
-        tokens[:, -1] = torch.where(torch.arange(most + 1)[None, :] < n[:, None], -math.inf, tokens[:, -1])
+        model_width = torch.tensor(offers[-1][1]).clamp(max=most)
+        tokens[:, -1] = torch.where(torch.arange(most + 1)[None, :] < model_width[:, None], -math.inf, tokens[:, -1])
         return tokens, asked
 
     def _choices(self, option, width, gammas, lengths):

@@ -245,10 +245,10 @@ def _fits(saved, make, out: dict, what: str) -> dict:
     return out
 
 
-class PolicyCost:
-    """A policy's `StepCost` as a drafter reads it (`DraftRequest.cost`): each read under the policy's lock, so a
-    drafter that weighs step times (the several-source router) weighs the times the policy learned, and no second
-    model learns them apart. The policy keeps observing; the drafter only reads."""
+class CostReader:
+    """A `StepCost` read under the lock of whoever observes into it. The loop hands a drafter the policy's this way
+    (`DraftRequest.cost`), so a drafter that weighs step times (the several-source router) weighs the times the
+    policy learned, and no second model learns them apart; the policy keeps observing, the drafter only reads."""
 
     def __init__(self, cost: StepCost, lock):
         self.cost, self.lock = cost, lock

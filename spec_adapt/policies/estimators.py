@@ -431,11 +431,7 @@ class SourceAcceptance:
                  shrink: float = 4.0) -> torch.Tensor:
         """[most + 1]: the tokens committed when drafting k = 0..most tokens. `row`: the row's own [2, positions]
         counts for this source (`step_counts` summed), shrunk toward the feature's rates by `shrink` observations."""
-        rates = self.rates(source, feature)
-        if row is not None:
-            rates = (row[1] + shrink * rates) / (row[0] + shrink)
-        survive = rates[:most].cumprod(0)
-        return torch.cat([torch.ones(1), 1.0 + survive.cumsum(0)])
+        return self.expected_rows(source, [feature], most, [row], shrink)[0]
 
     def expected_rows(self, source: str, features: list[int], most: int, rows: list, shrink: float = 4.0
                       ) -> torch.Tensor:
