@@ -241,7 +241,8 @@ def test_the_weights_fingerprint_follows_changes_in_place():
 def test_another_pairs_file_does_not_steer_the_first_call(folder, monkeypatch):
     """Pair A (a draft that is always wrong) learns not to draft and saves that. Pair B has the same config and
     name but other weights and a draft that is always right: its first call in a new process starts cold and
-    drafts, as it does when no file exists."""
+    drafts, as it does when no file exists. (The runs' counts are not compared: the default policy times each step,
+    so they move with the machine's load.)"""
     from conftest import Oracle, spec_generate
 
     def first_call(target):
@@ -263,8 +264,13 @@ def test_another_pairs_file_does_not_steer_the_first_call(folder, monkeypatch):
         spec_generate(a, ids, mask, Oracle(reference, mask, ["wrong"]).drafter(), None)
     assert list(folder.glob("*.json"))
     new_process()
+    kind = Oracle(None, torch.ones(1, 1), ["right"]).drafter()
+    assert default_policy(a, kind).steps > 0                           # A's own file is found in a new process,
+    fresh = default_policy(b, kind)
+    assert fresh.steps == 0                                             # B's first call does not read it
+    assert fresh.state_dict() == api.Adaptive.for_model(b, None).state_dict()
     steered = first_call(b)
-    assert (steered.drafted, steered.accepted, steered.steps) == (cold.drafted, cold.accepted, cold.steps)
+    assert steered.accepted > 0
 
 
 def test_a_save_that_fails_warns_once_and_leaves_no_temporary_file(folder):
