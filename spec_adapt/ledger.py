@@ -512,8 +512,12 @@ class KVLedger:
 
     def _append(self, width: int, n_valid: torch.Tensor):
         """Slots of `width` new columns (row b's first n_valid[b] valid): (new [B, W], all slots [B, P + W])."""
-        offset = torch.arange(width, device=self.device)[None, :]
-        new = torch.where(offset < n_valid.to(self.device)[:, None], self.n_cached[:, None] + offset, -1)
+        n_valid = n_valid.to(self.device)[:, None]
+        if width == 1:                   # a step without drafts: one column, at the row's length where it is valid
+            new = torch.where(n_valid > 0, self.n_cached[:, None], -1)
+        else:
+            offset = torch.arange(width, device=self.device)[None, :]
+            new = torch.where(offset < n_valid, self.n_cached[:, None] + offset, -1)
         return new, torch.cat([self.slots, new], dim=1)
 
     def _inputs(self, slots, new):

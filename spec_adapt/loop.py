@@ -315,17 +315,22 @@ class SpeculativeLoop:
     def _verify(self, proposal: Proposal):
         """The verifier's logits for the last committed token and the drafts. A verifier may keep fewer positions
         of a row (Top-K early exit): the row keeps that many drafts and, with no position after them, no bonus.
-        Returns (proposal, bonus [B] bool, scores, logits, hidden), scores and logits [B, S'+1, V] for the kept
-        drafts, hidden the target's last hidden states there for a feature drafter (else None)."""
+        Returns (proposal, bonus [B] bool or None where every row has one, scores, logits, hidden), scores and
+        logits [B, S'+1, V] for the kept drafts, hidden the target's last hidden states there for a feature drafter (else None)."""
         lengths = self.lengths[self.rows]
         last = self.buffer[self.rows, lengths - 1]
         chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
         if proposal.parents is not None:
             return self._verify_tree(proposal, chunk, lengths)
-        result = self.verifier.verify(self.target, chunk, proposal.lengths + 1)
-        bonus = result.kept > proposal.lengths
-        proposal = proposal.cut(result.kept)
+        n_valid = proposal.lengths + 1
+        result = self.verifier.verify(self.target, chunk, n_valid)
+        bonus = None                     # every position kept (a full verification): every row has its bonus
+        if result.kept is not n_valid:
+            bonus = result.kept > proposal.lengths
+            proposal = proposal.cut(result.kept)
         logits = _pad_positions(result.logits.float(), proposal.tokens.shape[1] + 1)     # [B, S'+1, V]
+        if not self.process.processors:
+            return proposal, bonus, logits, logits, result.hidden
         context = with_drafts(self.buffer[self.rows], lengths, proposal.tokens)
         scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows)
         return proposal, bonus, scores, logits, result.hidden
@@ -391,7 +396,9 @@ class SpeculativeLoop:
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : max(int(n_keep[0]), 0)].cpu())
-        taken = n_keep < 0      # Stopper.settle took back tokens of earlier steps: they are not counted
+        if not self.stopper.waits:       # only Stopper.settle takes back tokens of earlier steps
+            return n_keep
+        taken = n_keep < 0               # they are not counted
         if bool(taken.any()):
             self._count_first_token(rows[taken], n_keep[taken])
         return n_keep.clamp(min=0)
@@ -663,9 +670,15 @@ class Stopper:
     def cut(self, buffer, rows, old, new, n_new, pad_id, limits):
         """Write each row's committed tokens new[b, :n] into the buffer, row b up to its buffer length limits[b];
         return (n [B], finished [B])."""
-        width = new.shape[1]
-        pos = torch.arange(width, device=new.device)[None, :]
-        n = torch.minimum(n_new, limits - old)
+        write = self._write_one if new.shape[1] == 1 else self._write
+        n, finished = write(buffer, rows, old, new, torch.minimum(n_new, limits - old), limits)
+        if self.others:
+            n, finished = self._ask_others(buffer, rows, old, n, finished, pad_id)
+        return n, finished
+
+    def _write(self, buffer, rows, old, new, n, limits):
+        """Row b's first n[b] tokens of new [B, W] into the buffer, cut after an EOS: (n, finished)."""
+        pos = torch.arange(new.shape[1], device=new.device)[None, :]
         hit_eos = torch.zeros_like(n, dtype=torch.bool)
         if self.eos is not None:
             is_eos = torch.isin(new, self.eos) & (pos < n[:, None])
@@ -674,8 +687,17 @@ class Stopper:
         finished = hit_eos | (old + n >= limits)
         b, j = (pos < n[:, None]).nonzero(as_tuple=True)
         buffer[rows[b], old[b] + j] = new[b, j]
-        if self.others:
-            n, finished = self._ask_others(buffer, rows, old, n, finished, pad_id)
+        return n, finished
+
+    def _write_one(self, buffer, rows, old, new, n, limits):
+        """`_write` for one token a row (a step without drafts), in a few whole-batch operations: the token goes to
+        column old[b] of the rows that keep it, with no index list built from the mask."""
+        token, keeps = new[:, 0], n > 0
+        finished = old + n >= limits
+        if self.eos is not None:
+            finished = finished | (torch.isin(token, self.eos) & keeps)
+        column = old.clamp(max=buffer.shape[1] - 1)            # a row at the buffer's end keeps nothing
+        buffer[rows, column] = torch.where(keeps, token, buffer[rows, column])
         return n, finished
 
     def _ask_others(self, buffer, rows, old, n, finished, pad_id):

@@ -265,3 +265,28 @@ def test_a_row_the_rule_stops_proposes_its_last_token_without_another_draft_forw
     drafting = [r for r in policy.records if max(r.drafted)]
     assert drafting and all(max(r.drafted) == 1 for r in drafting)
     assert len(forwards) == len(drafting)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_one_token_write_is_the_general_write(data):
+    """A step without drafts writes one token a row through `Stopper._write_one`; whatever the rows, lengths, limits,
+    counts (0 where a verifier kept no position) and EOS ids, it writes and stops exactly as the general `_write`."""
+    from spec_adapt.loop import Stopper
+
+    batch, width = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 6))
+    held = data.draw(st.integers(batch, batch + 3))
+    rows = torch.tensor(data.draw(st.permutations(range(held)))[:batch])
+    old = torch.tensor([data.draw(st.integers(0, width)) for _ in range(batch)])
+    limits = torch.tensor([data.draw(st.integers(int(o), width)) for o in old])
+    new = torch.tensor([[data.draw(st.integers(0, 9))] for _ in range(batch)])
+    n = torch.minimum(torch.tensor([data.draw(st.integers(0, 1)) for _ in range(batch)]), limits - old)
+    eos = data.draw(st.sampled_from([None, [3], [3, 7]]))
+    buffer = torch.randint(10, 20, (held, width), generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    stopper = Stopper([], width, "cpu")
+    stopper.eos = torch.tensor(eos) if eos is not None else None
+    mine, theirs = buffer.clone(), buffer.clone()
+    got = stopper._write_one(mine, rows, old, new, n.clone(), limits)
+    want = stopper._write(theirs, rows, old, new, n.clone(), limits)
+    assert torch.equal(mine, theirs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

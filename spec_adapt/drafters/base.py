@@ -232,25 +232,27 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
             and lengths.dtype != torch.bool,
             lambda: f"lengths must be an integer tensor [B={batch}], got {_describe(lengths)}")
     tokens, lengths = tokens.to(device).long(), lengths.to(device).long()
-    low, high = _bounds(lengths)                               # one host copy for both ends
-    _expect(low >= 0 and high <= tokens.shape[1],
-            lambda: f"lengths must be within [0, S={tokens.shape[1]}], got {lengths.tolist()}")
     free = _checked_free(proposal.free, request, batch, device)
+    given = lengths
     if request.pooled:          # one budget for the batch: a row may hold more than its share
-        total = int(request.gammas.sum())
-        _expect(int(lengths.sum()) <= total, lambda: f"{int(lengths.sum())} nodes proposed for a pooled budget of "
-                f"{total}")
         lengths = torch.where(request.gammas.to(device) > 0, lengths, 0)
     else:
         bound = request.gammas.to(device)
         if free is not None:    # a free row is bounded by what the loop lets it take from a model-free source
             bound = torch.where(free, request.free.to(device), bound)
         lengths = torch.minimum(lengths, bound)
-    width = int(lengths.max()) if batch else 0
+    # Every bound the checks read, in one host copy: the given lengths' ends, the width after the cut, the ids' ends
+    # (over every column: an id out of range past the width is looked at again below, and let through).
+    low, high, width, low_id, high_id = _ends(given, lengths, tokens)
+    _expect(low >= 0 and high <= tokens.shape[1],
+            lambda: f"lengths must be within [0, S={tokens.shape[1]}], got {given.tolist()}")
+    if request.pooled:
+        total = int(request.gammas.sum())
+        _expect(int(given.sum()) <= total, lambda: f"{int(given.sum())} nodes proposed for a pooled budget of "
+                f"{total}")
     tokens = tokens[:, :width]
     used = torch.arange(width, device=device)[None, :] < lengths[:, None]            # [B, S]
-    low, high = _bounds(tokens)
-    if low < 0 or high >= vocab:    # some id is out of range: is it one a row uses (past its length, any value)?
+    if low_id < 0 or high_id >= vocab:    # an id is out of range: is it one a row uses (past its length, any value)?
         bad = used & ((tokens < 0) | (tokens >= vocab))
         _expect(not bool(bad.any()), lambda: f"token ids must be within [0, {vocab}), got {tokens[bad][:4].tolist()}")
     if probs is not None:
@@ -344,12 +346,14 @@ def _check_depth(deepest, request) -> None:
             lambda: f"tree depths {deepest.tolist()} exceed the plan's {limit.tolist()}")
 
 
-def _bounds(values: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of an integer tensor, read in one host copy; (0, 0) when it is empty."""
-    if not values.numel():
-        return 0, 0
-    low, high = torch.aminmax(values)
-    return tuple(torch.stack([low, high]).tolist())
+def _ends(given: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+    """(min, max) of the given lengths, max of the cut lengths (the width), (min, max) of the token ids, read in one
+    host copy; 0 for what is empty."""
+    zero = given.new_zeros(())
+    parts = [*torch.aminmax(given)] if given.numel() else [zero, zero]
+    parts.append(lengths.max() if lengths.numel() else zero)
+    parts += [*torch.aminmax(tokens)] if tokens.numel() else [zero, zero]
+    return torch.stack(parts).tolist()
 
 
 def _expect(ok: bool, problem) -> None:
