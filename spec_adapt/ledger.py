@@ -204,6 +204,11 @@ def new_cache(model, windows) -> DynamicCache | EncoderDecoderCache:
     return DynamicCache() if windows else DynamicCache(config=model.config)
 
 
+def on_device(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device`; no dispatch when it is there already (a step's small tensors usually are)."""
+    return t if t.device == device else t.to(device)
+
+
 def select_positions(x: torch.Tensor, keep) -> torch.Tensor:
     """x [B, W, ...] at the positions `logits_to_keep` names: the last `keep` (an int, 0 = all) or, per row, the columns
     keep [B, K]. What transformers' `slice_logits_to_keep` does, for models (and versions) that do not take it."""
@@ -423,7 +428,7 @@ class KVLedger:
         the pending tree region's columns (numbered from 0 in the order appended, these tokens included), or -1
         for a child of the committed tokens. They stay pending until `keep_tree`.
         """
-        n_valid = n_valid.to(self.device)
+        n_valid = on_device(n_valid, self.device)
         if parents is not None:
             return self._forward_tree(tokens, n_valid, parents.to(self.device), columns)
         if self.tree is not None:
@@ -432,7 +437,7 @@ class KVLedger:
         keep = columns.to(self.device) if columns is not None else tokens.shape[1]
         # A ledger that caches nothing yet reads its prompt now: a first forward (a draft's images go with it).
         first = self.physical_length == 0 and self.inputs is not None
-        logits = self._run(tokens.to(self.device), slots, keep=keep, new=new, first=first)
+        logits = self._run(on_device(tokens, self.device), slots, keep=keep, new=new, first=first)
         self.slots = slots
         self.n_cached = self.n_cached + n_valid
         return logits
@@ -512,7 +517,7 @@ class KVLedger:
 
     def _append(self, width: int, n_valid: torch.Tensor):
         """Slots of `width` new columns (row b's first n_valid[b] valid): (new [B, W], all slots [B, P + W])."""
-        n_valid = n_valid.to(self.device)[:, None]
+        n_valid = n_valid[:, None]      # on the ledger's device (its callers put it there)
         if width == 1:                   # a step without drafts: one column, at the row's length where it is valid
             new = torch.where(n_valid > 0, self.n_cached[:, None], -1)
         else:

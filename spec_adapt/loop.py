@@ -328,7 +328,7 @@ class SpeculativeLoop:
         if result.kept is not n_valid:
             bonus = result.kept > proposal.lengths
             proposal = proposal.cut(result.kept)
-        logits = _pad_positions(result.logits.float(), proposal.tokens.shape[1] + 1)     # [B, S'+1, V]
+        logits = _pad_positions(_as_float(result.logits), proposal.tokens.shape[1] + 1)     # [B, S'+1, V]
         if not self.process.processors:
             return proposal, bonus, logits, logits, result.hidden
         context = with_drafts(self.buffer[self.rows], lengths, proposal.tokens)
@@ -358,21 +358,23 @@ class SpeculativeLoop:
         return accepted, next_token, None
 
     def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path, plain=False,
-                hidden=None) -> torch.Tensor:
+                hidden=None, old=None) -> torch.Tensor:
         """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one).
         A tree commits its accepted path as a chain: the ledgers keep the path's slots and the rest become holes.
         `plain`: a step without drafts (`_plain_step`; proposal and accepted None): `bonus` is then each row's count
         of tokens (1 where the verifier kept the position), and nothing was cached beyond the committed tokens, so
         a rollback to them changes no slot, adds no hole and frees nothing to compact: it runs only for a ledger
         that drops what left a sliding window. `hidden`: the target's last hidden states of the forward, whose
-        committed positions go to a feature drafter after its rollback."""
+        committed positions go to a feature drafter after its rollback. `old`: the rows' lengths, where the caller
+        has read them."""
         drafted = 0 if plain else proposal.tokens.shape[1]
         if path is not None:
             self.target.keep_tree(torch.cat([torch.ones_like(path[:, :1]), path], dim=1))   # the root stays
             if self.drafter is not None:
                 self._guard("keep_tree", self.drafter.keep_tree, path)
             proposal, scores, logits, hidden = _along_path(proposal, path, scores, logits, hidden)
-        rows, old = self.rows, self.lengths[self.rows]
+        rows = self.rows
+        old = self.lengths[rows] if old is None else old
         if plain:
             new, n_new = next_token[:, None], bonus                                       # [B, 1]
         else:
@@ -392,7 +394,8 @@ class SpeculativeLoop:
             self.target.rollback(keep)
         if self.drafter is not None and drafted and len(rows):
             self._guard("rollback", self.drafter.rollback, keep)
-        self._hand_hidden(hidden, keep - old + 1)      # the last committed token's position and the accepted drafts'
+        if hidden is not None:     # the last committed token's position and the accepted drafts'
+            self._hand_hidden(hidden, keep - old + 1)
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : max(int(n_keep[0]), 0)].cpu())
@@ -447,7 +450,7 @@ class SpeculativeLoop:
         t1 = self._now()
         ones = self._ones(len(rows))
         result = self.verifier.verify(self.target, self.buffer[rows, old - 1][:, None], ones)   # 2. verify
-        logits = _pad_positions(result.logits.float(), 1)                                       # [B, 1, V]
+        logits = _pad_positions(_as_float(result.logits), 1)                                     # [B, 1, V]
         n_new = ones if result.kept is ones else (result.kept > 0).long()    # a bonus where the position was kept
         scores = self.process.positions(logits, self.buffer[rows], old, ones, rows) if self.process.processors \
             else logits
@@ -457,7 +460,7 @@ class SpeculativeLoop:
         else:                            # greedy without drafts: the argmax (what greedy_accept answers then)
             next_token = self.ranks.decide(_first_argmax, scores)
         n_keep = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True,     # 4. commit
-                              hidden=result.hidden)
+                              hidden=result.hidden, old=old)
         t3 = self._now()
         zeros = plan.gammas
         record = StepRecord(len(rows), rows, zeros, zeros, zeros, n_keep, t3 - t0, t1 - t0, t2 - t1,   # 5. observe
@@ -626,6 +629,11 @@ def _along_path(proposal: Proposal, path, scores, logits, hidden=None):
     if hidden is not None:
         hidden = hidden.gather(1, columns[..., None].expand(-1, -1, hidden.shape[-1]))
     return chain, scores.gather(1, index), logits.gather(1, index), hidden
+
+
+def _as_float(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits (no dispatch where they are already)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def _first_argmax(scores: torch.Tensor) -> torch.Tensor:

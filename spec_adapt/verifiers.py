@@ -26,7 +26,7 @@ from .acceptor import token_rank
 from .compat import attn_implementation, create_causal_mask, takes_4d_mask, with_cache
 from .estimators import ProbeBackoff, bucket, mean_then_ema
 from .policies.cost import StepCost
-from .ledger import check_tree_attention, positions_from_cache
+from .ledger import check_tree_attention, on_device, positions_from_cache
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
 
@@ -84,7 +84,7 @@ class FullVerifier(Verifier):
 
     def verify(self, ledger, chunk, n_valid, parents=None):
         logits = ledger.forward(chunk, n_valid, parents=parents)
-        return Verification(logits, n_valid.to(ledger.device), ledger.hidden)
+        return Verification(logits, on_device(n_valid, ledger.device), ledger.hidden)
 
     def __repr__(self):
         return "FullVerifier()"

@@ -130,3 +130,43 @@ def test_a_drafter_that_fails_before_its_begin_falls_back():
         stats = call(model, NoInputs(wrong), FixedLength(3))
     assert stats.fallback.startswith("draft prefill failed (RuntimeError: no inputs for me)")
     assert stats.drafted == 0
+
+
+def _ops_outside_forward(model, run) -> int:
+    """Tensor operations `run()` dispatches outside `model`'s forward (a count, which no machine load moves)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops, inside = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not self.inside
+            return func(*args, **(kwargs or {}))
+
+    count = Count()
+    hooks = [model.register_forward_pre_hook(lambda *a: setattr(count, "inside", count.inside + 1)),
+             model.register_forward_hook(lambda *a: setattr(count, "inside", count.inside - 1))]
+    try:
+        with torch.inference_mode(), count:
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return count.ops
+
+
+def test_a_step_without_drafts_dispatches_at_most_twice_what_stocks_decode_step_does():
+    """The host loop's weight, counted: per generated token beyond the first 8, the tensor operations outside the
+    forward of a call without a drafter, and of one whose policy plans width 0, against stock's decode step."""
+    model = cached_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def per_token(call) -> float:
+        return (_ops_outside_forward(model, lambda: call(24)) - _ops_outside_forward(model, lambda: call(8))) / 16
+
+    def spec(drafter):
+        return lambda n: spec_generate(model, ids, torch.ones_like(ids), drafter, FixedLength(0), max_new_tokens=n)
+
+    stock = per_token(lambda n: stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=n))
+    assert per_token(spec(None)) <= 2 * stock
+    assert per_token(spec(ScriptedDrafter(lambda row, context, gamma: [5] * gamma))) <= 2.2 * stock

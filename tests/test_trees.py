@@ -508,16 +508,31 @@ def test_calibration_ranks_rows_by_what_they_really_accept(llama):
 
 # -- the default policy with trees ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 4])
-def test_adaptive_with_trees_stays_identical_and_measures_every_shape(batch):
-    model = cached_model("llama")
+def test_adaptive_with_trees_stays_identical_and_measures_every_shape(batch, monkeypatch):
+    """On a virtual clock (a forward costs 10 ms plus 1 ms per token fed), so what the policy measures, and so what
+    it tries, does not move with the machine's load."""
+    from spec_adapt.loop import SpeculativeLoop
+
+    model, weak = cached_model("llama"), tiny_model("llama", seed=1, layers=1)
     ids, mask = ragged_batch(batch)
     ref = stock_greedy(model, ids, mask, eos_token_id=None)
+    clock = [0.0]
+    monkeypatch.setattr(SpeculativeLoop, "_now", lambda self: clock[0])
+
+    def tick(module, args, kwargs, out):
+        clock[0] += 0.01 + 0.001 * kwargs["input_ids"].numel()
+
+    hooks = [m.register_forward_hook(tick, with_kwargs=True) for m in (model, weak)]
     policy = spec_adapt.Adaptive(trees=True)
-    for _ in range(3):
-        out, stats = spec_generate(model, ids, mask, ModelDrafter(model), policy)     # a draft that always pays
-        assert torch.equal(out, ref) and stats.fallback is None
-        out, stats = spec_generate(model, ids, mask, ModelDrafter(tiny_model("llama", seed=1, layers=1)), policy)
-        assert torch.equal(out, ref) and stats.fallback is None
+    try:
+        for _ in range(3):
+            out, stats = spec_generate(model, ids, mask, ModelDrafter(model), policy)     # a draft that always pays
+            assert torch.equal(out, ref) and stats.fallback is None
+            out, stats = spec_generate(model, ids, mask, ModelDrafter(weak), policy)
+            assert torch.equal(out, ref) and stats.fallback is None
+    finally:
+        for hook in hooks:
+            hook.remove()
     measured = {factor for (_, factor), (_, n) in policy.tree_shapes.value.items() if n >= 2}
     assert measured == {1, 2, 3}
 
