@@ -45,6 +45,9 @@ from .model import ModelDrafter
 from .suffix import SuffixDrafter
 
 PLAIN, MODEL = -1, 0      # a row's choice: no drafts, the draft model; i >= 1: free source i - 1
+# The draft model is judged only on the steps it drafts, so its rates are read optimistically, by this many standard
+# errors (`SourceAcceptance.expected_rows`); the free sources are judged on every offer and are read as learned.
+MODEL_OPTIMISM = 2.0
 
 
 class SourceState:
@@ -218,7 +221,8 @@ class MultiSourceDrafter(Drafter):
             live = n > 0
             if not bool(live.any()):
                 continue
-            expected = acceptance.expected_rows(name, feature, most, [self.row_counts.get((name, r)) for r in rows])
+            expected = acceptance.expected_rows(name, feature, most, [self.row_counts.get((name, r)) for r in rows],
+                                                optimism=MODEL_OPTIMISM if name == "model" else 0.0)
             at_width = expected.gather(1, torch.minimum(widths[None, :], n[:, None]))     # a cut offer, or all of it
             tokens[live, slot, 1:] = at_width[live]
         # The model drafts the width the policy asked (its counts judge that width): open from it.

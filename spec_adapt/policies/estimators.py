@@ -428,22 +428,39 @@ class SourceAcceptance:
         return self._rates[key]
 
     def expected(self, source: str, feature: int, most: int, row: torch.Tensor | None = None,
-                 shrink: float = 4.0) -> torch.Tensor:
+                 shrink: float = 4.0, optimism: float = 0.0) -> torch.Tensor:
         """[most + 1]: the tokens committed when drafting k = 0..most tokens. `row`: the row's own [2, positions]
-        counts for this source (`step_counts` summed), shrunk toward the feature's rates by `shrink` observations."""
-        return self.expected_rows(source, [feature], most, [row], shrink)[0]
+        counts for this source (`step_counts` summed), shrunk toward the feature's rates by `shrink` observations.
+        `optimism`: each rate raised by that many standard errors of its estimate (`expected_rows`)."""
+        return self.expected_rows(source, [feature], most, [row], shrink, optimism)[0]
 
-    def expected_rows(self, source: str, features: list[int], most: int, rows: list, shrink: float = 4.0
-                      ) -> torch.Tensor:
-        """[B, most + 1]: `expected` for B rows at once (row b: its feature, its own counts rows[b] or None)."""
+    def expected_rows(self, source: str, features: list[int], most: int, rows: list, shrink: float = 4.0,
+                      optimism: float = 0.0) -> torch.Tensor:
+        """[B, most + 1]: `expected` for B rows at once (row b: its feature, its own counts rows[b] or None).
+
+        `optimism` > 0 is for a source judged only on the steps it drafts (a draft model: what it would have drafted
+        is unknown where another source drafted). Each rate r is raised by optimism x sqrt(r (1 - r) / (n + 1)), n
+        the position's observations (the feature's and the row's): an upper confidence bound, as a bandit explores.
+        Without it such a source, rated low from a few early steps, loses every comparison to a source judged in
+        hindsight on every offer, and never drafts again to show it has become right."""
         by_feature = {f: self.rates(source, f) for f in set(features)}
         rates = torch.stack([by_feature[f] for f in features])[:, :most]
+        seen = torch.stack([self._reached(source, f, most) for f in features]) if optimism else None
         own = [b for b, counts in enumerate(rows) if counts is not None]
         if own:
             counts = torch.stack([rows[b] for b in own])[:, :, :most]
             rates[own] = (counts[:, 1] + shrink * rates[own]) / (counts[:, 0] + shrink)
+            if optimism:
+                seen[own] += counts[:, 0]
+        if optimism:
+            rates = (rates + optimism * (rates * (1 - rates) / (seen + 1)).sqrt()).clamp(max=1.0)
         survive = rates.cumprod(dim=1)
         return torch.cat([torch.ones(len(features), 1), 1.0 + survive.cumsum(dim=1)], dim=1)
+
+    def _reached(self, source: str, feature: int, most: int) -> torch.Tensor:
+        """[most]: the feature's decayed count of drafts that reached each position (0 where none were seen)."""
+        counts = self.counts.get((source, int(feature)))
+        return counts[0, :most].clone() if counts is not None else torch.zeros(min(most, self.positions))
 
     def step_counts(self, drafted: int, accepted: int) -> torch.Tensor:
         """[2, positions]: the positions one step reached (it drafted `drafted`, `accepted` of them were accepted)
