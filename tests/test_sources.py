@@ -70,7 +70,8 @@ def known_state(free: str, max_free: int = 32) -> SourceState:
     state = fixed_state(max_free)
     for _ in range(200):
         state.acceptance.observe("model", 0, 3, 1)
-        state.acceptance.observe(free, 0, 3, 3)
+        for opening in (0, 1):                     # its feature (0) on and after a row's opening step
+            state.acceptance.observe(free, opening, 3, 3)
     return state
 
 
@@ -363,6 +364,44 @@ def test_without_optimism_an_unseen_model_loses_to_the_free_source(monkeypatch):
     assert _lookup_judged_mediocre().route(1, [4], [[12]], [[3]])[0] == [1]
 
 
+def opening_scenario():
+    """Batch 2, FixedLength(3): a model-free script wrong on each row's opening step (the step after the prefill's
+    token) and right after it, beside a `model` slot right for one token a step; four calls learn into one
+    SourceState. The last call's stats, and whether every output equalled stock."""
+    ids, mask = ragged_batch(2, seed=70)
+    reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=24)
+    right = Oracle(reference, mask, ["right", "right"], eos=())
+    prompt = mask.sum(dim=1).tolist()
+
+    def free(row, context, gamma):
+        return [PAD] * gamma if len(context) == prompt[row] + 1 else right(row, context, gamma)
+
+    state, identical = fixed_state(), True
+    for _ in range(4):
+        drafter = MultiSourceDrafter(ScriptedDrafter(Oracle(reference, mask, [1, 1], eos=())),
+                                     [ScriptedDrafter(free)], state=state)
+        out, stats = run(TARGET, ids, mask, drafter, FixedLength(3), max_new_tokens=24)
+        identical &= torch.equal(out, reference)
+    return stats, identical
+
+
+def test_a_free_source_wrong_at_the_opening_is_learned_apart():
+    """The opening step is learned apart from the steps after it: the script's offers there are wrong every time,
+    so the rows draft their opening step from the model, and the script's right copies after it."""
+    stats, identical = opening_scenario()
+    assert identical
+    assert stats.trace[0].telemetry["source"] == ["model", "model"]
+    assert drafted(stats, "ScriptedDrafter") > 0
+
+
+def test_without_the_opening_feature_the_opening_takes_the_copy(monkeypatch):
+    """Mutation check for the test above: with one feature for every step, the script's good record after the
+    opening carries over to the opening step, and its wrong offer is taken there."""
+    monkeypatch.setattr(MultiSourceDrafter, "_with_opening", lambda self, features, request: features)
+    stats, identical = opening_scenario()
+    assert identical and stats.trace[0].telemetry["source"] != ["model", "model"]
+
+
 # -- 5. SourceAcceptance properties ----------------------------------------------------------------------------------
 observations = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 40)), max_size=25)
 
@@ -415,7 +454,7 @@ def test_engine_with_several_sources_matches_stock_alone():
     ids, mask = looping_batch(5, seed=60)                   # prompt lookup has offers for them
     prompts = [ids[b][mask[b].bool()].tolist() for b in range(5)]
     budgets, arrivals = [14, 9, 16, 12, 10], [0, 1, 1, 3, 6]
-    drafter = MultiSourceDrafter(GOOD_DRAFT, state=fixed_state())
+    drafter = MultiSourceDrafter(GOOD_DRAFT, state=known_state("lookup"))
     engine = Engine(TARGET, drafter=drafter, assistant_policy=FixedLength(3), max_batch=3, eos_token_id=EOS,
                     pad_token_id=PAD)
     handles = drive_engine(engine, prompts, budgets, arrivals)

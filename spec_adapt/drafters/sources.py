@@ -3,7 +3,8 @@ chosen per row and per step and verified together in one forward.
 
 Each step, for each row:
 1. every model-free source proposes what it finds for the row (a search of its tokens: no forward), with a feature:
-   the matched n-gram's length for prompt lookup, the first token's share of its context for the suffix index;
+   the matched n-gram's length for prompt lookup, the first token's share of its context for the suffix index, each
+   learned apart on a row's opening step (where a copy of the prompt most often goes wrong);
 2. the router predicts for each row's options the tokens it commits, and for the step its seconds, and takes the
    step with the most tokens per second. A row's options:
    - the draft model at the width the policy asked (only where it asked for drafts);
@@ -25,7 +26,8 @@ against it keeps the target's distribution exactly. Greedy output is the target'
 
 Learning: a model-free source is judged on every row it offered something for, chosen or not, in hindsight: at the
 next step its offer is compared with the tokens the target committed. The draft model is judged on the rows it
-drafted. Both are kept in a `SourceState`, which the default drafter of a target shares across calls.
+drafted only, so its rates are read optimistically (`MODEL_OPTIMISM`). Both are kept in a `SourceState`, which the
+default drafter of a target shares across calls.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 from ..policies.cost import CostReader, StepCost
 from ..policies.estimators import SourceAcceptance
-from .base import Drafter, DraftRequest, Proposal
+from .base import Drafter, DraftRequest, Proposal, place
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
 from .suffix import SuffixDrafter
@@ -90,6 +92,7 @@ class MultiSourceDrafter(Drafter):
         self._offers = None      # the last step's model-free offers, judged at the next step against what committed
         self._chosen = None      # the last step's choice per row and the model's time
         self.row_counts: dict = {}    # (source, user row) -> [2, positions] decayed counts of this call's steps
+        self.prompt_end: list[int] = []   # per user row: where its prompt ends in the buffer
 
     @property
     def model(self):
@@ -114,11 +117,13 @@ class MultiSourceDrafter(Drafter):
     def begin(self, input_ids, attention_mask) -> None:
         self._offers = self._chosen = None
         self.row_counts = {}
+        self.prompt_end = [input_ids.shape[1]] * len(input_ids)
         self._each("begin", input_ids, attention_mask)
 
     def add_rows(self, input_ids, attention_mask, rows) -> None:
         for key in [k for k in self.row_counts if k[1] in {int(r) for r in rows}]:    # a slot's new request
             del self.row_counts[key]
+        self.prompt_end = place(self.prompt_end, rows, [input_ids.shape[1]] * len(input_ids))
         self._each("add_rows", input_ids, attention_mask, rows)
 
     def lag(self, lengths):
@@ -153,6 +158,7 @@ class MultiSourceDrafter(Drafter):
         free_request = dataclasses.replace(request, gammas=request.free, free=None, stop=None, members=None)
         offers = [source.propose(free_request) for source in self.free]
         features = [(offer.telemetry or {}).get("feature") or [0] * batch for offer in offers]
+        features = self._with_opening(features, request)
         model_here = self.model_drafter is not None and self.model_drafter.available()   # not while offloaded
         gammas = request.gammas if model_here else torch.zeros_like(request.gammas)
         choice, cut = self.route(batch, gammas.tolist(), [o.lengths.tolist() for o in offers], features,
@@ -347,6 +353,13 @@ class MultiSourceDrafter(Drafter):
                     matched = int(same.cumprod(0).sum())
                     drafted = matched if matched == n else n      # all matched: nothing is known beyond n
                     self._learn(self.names[i], int(row), features[j], drafted, matched)
+
+    def _with_opening(self, features, request: DraftRequest):
+        """Each free source's feature, doubled, plus 1 on a row's opening step (it has committed only the token its
+        prefill chose): an answer's opening is where a copy of the prompt most often goes wrong (the latest match of
+        a chat answer's first token is usually the prompt's own end), so it is learned apart from the copies after."""
+        done = [int(n) - self.prompt_end[r] for n, r in zip(request.lengths.tolist(), request.rows.tolist())]
+        return [[2 * int(f) + (d <= 1) for f, d in zip(fs, done)] for fs in features]
 
     def _learn(self, source: str, row: int, feature: int, drafted: int, accepted: int) -> None:
         """One row's step with a source: into the shared rates per feature and the row's own counts."""
