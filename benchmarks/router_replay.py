@@ -60,8 +60,10 @@ class Costs:
         return self.c + self.d * tokens if tokens else 0.0
 
 
-def record(model_name: str, draft_name: str, workloads: list[str], prompts: int, new_tokens: int) -> dict:
-    """Per prompt: its tokens, the target's greedy output and the draft model's agreement runs along it."""
+def record(model_name: str, draft_name: str, workloads: list[str], prompts: int, new_tokens: int,
+           traces: dict | None = None) -> dict:
+    """Per prompt: its tokens, the target's greedy output and the draft model's agreement runs along it (`traces`:
+    what an earlier run recorded, kept; only the prompts it lacks are generated)."""
     from spec_adapt import prepare
     from spec_adapt.loading import load_model
     from spec_adapt.recipes import workloads as recipes
@@ -71,10 +73,12 @@ def record(model_name: str, draft_name: str, workloads: list[str], prompts: int,
     model, tok = load_model(model_name)
     draft, _ = load_model(draft_name)
     model = prepare(model)
-    traces = {}
+    traces = dict(traces or {})
     for name in workloads:
         texts = recipes.with_inputs(recipes.load(name, prompts), tok)["input_text"]
         for i, text in enumerate(tqdm(texts, desc=f"recording {name}")):
+            if f"{name}-{i}" in traces:
+                continue
             ids = tok(text, return_tensors="pt").input_ids
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
@@ -168,18 +172,19 @@ def main(argv=None) -> int:
                         help="a verification of w tokens costs A + B (w - 1) seconds")
     parser.add_argument("--draft-cost", type=float, nargs=2, default=[0.02, 0.11], metavar=("C", "D"),
                         help="k draft tokens cost C + D k seconds")
-    parser.add_argument("--traces", type=Path, default=None, help="recorded outputs (made once, then read)")
+    parser.add_argument("--traces", type=Path, default=None,
+                        help="recorded outputs (read; prompts it lacks are recorded and added)")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)
     path = args.traces or Path.home() / ".cache" / "spec_adapt" / (
-        f"router-replay-{args.model}-{args.draft}-{'-'.join(args.workloads)}-{args.num_prompts}-"
-        f"{args.new_tokens}.json")
-    if path.exists():
-        traces = json.loads(path.read_text())
-    else:
-        traces = record(args.model, args.draft, args.workloads, args.num_prompts, args.new_tokens)
+        f"router-replay-{args.model}-{args.draft}-{args.new_tokens}.json")
+    traces = json.loads(path.read_text()) if path.exists() else {}
+    wanted = [f"{w}-{i}" for w in args.workloads for i in range(args.num_prompts)]
+    if any(key not in traces for key in wanted):
+        traces = record(args.model, args.draft, args.workloads, args.num_prompts, args.new_tokens, traces)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(traces))
+    traces = {key: traces[key] for key in wanted}
     costs = Costs(tuple(args.verify), tuple(args.draft_cost))
     results = {}
     for workload in args.workloads:
