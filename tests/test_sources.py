@@ -305,7 +305,7 @@ def test_a_router_that_ignores_the_rows_fails_the_check(monkeypatch):
     """Mutation check for the test above: a router that always takes the draft model keeps the output exact, but
     the per-row check catches it."""
 
-    def always_model(self, batch, gammas, lengths, features, rows=None, cost=None):
+    def always_model(self, batch, gammas, lengths, features, rows=None, cost=None, lags=None):
         return [MODEL if g > 0 else PLAIN for g in gammas], list(gammas)
 
     monkeypatch.setattr(MultiSourceDrafter, "route", always_model)
@@ -362,6 +362,25 @@ def test_without_optimism_an_unseen_model_loses_to_the_free_source(monkeypatch):
 
     monkeypatch.setattr(sources, "MODEL_OPTIMISM", 0.0)
     assert _lookup_judged_mediocre().route(1, [4], [[12]], [[3]])[0] == [1]
+
+
+def test_the_model_pays_for_reading_a_prompt_it_has_not_read():
+    """A row whose draft model has not read its prompt yet (lag 150) pays the measured catch-up over it: prompt
+    lookup's weaker offer wins there, where the same row without the lag drafts from the model. A row within the
+    usual lag of a token or two pays none (its draft time holds it)."""
+    drafter = MultiSourceDrafter(ScriptedDrafter(lambda row, context, gamma: [3] * gamma), free=[PromptLookupDrafter()],
+                                 max_free=16, state=fixed_state(16))
+    for _ in range(50):
+        drafter.state.acceptance.observe("model", 0, 4, 3)
+        drafter.state.acceptance.observe("lookup", 2, 4, 1)
+    cost = StepCost()
+    for lag, seconds in ((100, 2.0), (200, 4.0), (150, 3.0)):
+        cost.observe_catchup("model", 1, lag, seconds)
+    drafter.state.cost = FixedCost()
+    drafter.state.cost.catchup = cost.catchup
+    assert drafter.route(1, [4], [[4]], [[2]], lags=[0]) == ([MODEL], [4])
+    assert drafter.route(1, [4], [[4]], [[2]], lags=[2]) == ([MODEL], [4])
+    assert drafter.route(1, [4], [[4]], [[2]], lags=[150])[0] == [1]
 
 
 def opening_scenario():
@@ -649,7 +668,7 @@ def test_the_router_reads_the_policys_step_cost_and_learns_no_times_of_its_own()
     seen = []
     drafter = MultiSourceDrafter(GOOD_DRAFT)
     route = drafter.route
-    drafter.route = lambda *a, **k: seen.append(a[-1]) or route(*a, **k)
+    drafter.route = lambda *a, **k: seen.append(a[5]) or route(*a, **k)        # (batch, gammas, ..., rows, cost)
     policy = AdaptiveDraftingThree()
     policy.cost = RecordingFixedCost()
     out, stats = run(TARGET, ids, mask, drafter, policy)

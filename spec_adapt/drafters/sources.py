@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from ..policies.base import USUAL_LAG
 from ..policies.cost import CostReader, StepCost
 from ..policies.estimators import SourceAcceptance
 from .base import Drafter, DraftRequest, Proposal, place
@@ -161,8 +162,9 @@ class MultiSourceDrafter(Drafter):
         features = self._with_opening(features, request)
         model_here = self.model_drafter is not None and self.model_drafter.available()   # not while offloaded
         gammas = request.gammas if model_here else torch.zeros_like(request.gammas)
+        lags = self.lag(request.lengths) if model_here else None
         choice, cut = self.route(batch, gammas.tolist(), [o.lengths.tolist() for o in offers], features,
-                                 request.rows.tolist(), request.cost)
+                                 request.rows.tolist(), request.cost, lags.tolist() if lags is not None else None)
         self._offers = {"rows": request.rows.clone(), "lengths": request.lengths.clone(),
                         "offers": [(o.tokens.cpu(), o.lengths.cpu(), f) for o, f in zip(offers, features)]}
         model, seconds = self._model_proposal(request, choice, cut)
@@ -174,19 +176,21 @@ class MultiSourceDrafter(Drafter):
         return proposal
 
     def route(self, batch: int, gammas: list[int], lengths: list[list[int]], features: list[list[int]],
-              rows: list[int] | None = None, cost=None):
+              rows: list[int] | None = None, cost=None, lags: list[int] | None = None):
         """The step with the most predicted tokens per second: (choice [B] list: PLAIN, MODEL or free source i + 1;
         cut [B] list: the drafts each row takes). `gammas`: the policy's width per row (0: the draft model is not
         asked; a row it asked drafts from the model or a free source, never nothing); `lengths[i][b]`,
         `features[i][b]`: free source i's offer for row b; `rows`: the user's row numbers (each row's own record
         with each source, shrunk toward the source's rates for the feature); `cost`: the policy's step-cost model
-        (`DraftRequest.cost`; None: the router's own, `SourceState.cost`).
+        (`DraftRequest.cost`; None: the router's own, `SourceState.cost`); `lags`: per row, the tokens the draft model
+        has to read before it drafts (its prompt, on a row it has never drafted for; `lag`).
 
         One verification serves the whole batch, so the choice is the batch's: for each step width W (the widest
         row's drafts) and with or without the draft model, every row takes its option committing the most tokens
         within W, and the step's time is the verification of W + 1 tokens at this batch size plus, with the model,
-        its time to draft the widest model row's width. A row that drafts long makes every row's step longer: its
-        tokens must pay for the whole batch's extra time."""
+        its time to draft the widest model row's width and to catch up on the longest lag of a model row (a prompt it
+        has not read costs a forward over it: the policy's step-cost model measures it). A row that drafts long makes
+        every row's step longer: its tokens must pay for the whole batch's extra time."""
         rows = rows if rows is not None else list(range(batch))
         cost = cost if cost is not None else CostReader(self.state.cost, self.state.lock)
         verify = torch.tensor(cost.verify_times(batch, range(1, self.max_free + 2)))
@@ -205,11 +209,20 @@ class MultiSourceDrafter(Drafter):
         model_width = torch.where(model_rows, model_widths[None, :, None], 0).amax(dim=1)   # [cases, widths]
         # The draft model's time at the widest model row's width: a line a + d k, so its first token's overhead
         # (a forward, the catch-up on what committed since) is paid once, not once per token.
-        rate = value.sum(dim=1) / (verify + drafting[model_width])      # -inf: a row has no option at that width
+        catchup = self._catchup(cost, batch, lags)                        # [B] seconds, were the row's model to draft
+        catchup = torch.where(model_rows, catchup[None, :, None], 0.0).amax(dim=1)       # [cases, widths]
+        rate = value.sum(dim=1) / (verify + drafting[model_width] + catchup)   # -inf: a row has no option there
         best = int(rate.flatten().argmax())                 # the first best, in the order: without the model first
         case, width = divmod(best, self.max_free + 1)
         option = option[case, :, width]
         return self._choices(option, width, gammas, lengths)
+
+    @staticmethod
+    def _catchup(cost, batch: int, lags) -> torch.Tensor:
+        """[B]: the seconds the draft model's catch-up on each row's lag adds to a step (none within the usual lag
+        of a token or two, which its draft time holds)."""
+        lags = lags or [0] * batch
+        return torch.tensor([cost.catchup_time("model", batch, int(lag)) if lag > USUAL_LAG else 0.0 for lag in lags])
 
     def _option_tokens(self, batch, gammas, lengths, features, rows):
         """tokens [B, options, max_free + 1]: what row b commits with each option at step width w (-inf where the

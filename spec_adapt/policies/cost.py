@@ -260,3 +260,7 @@ class CostReader:
     def draft_time(self, source: str, batch: int, tokens: float, unknown: float | None = None) -> float:
         with self.lock:
             return self.cost.draft_time(source, batch, tokens, unknown)
+
+    def catchup_time(self, source: str, batch: int, lag: int, unknown: float = 0.0) -> float:
+        with self.lock:
+            return self.cost.catchup_time(source, batch, lag, unknown)
