@@ -15,7 +15,7 @@ quality harness and workloads; `tools/` the CLI and benchmarks (docs/design.md h
 from .acceptor import Acceptor
 from .api import SpecGenerateOutput, disable, enable, generate, reset_default_policies
 from .drafters import (ChainDrafter, Drafter, ModelDrafter, MTPDrafter, PromptLookupDrafter, ScriptedDrafter,
-                       SuffixDrafter)
+                       SharedKVDrafter, SuffixDrafter)
 from .drafters.offload import DraftOffload
 from .drafters.sources import MultiSourceDrafter
 from .metrics import SpecStats, last_stats
@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 # The names a user starts from (at most 25). Also importable: SpecGenerateOutput (what generate returns with
 # return_dict_in_generate), MTPDrafter (a checkpoint's multi-token prediction layers; `use_mtp=True` after `enable`
-# makes one) and ScriptedDrafter (scripted drafts for tests); `spec_adapt.compat` names the transformers
+# makes one), SharedKVDrafter (a Gemma 4 assistant; `assistant_model=` one makes it) and ScriptedDrafter (scripted drafts for tests); `spec_adapt.compat` names the transformers
 # internals spec_adapt relies on.
 __all__ = [
     # entry points

@@ -19,6 +19,7 @@ from .drafters.early_exit import early_exit_model
 from .drafters.lookup import PromptLookupDrafter
 from .drafters.model import ModelDrafter
 from .drafters.mtp import MTPDrafter, mtp_drafter
+from .drafters.shared_kv import SharedKVDrafter
 from .drafters.sources import MultiSourceDrafter, SourceState
 from .drafters.suffix import SuffixDrafter, SuffixIndex
 from .acceptor import Acceptor, EnsembleAcceptor
@@ -226,6 +227,8 @@ def _draft_model(drafter):
         return _draft_model(drafter.inner)
     if isinstance(drafter, MultiSourceDrafter):
         return _draft_model(drafter.model_drafter)
+    if isinstance(drafter, SharedKVDrafter):
+        return drafter.assistant
     return drafter.model if isinstance(drafter, ModelDrafter) else None
 
 
@@ -241,6 +244,9 @@ def _drafter_key(drafter) -> tuple:
     if isinstance(drafter, ModelDrafter):
         param = next(drafter.model.parameters())
         return (type(drafter).__name__, id(drafter.model), str(param.dtype))
+    if isinstance(drafter, SharedKVDrafter):
+        param = next(drafter.assistant.parameters())
+        return (type(drafter).__name__, id(drafter.assistant), str(param.dtype))
     if isinstance(drafter, CrossTokenizerDrafter):
         return (type(drafter).__name__,) + _drafter_key(drafter.inner)
     if isinstance(drafter, MultiSourceDrafter):
@@ -314,6 +320,8 @@ def _multimodal(model) -> bool:
 def as_drafter(drafter) -> Drafter | None:
     if drafter is None or isinstance(drafter, Drafter):
         return drafter
+    if compat.is_shared_kv_assistant(drafter):      # a Gemma 4 assistant reads the target's keys, not tokens alone
+        return SharedKVDrafter(drafter)
     if _bare_model(drafter):
         return ModelDrafter(drafter)
     raise TypeError(
@@ -374,7 +382,7 @@ def _stock_speculation(model, cfg, drafter):
         drafter = early_exit_model(model, exit_layers)
     if threshold is not None and not 0 <= threshold <= 1:
         raise ValueError(f"assistant_confidence_threshold must be in [0, 1], got {threshold!r}.")
-    if threshold is not None and isinstance(drafter, torch.nn.Module):
+    if threshold is not None and isinstance(drafter, torch.nn.Module) and not compat.is_shared_kv_assistant(drafter):
         drafter = ModelDrafter(drafter, confidence_threshold=threshold)
     return drafter, width
 
@@ -410,6 +418,11 @@ def _ensemble_acceptor(weight, drafter, policy, acceptor):
     kernel mode), which mixes the draft model's distributions into the target's; the acceptor as given otherwise."""
     if weight is None:
         return acceptor
+    if isinstance(drafter, (MTPDrafter, SharedKVDrafter)):
+        raise ValueError(f"assistant_ensemble_weight with {drafter!r} is not served: its lossy output depends on every "
+                         "draft, and this drafter's differ from stock's (a schedule of its own; a Gemma 4 assistant "
+                         "here attends to committed keys only), so it would not be stock's ensemble output. Use a "
+                         "draft model as assistant_model=, or leave the weight unset (lossless).")
     if type(drafter) is not ModelDrafter:
         kind = f"a {type(drafter).__name__}" if drafter is not None else "no draft"
         raise ValueError(f"assistant_ensemble_weight mixes a draft model's distribution into the target's: pass the "

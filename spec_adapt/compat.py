@@ -270,3 +270,56 @@ def mtp_logits(mtp, hidden):
     """Logits [..., V] of MTP hidden states through the shared head, as the target projects its own (muP scaling,
     unpadded vocabulary)."""
     return mtp._project_to_logits(hidden)
+
+
+# -- assistants that attend to the target's own keys and values (Gemma 4 assistants) --------------------------------
+# Stock pairs them by class name (`GenerationMixin._get_candidate_generator`): these assistants with targets named
+# Gemma4* or Gemma3n*. Of those, only Gemma 4's forwards return the `shared_kv_states` the assistant reads (stock fails
+# on a Gemma 3n target once it drafts).
+SHARED_KV_ASSISTANTS = ("Gemma4Assistant", "Gemma4UnifiedAssistant")
+SHARED_KV_TARGETS = ("Gemma4",)
+
+
+def is_shared_kv_assistant(model) -> bool:
+    """Whether `model` is an assistant that drafts from the target's shared KV states (stock's
+    `SinglePositionMultiTokenCandidateGenerator` serves it)."""
+    return isinstance(model, torch.nn.Module) and type(model).__name__.startswith(SHARED_KV_ASSISTANTS)
+
+
+def kv_store_layers(target) -> dict[str, int]:
+    """{layer type: the decoder layer whose keys and values the target shares under that type}: the last layer of
+    each type that computes its own (its text config's `kv_sharing_modes` "store"), which stock's target returns as
+    `shared_kv_states`. Empty where the config names none."""
+    config = target.config.get_text_config()
+    try:
+        modes = list(config.kv_sharing_modes)
+    except (AttributeError, ValueError):
+        return {}
+    return {config.layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+
+
+def shared_kv_backbone_size(assistant) -> int:
+    """The hidden size of the target an assistant was trained with (it reads that target's hidden states)."""
+    return assistant.config.backbone_hidden_size
+
+
+def shared_kv_layer_types(assistant) -> set[str]:
+    """The attention types an assistant's layers read the target's keys and values under."""
+    return set(assistant.config.get_text_config().layer_types)
+
+
+def shared_kv_step(assistant, embeds, masks: dict, position_ids, shared: dict):
+    """One forward of a Gemma 4 assistant over one position per row: `Gemma4AssistantForCausalLM.forward`'s body
+    with the caller's masks ({layer type: 4-D mask over that type's shared columns}; stock builds them from a 2-D
+    mask, one row at a time). embeds [B, 1, 2 * backbone] are the target's embedding of the row's last token beside
+    the target's (or the assistant's previous) hidden state. Returns (logits [B, 1, V], the hidden state [B, 1,
+    backbone] the next draft reads)."""
+    hidden = assistant.pre_projection(embeds)
+    out = assistant.model(input_ids=None, inputs_embeds=hidden, attention_mask=masks, position_ids=position_ids,
+                          shared_kv_states=shared, use_cache=False)
+    last = out.last_hidden_state
+    if assistant.config.use_ordered_embeddings:
+        logits = assistant.masked_embedding(last, assistant.lm_head.weight)
+    else:
+        logits = assistant.lm_head(last)
+    return logits, assistant.post_projection(last)

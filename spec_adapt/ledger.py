@@ -713,6 +713,20 @@ class KVLedger:
             entries["cross", i] = {"keys": layer.keys[row].clone(), "values": layer.values[row].clone()}
         return entries
 
+    def layer_columns(self, index: int, kind: str | None):
+        """What cache layer `index` (of layer type `kind`) holds for the live rows: (keys, values [B, H, C, D],
+        positions [B, C] long, -1 at holes and padding), its columns being the ledger's from those the type dropped
+        on. For a drafter that attends to the target's own keys (a Gemma 4 assistant); read-only."""
+        layer = self._layers_by_index()[index]
+        live, dropped = self.slots.shape[0], self.dropped.get(kind, 0)
+        slots = self.slots[:, dropped:]
+        positions = torch.where(slots >= 0, slots - self.pad[:, None], -1)
+        return layer.keys[:live], layer.values[:live], positions
+
+    def _layers_by_index(self):
+        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        return cache.layers
+
     def _widen(self, width: int) -> None:
         extra = width - self.physical_length
         if extra <= 0:

@@ -86,7 +86,8 @@ class SpeculativeLoop:
         # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
-        self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=0)   # never below a commit
+        # Never below a commit; a drafter reading the target's keys may need a few more of its sliding layers'.
+        self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=_target_margin(drafter))
         self.target.want_hidden = drafter is not None and drafter.wants_hidden     # a feature drafter's input
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
@@ -304,6 +305,7 @@ class SpeculativeLoop:
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
             self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy_cost,
+            self.target if self.drafter.reads_target else None,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)
@@ -638,6 +640,12 @@ def _as_float(logits: torch.Tensor) -> torch.Tensor:
 
 def _first_argmax(scores: torch.Tensor) -> torch.Tensor:
     return scores[:, 0].argmax(dim=-1)
+
+
+def _target_margin(drafter) -> int:
+    """How many positions the target's sliding layers keep beyond their windows: what a drafter that reads the
+    target's keys asks for (Drafter.reads_target), else none."""
+    return int(drafter.reads_target) if drafter is not None else 0
 
 
 def _pad_positions(logits: torch.Tensor, width: int) -> torch.Tensor:

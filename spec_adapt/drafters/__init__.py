@@ -6,7 +6,8 @@ from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
 from .mtp import MTPDrafter
 from .scripted import ScriptedDrafter
+from .shared_kv import SharedKVDrafter
 from .sources import MultiSourceDrafter, SourceState
 from .suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "CrossTokenizerDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "MTPDrafter", "MultiSourceDrafter", "ScriptedDrafter", "SourceState", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]
+__all__ = ["CandidateGeneratorDrafter", "ChainDrafter", "CrossTokenizerDrafter", "Drafter", "DraftRequest", "Proposal", "ModelDrafter", "MTPDrafter", "MultiSourceDrafter", "ScriptedDrafter", "SharedKVDrafter", "SourceState", "PromptLookupDrafter", "SuffixDrafter", "SuffixIndex"]

@@ -19,6 +19,8 @@ from ..tree import ancestry, from_branches, is_chain, pack_tree_lists, tree_prob
 if TYPE_CHECKING:
     from ..acceptor import Acceptor
     from ..estimators import StopRule
+    from ..ledger import KVLedger
+    from ..policies.cost import CostReader
 
 
 @dataclass
@@ -41,6 +43,8 @@ class DraftRequest:
                                         # gamma; None = gammas bound every row
     cost: "CostReader | None" = None    # the policy's step-cost model, read-only (spec_adapt.policies.cost.CostReader),
                                         # for a drafter that weighs step times; None = the policy keeps none
+    target: "KVLedger | None" = None    # the target's ledger, read-only, for a drafter that attends to the target's
+                                        # own keys and values (`Drafter.reads_target`); None for the others
 
 
 @dataclass
@@ -138,6 +142,9 @@ class Drafter:
     wants_hidden = False  # True: a feature drafter, which drafts from the target's own last hidden states: the loop
                           # has the target's forwards keep them and hands those of committed positions to `take_hidden`
                           # (other drafters cost the target nothing of it)
+    reads_target = 0    # > 0: attends to the target's cached keys and values (a Gemma 4 assistant): each request
+                        # carries the target's ledger (DraftRequest.target), whose sliding layers keep this many
+                        # positions more than the target's windows need
 
     def validate(self, target) -> None:
         """Raise a clear error if this drafter cannot serve `target` (tokenizer, vocabulary). Called once per call."""

@@ -96,7 +96,8 @@ class MTPDrafter(Drafter):
         column = (first - self.held_from)[:, None] + window
         hidden = self.held.gather(1, column.clamp(0, self.held.shape[1] - 1)[..., None].expand(
             -1, -1, self.held.shape[-1]))
-        draft = _Drafting(self, request, tokens, lengths, gammas)
+        draft = Drafting(request, tokens, lengths, gammas, self.vocab,
+                         lambda last: compat.mtp_logits(self.mtp, last[:, None])[:, 0])
         self.runner.feed = SimpleNamespace(hidden=hidden, last=(n_valid - 1).clamp(min=0), choose=draft.choose)
         try:
             self.ledger.forward(ids, n_valid)
@@ -140,14 +141,14 @@ def mtp_drafter(model) -> MTPDrafter:
     return MTPDrafter(model, mtp)
 
 
-class _Drafting:
-    """One proposal's state: the layers' drafts, chosen position by position as the runner reaches each layer's
-    last position of a row (the request's processors, its sampling, its stop rule)."""
+class Drafting:
+    """One proposal's state for a drafter that drafts one token per row per forward from a hidden state (MTP layers,
+    a Gemma 4 assistant): the drafts, chosen position by position (the request's processors, its sampling, its stop
+    rule). `logits_of(hidden [B, H]) -> [B, V']` projects a hidden state to logits (the first `vocab` are kept)."""
 
-    def __init__(self, drafter: MTPDrafter, request: DraftRequest, tokens, lengths, gammas):
+    def __init__(self, request: DraftRequest, tokens, lengths, gammas, vocab: int, logits_of):
         batch, most, device = len(lengths), int(gammas.max()), tokens.device
-        self.mtp, self.vocab, self.request, self.lengths, self.gammas = drafter.mtp, drafter.vocab, request, lengths, \
-            gammas
+        self.logits_of, self.vocab, self.request, self.lengths, self.gammas = logits_of, vocab, request, lengths, gammas
         self.context = tokens.clone()                          # committed tokens + drafts so far (the processors')
         self.rows = request.rows.to(device)
         self.drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
@@ -158,12 +159,12 @@ class _Drafting:
         self.drafted = torch.zeros_like(gammas)
 
     def choose(self, k: int, last: torch.Tensor) -> torch.Tensor:
-        """Layer k's draft per row from its hidden state at the row's last position [B, H]: the token layer k + 1
-        reads. Past every row's gamma the layers still run (their cache is one), and any token serves: the ledger
-        rolls those entries back, as they embed no proposed token."""
+        """Draft k per row from the hidden state [B, H] that predicts it: the token the next forward reads. Past
+        every row's gamma a drafter may still run (the MTP layers' cache is one), and any token serves: nothing
+        proposed follows from it."""
         if k >= self.drafts.shape[1]:
             return torch.zeros(len(last), dtype=torch.long, device=last.device)
-        logits = compat.mtp_logits(self.mtp, last[:, None])[:, 0, : self.vocab].float().to(self.lengths.device)
+        logits = self.logits_of(last)[:, : self.vocab].float().to(self.lengths.device)
         scores = self.request.process(logits, self.context, self.lengths + k, self.rows)
         q = scores.softmax(dim=-1)
         token = torch.multinomial(q, 1).squeeze(1) if self.request.sampling else scores.argmax(dim=-1)

@@ -337,6 +337,10 @@ class Engine:
         self.max_new_tokens = _check_budget(max_new_tokens)
         policy = assistant_policy if assistant_policy is not None else Adaptive()
         drafter, policy, verifier = check_parts(model, drafter, policy, verifier)
+        if drafter is not None and drafter.wants_hidden:
+            raise ValueError(f"{drafter!r} drafts from the target's hidden states of each prompt, which the engine's "
+                             "prefill of joining requests does not hand over: serve with a draft model, prompt lookup "
+                             "or no drafter (generate() serves this drafter at any batch size).")
         if seed is not None:
             torch.manual_seed(seed)
         # eos_token_id: "model" = the model's generation config; None = no EOS (every request runs to its budget).

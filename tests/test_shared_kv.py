@@ -1,0 +1,247 @@
+"""Gemma 4 assistants (`SharedKVDrafter`): drafters that attend to the target's own keys and values, batched, on tiny
+random Gemma 4 targets (text and unified) with tiny assistants."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import spec_adapt
+from spec_adapt import FixedLength, SharedKVDrafter, compat
+
+from conftest import BOS, EOS, PAD, VOCAB
+from test_sampling import VOCAB_SMALL, follows_target
+
+NEW = 12
+WINDOW = 4
+
+
+def _text_config(config_class, **overrides):
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, global_head_dim=8, num_kv_shared_layers=2,
+                  layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW,
+                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, max_position_embeddings=256,
+                  attn_implementation="eager", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
+                  pad_token_id=PAD)
+    return config_class(**{**fields, **overrides})
+
+
+@functools.lru_cache(maxsize=None)
+def pair(unified: bool = False, vocab: int = VOCAB, seed: int = 0, agree: bool = False):
+    """A tiny Gemma 4 target (sliding and full layers, the last two sharing their KV; window 4, so prompts outgrow
+    it) and a tiny assistant of two layers that read the target's shared keys. `agree`: both made to predict the next
+    token from the current token alone, the same way (see `_agreeing`), so every draft is accepted."""
+    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig,
+                              Gemma4UnifiedAssistantConfig, Gemma4UnifiedAssistantForCausalLM,
+                              Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig)
+
+    text, target_class, config_class, assistant_class = (
+        (Gemma4UnifiedTextConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedAssistantConfig,
+         Gemma4UnifiedAssistantForCausalLM) if unified
+        else (Gemma4TextConfig, Gemma4ForCausalLM, Gemma4AssistantConfig, Gemma4AssistantForCausalLM))
+    torch.manual_seed(seed)
+    target = target_class(_text_config(text, vocab_size=vocab, vocab_size_per_layer_input=vocab)).eval()
+    small = _text_config(text, hidden_size=32 if agree else 16, intermediate_size=32, num_hidden_layers=2,
+                         layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=2,
+                         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, vocab_size=vocab)
+    assistant = assistant_class(config_class(text_config=small, backbone_hidden_size=32)).eval()
+    assistant.generation_config.num_assistant_tokens = 3     # what stock drafts a step (checkpoints ship it)
+    with torch.no_grad():          # clear-cut greedy choices (conftest.tiny_model)
+        target.get_output_embeddings().weight.mul_(8.0)
+        assistant.lm_head.weight.mul_(8.0)
+        if agree:
+            _agreeing(target, assistant)
+    return target, assistant
+
+
+def _agreeing(target, assistant):
+    """Attention, MLP and per-layer-input outputs zeroed in both models, so each maps a token's embedding straight to logits; the
+    assistant reads the embedding half of its input (pre_projection [I, 0]) and projects with the target's final
+    norm and head. Then the assistant's next token after t is the target's."""
+    for model in (target.model, assistant.model):
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            if getattr(layer, "per_layer_projection", None) is not None:
+                layer.per_layer_projection.weight.zero_()
+    width = assistant.pre_projection.weight.shape[0]
+    assistant.pre_projection.weight.zero_()
+    assistant.pre_projection.weight[:, :width].copy_(torch.eye(width))
+    assistant.model.norm.weight.copy_(target.model.norm.weight)
+    assistant.lm_head.weight.copy_(target.get_output_embeddings().weight)
+
+
+def ragged():
+    """Three left-padded prompts of lengths 9, 6 and 3 (the first two outgrow the window)."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 0, 3, 4, 5, 6, 7, 8], [0, 0, 0, 0, 0, 0, 9, 12, 3]])
+    mask = (torch.arange(9)[None, :] >= torch.tensor([[0], [3], [6]])).long()
+    return ids, mask
+
+
+def stock_rows(model, ids, mask, **kw):
+    """Stock greedy generate, each row alone (no padding)."""
+    return [model.generate(ids[b : b + 1, int((mask[b] == 0).sum()):], max_new_tokens=NEW, do_sample=False,
+                           pad_token_id=PAD, **kw)[0] for b in range(len(ids))]
+
+
+def assert_rows_equal(out, mask, references):
+    for b, reference in enumerate(references):
+        row = out[b, int((mask[b] == 0).sum()):]
+        assert row.tolist()[: len(reference)] == reference.tolist(), f"row {b}"
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_stock_serves_the_tiny_pair_at_batch_1(unified):
+    """The tiny pair is one stock serves: its assisted greedy output is its plain greedy output."""
+    target, assistant = pair(unified)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    plain = target.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    assisted = target.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, assistant_model=assistant)
+    assert assisted.tolist() == plain.tolist()
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_greedy_at_batch_3_matches_stock_per_row_after_enable(unified):
+    target, assistant = pair(unified)
+    ids, mask = ragged()
+    references = stock_rows(target, ids, mask)
+    spec_adapt.enable(target)
+    try:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                              assistant_model=assistant, assistant_policy=FixedLength(3))
+    finally:
+        spec_adapt.disable(target)
+    stats = spec_adapt.last_stats()
+    assert_rows_equal(out, mask, references)
+    assert stats.fallback is None and stats.drafted > 0
+
+
+def test_an_agreeing_assistant_has_its_drafts_accepted():
+    target, assistant = pair(agree=True)
+    ids, mask = ragged()
+    references = stock_rows(target, ids, mask)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                          custom_generate=spec_adapt.generate, drafter=SharedKVDrafter(assistant),
+                          assistant_policy=FixedLength(3), strict=True)
+    stats = spec_adapt.last_stats()
+    assert_rows_equal(out, mask, references)
+    assert stats.drafted > 0 and stats.accepted == stats.drafted
+
+
+class Recorded(SharedKVDrafter):
+    """Keeps each proposal with the committed tokens it was drafted after."""
+
+    def __init__(self, assistant):
+        super().__init__(assistant)
+        self.seen = []
+
+    def propose(self, request):
+        proposal = super().propose(request)
+        self.seen.append((request.tokens.clone(), request.lengths.clone(), request.rows.clone(), proposal))
+        return proposal
+
+
+def stock_drafts(target, assistant, tokens: torch.Tensor, count: int) -> list[int]:
+    """What stock's SinglePositionMultiTokenCandidateGenerator drafts after a row's committed tokens (no padding)
+    from a fresh forward of the target over all but the last: the target's state with no rejected columns."""
+    from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+    config = target.generation_config.__class__(max_length=len(tokens) + count + 1)
+    shipped = assistant.generation_config.num_assistant_tokens
+    assistant.generation_config.num_assistant_tokens = count       # stock drafts the assistant's count a step
+    try:
+        generator = SinglePositionMultiTokenCandidateGenerator(assistant, target.get_input_embeddings(), config)
+    finally:
+        assistant.generation_config.num_assistant_tokens = shipped
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True, return_shared_kv_states=True)
+        drafted, _ = generator.get_candidates(tokens[None], {"attention_mask": torch.ones(1, len(tokens))}, out,
+                                              is_first_iteration=False, n_last_matches=0)
+    return drafted[0, len(tokens):].tolist()
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_batched_drafts_are_stock_drafts_of_each_row(gamma):
+    """The keys each row's assistant sees (its committed columns of the target's cache: no padding, no rejected
+    drafts, the sliding window counted in positions) give the drafts stock's generator gives that row alone, its
+    target state recomputed from scratch."""
+    target, assistant = pair()
+    ids, mask = ragged()
+    drafter = Recorded(assistant)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                          custom_generate=spec_adapt.generate, drafter=drafter, assistant_policy=FixedLength(gamma),
+                          strict=True)
+    assert_rows_equal(out, mask, stock_rows(target, ids, mask))
+    checked = 0
+    for tokens, lengths, rows, proposal in drafter.seen:
+        for b, user_row in enumerate(rows.tolist()):
+            n = int(proposal.lengths[b])
+            if n:
+                row = tokens[b, int((mask[user_row] == 0).sum()) : int(lengths[b])]
+                assert proposal.tokens[b, :n].tolist() == stock_drafts(target, assistant, row, n), (user_row, row)
+                checked += 1
+    assert checked > 10
+
+
+def test_sampling_follows_the_target_distribution():
+    """Lossless sampling: the assistant proposes from its own distribution q, the acceptor applies the rejection
+    rule (tests/test_sampling.py's enumerated harness)."""
+    target, assistant = pair(vocab=VOCAB_SMALL, seed=5)
+    assert follows_target(target, SharedKVDrafter(assistant), 6000, policy=FixedLength(2)) is None
+
+
+def test_refusals_are_named():
+    target, assistant = pair()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(TypeError, match="Gemma 4 assistant"):
+        SharedKVDrafter(target)
+    from conftest import tiny_model
+
+    llama = tiny_model("llama")
+    with pytest.raises(ValueError, match="Expected class name to start with Gemma4"):
+        llama.generate(ids, max_new_tokens=3, custom_generate=spec_adapt.generate, drafter=assistant, strict=True)
+    assert compat.kv_store_layers(target) == {"sliding_attention": 0, "full_attention": 1}
+    with pytest.raises(ValueError, match="hidden size"):
+        wide = type(assistant)(assistant.config.__class__(text_config=assistant.config.text_config,
+                                                          backbone_hidden_size=64))
+        target.generate(ids, max_new_tokens=3, custom_generate=spec_adapt.generate, drafter=wide)
+
+
+def test_gemma3n_targets_and_ensemble_weights_are_refused_by_name():
+    """Stock accepts a Gemma 3n target by name and fails at its first draft (no shared_kv_states): refused up front.
+    The lossy ensemble weight depends on every draft, and these drafts are not stock's: refused, not approximated."""
+    from test_families import family
+
+    _, assistant = pair()
+    gemma3n = family("gemma3n")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with pytest.raises(ValueError, match="shared_kv_states"):
+        gemma3n.generate(ids, max_new_tokens=3, do_sample=False, assistant_model=assistant)      # stock's failure
+    with pytest.raises(ValueError, match="does not return the shared_kv_states"):
+        gemma3n.generate(ids, max_new_tokens=3, custom_generate=spec_adapt.generate, drafter=assistant, strict=True)
+    target, _ = pair()
+    with pytest.raises(ValueError, match="assistant_ensemble_weight with SharedKVDrafter"):
+        target.generate(ids, max_new_tokens=3, custom_generate=spec_adapt.generate, drafter=assistant,
+                        assistant_ensemble_weight=0.5)
+
+
+def test_the_serving_engine_refuses_it_up_front():
+    """The engine's prefill of joining requests hands no hidden states: refused where the engine is made, not found
+    out at the first draft."""
+    from spec_adapt import Engine
+
+    target, assistant = pair()
+    with pytest.raises(ValueError, match="engine's prefill"):
+        Engine(target, drafter=SharedKVDrafter(assistant))
+    with pytest.raises(ValueError, match="engine's prefill"):
+        Engine(target, drafter=assistant)
+
+
+def test_the_example_runs_and_matches_stock(capsys):
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "gemma4_assistant.py"), run_name="__main__")
+    assert "identical to stock greedy, row by row: True" in capsys.readouterr().out
