@@ -383,6 +383,26 @@ def test_the_model_pays_for_reading_a_prompt_it_has_not_read():
     assert drafter.route(1, [4], [[4]], [[2]], lags=[150])[0] == [1]
 
 
+def test_the_policy_is_told_the_whole_catch_up_after_free_steps():
+    """After free sources committed tokens the draft model has not read, `lag` reports them for every row, not only
+    for rows whose prompt it has not read: the policy then learns that catch-up as catch-up (`Adaptive._measure`),
+    not as the draft model's time per drafted token, which would make every later width look dearer than it is."""
+    ids, mask = looping_batch(2, seed=31)
+    drafter = MultiSourceDrafter(GOOD_DRAFT, free=[PromptLookupDrafter()], state=known_state("lookup"))
+    seen = []
+
+    class Watch(FixedLength):
+        def choose(self, info):
+            seen.append((info.draft_lag.tolist(), ))
+            return super().choose(info)
+
+    out, stats = run(TARGET, ids, mask, drafter, Watch(3), max_new_tokens=16)
+    assert torch.equal(out, stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=16))
+    assert drafted(stats, "lookup") > 0
+    after_prompt = [lags for (lags,) in seen[1:]]
+    assert max(max(lags) for lags in after_prompt) > 2        # a row caught up on what lookup committed
+
+
 def opening_scenario():
     """Batch 2, FixedLength(3): a model-free script wrong on each row's opening step (the step after the prefill's
     token) and right after it, beside a `model` slot right for one token a step; four calls learn into one

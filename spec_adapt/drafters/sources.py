@@ -128,14 +128,12 @@ class MultiSourceDrafter(Drafter):
         self._each("add_rows", input_ids, attention_mask, rows)
 
     def lag(self, lengths):
-        """The draft model's catch-up on rows it has never read (their prompt): a row that drafted from a free source
-        for a while catches up on a few tokens in the forward it drafts with, which the router's measured draft
-        time already holds."""
-        ledger = getattr(self.model_drafter, "ledger", None)     # a Drafter in the model slot may keep none
-        if ledger is None:
+        """The draft model's catch-up per row: its prompt where it has not read it, and the tokens free sources and
+        plain steps committed since it last drafted. The policy learns that catch-up apart from the model's time per
+        drafted token (`Adaptive._measure`), and the router charges it beyond the usual token or two."""
+        if self.model_drafter is None:
             return None
-        lag = lengths.to(ledger.device) - ledger.n_cached
-        return torch.where(ledger.n_cached == ledger.pad, lag, 0)
+        return self.model_drafter.lag(lengths)
 
     def rollback(self, keep_len) -> None:
         self._each("rollback", keep_len)
