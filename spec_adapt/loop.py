@@ -87,7 +87,7 @@ class SpeculativeLoop:
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         # Never below a commit; a drafter reading the target's keys may need a few more of its sliding layers'.
-        self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=_target_margin(drafter))
+        self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=target_margin(drafter))
         self.target.want_hidden = drafter is not None and drafter.wants_hidden     # a feature drafter's input
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
@@ -172,12 +172,18 @@ class SpeculativeLoop:
         self.stats.time_prefill += self._now() - began
         return finished
 
-    def _drafter_joins(self, what: str, ids, mask, rows: torch.Tensor | None = None) -> None:
+    def _drafter_joins(self, what: str, ids, mask, rows: torch.Tensor | None = None, hidden=None) -> None:
         """Prompts [n, L] (left padded, `mask`) enter the drafter: the first rows begin it, with the target's inputs
-        and the hidden states of the prefill; `rows` (their row numbers) join a running batch (`Drafter.add_rows`).
-        A failure in any of these drops the drafter, as anywhere else (`_guard`: `what` names the phase)."""
+        and the hidden states of the prefill; `rows` (their row numbers, the last of the active rows) join a running
+        batch (`Drafter.add_rows`), with `hidden` [n, W, H], their prefill's last hidden states, for a feature
+        drafter. A failure in any of these drops the drafter, as anywhere else (`_guard`: `what` names the phase)."""
         if self.drafter is not None and rows is not None:
             self._guard(what, self.drafter.add_rows, ids, mask, rows.tolist())
+            if hidden is not None:        # the running rows get nothing new (count 0), the joining ones their prompt
+                running = len(self.rows) - len(rows)
+                count = torch.cat([torch.zeros(running, dtype=torch.long, device=self.device),
+                                   torch.full((len(rows),), ids.shape[1], device=self.device)])
+                self._hand_hidden(torch.cat([hidden.new_zeros((running,) + tuple(hidden.shape[1:])), hidden]), count)
             return
         if self.drafter is not None:
             self._guard(what, self.drafter.share_inputs, self.target.inputs)
@@ -642,7 +648,7 @@ def _first_argmax(scores: torch.Tensor) -> torch.Tensor:
     return scores[:, 0].argmax(dim=-1)
 
 
-def _target_margin(drafter) -> int:
+def target_margin(drafter) -> int:
     """How many positions the target's sliding layers keep beyond their windows: what a drafter that reads the
     target's keys asks for (Drafter.reads_target), else none."""
     return int(drafter.reads_target) if drafter is not None else 0

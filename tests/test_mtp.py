@@ -213,3 +213,29 @@ def test_refusals_are_named():
     with pytest.raises(ValueError, match="num_mtp_layers"):
         plain.generate(ids, max_new_tokens=3, use_mtp=True)
     assert ExportedMTPDrafter is MTPDrafter and compat.mtp_layer_count(model) == 2
+
+
+def test_the_serving_engine_drafts_for_requests_that_join_a_running_batch():
+    """Rows joining a running batch get the MTP layers' cache rows and their prefill's hidden states: every
+    request drafts with the layers and returns stock's tokens."""
+    from conftest import drive_engine
+    from spec_adapt import Engine
+
+    model = model_of("glm4_moe", 2)
+    ids, mask = ragged()
+    prompts = [ids[b][mask[b].bool()] for b in range(len(ids))]
+    budgets, arrivals = [NEW, NEW - 2, NEW - 4], [0, 2, 3]
+    engine = Engine(model, drafter=MTPDrafter(model), assistant_policy=FixedLength(2), max_batch=3, pad_token_id=0,
+                    eos_token_id=None)
+    handles = drive_engine(engine, prompts, budgets, arrivals)
+    assert engine.fallback is None
+    for prompt, budget, handle in zip(prompts, budgets, handles):
+        stock = model.generate(prompt[None], max_new_tokens=budget, do_sample=False)[0]
+        assert handle.result() == stock[len(prompt):].tolist()
+    assert engine.stats.drafted > 0 and engine.stats.accepted > 0
+    assert max(r.batch_size for r in engine.stats.trace) == 3
+    drafted = {slot: 0 for slot in range(3)}
+    for record in engine.stats.trace:
+        for slot, count in zip(record.rows, record.drafted):
+            drafted[int(slot)] += int(count)
+    assert all(drafted.values()), drafted                           # the joining requests drafted too

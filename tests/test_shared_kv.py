@@ -227,16 +227,29 @@ def test_gemma3n_targets_and_ensemble_weights_are_refused_by_name():
                         assistant_ensemble_weight=0.5)
 
 
-def test_the_serving_engine_refuses_it_up_front():
-    """The engine's prefill of joining requests hands no hidden states: refused where the engine is made, not found
-    out at the first draft."""
+def test_the_serving_engine_drafts_for_requests_that_join_a_running_batch():
+    """The engine's prefill of joining requests hands their hidden states to the drafter (the running rows get
+    none): every request drafts, whenever it came, and returns stock's tokens."""
+    from conftest import drive_engine
     from spec_adapt import Engine
 
     target, assistant = pair()
-    with pytest.raises(ValueError, match="engine's prefill"):
-        Engine(target, drafter=SharedKVDrafter(assistant))
-    with pytest.raises(ValueError, match="engine's prefill"):
-        Engine(target, drafter=assistant)
+    ids, mask = ragged()
+    prompts = [ids[b][mask[b].bool()] for b in range(len(ids))]
+    budgets, arrivals = [NEW, NEW - 2, NEW - 4], [0, 2, 3]
+    engine = Engine(target, drafter=SharedKVDrafter(assistant), assistant_policy=FixedLength(2), max_batch=3,
+                    pad_token_id=PAD, eos_token_id=None)
+    handles = drive_engine(engine, prompts, budgets, arrivals)
+    assert engine.fallback is None
+    for prompt, budget, handle in zip(prompts, budgets, handles):
+        stock = target.generate(prompt[None], max_new_tokens=budget, do_sample=False, pad_token_id=PAD)[0]
+        assert handle.result() == stock[len(prompt):].tolist()
+    assert max(r.batch_size for r in engine.stats.trace) == 3        # the later requests joined running rows
+    first = {}                           # each request's drafts in its first step: from its prefill's hidden state
+    for record in engine.stats.trace:
+        for slot, count in zip(record.rows, record.drafted):
+            first.setdefault(int(slot), int(count))
+    assert sorted(first) == [0, 1, 2] and all(first.values()), first
 
 
 def test_the_example_runs_and_matches_stock(capsys):

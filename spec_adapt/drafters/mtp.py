@@ -88,7 +88,7 @@ class MTPDrafter(Drafter):
         drafting = gammas > 0
         if bool((self.held_to != lengths - 1)[drafting].any()):
             raise RuntimeError("MTPDrafter holds no target hidden states for some committed positions: the target's "
-                               "forwards did not hand them over (a serving engine does not yet).")
+                               "forwards did not hand them over (a drafter restarted on running rows has none).")
         first = self.ledger.n_cached
         n_valid = torch.where(drafting, lengths - 1 - first, 0)        # the window: positions first .. n - 2
         window = torch.arange(int(n_valid.max()), device=device)[None, :]
@@ -116,9 +116,14 @@ class MTPDrafter(Drafter):
         self.held, self.held_from, self.held_to = self.held[index], self.held_from[index], self.held_to[index]
 
     def add_rows(self, input_ids, attention_mask, rows):
-        raise NotImplementedError("MTPDrafter drafts from the target's hidden states of every committed position, "
-                                  "which rows joining a running batch do not bring (the serving engine's prefill "
-                                  "does not hand them over).")
+        """Rows joining a running batch (serving): nothing cached for them yet; the next `take_hidden` (the engine
+        hands their prefill's) gives them every prompt position's hidden state, as a call's first rows get."""
+        pad = left_padding(input_ids, attention_mask)
+        joining = KVLedger.empty(self.runner, pad, self.runner.device, full_masks=True)
+        self.ledger.add_rows(joining)
+        self.held = torch.cat([self.held, self.held.new_zeros((len(pad),) + tuple(self.held.shape[1:]))])
+        self.held_from = torch.cat([self.held_from, joining.pad])
+        self.held_to = torch.cat([self.held_to, torch.zeros_like(joining.pad)])
 
     def end(self, tokens=None, lengths=None):
         self.ledger = self.held = self.held_from = self.held_to = None

@@ -46,6 +46,7 @@ class SharedKVDrafter(Drafter):
         self.target = None
         self.store: dict[str, int] = {}
         self.last_hidden: torch.Tensor | None = None   # [B, backbone]: the target's hidden state before each row's end
+        self.known = torch.zeros(0, dtype=torch.bool)  # [B]: rows whose last hidden state has been handed
 
     def validate(self, target) -> None:
         name = type(target).__name__
@@ -74,22 +75,33 @@ class SharedKVDrafter(Drafter):
         self.target, self.store = target, store
 
     def begin(self, input_ids, attention_mask):
-        self.last_hidden = None
+        self.last_hidden, self.known = None, torch.zeros(len(input_ids), dtype=torch.bool)
 
     def take_hidden(self, hidden, count):
         """Keep each row's last committed hidden state: column count[b] - 1 (the prompt's forward keeps only its
         last column), the row's earlier one where it committed nothing."""
-        column = (count.to(hidden.device) - 1).clamp(0, hidden.shape[1] - 1)
+        count = count.to(hidden.device)
+        column = (count - 1).clamp(0, hidden.shape[1] - 1)
         last = hidden.gather(1, column[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
         if self.last_hidden is not None and len(self.last_hidden) == len(last):
-            last = torch.where((count.to(last.device) > 0)[:, None], last, self.last_hidden.to(last.device))
+            last = torch.where((count > 0)[:, None], last, self.last_hidden.to(last.device))
         self.last_hidden = last
+        self.known = self.known.to(count.device) | (count > 0)
+
+    def add_rows(self, input_ids, attention_mask, rows):
+        """Rows joining a running batch (serving): their hidden states come with the next `take_hidden` (the
+        engine hands those of their prefill); until then they draft nothing."""
+        n = len(input_ids)
+        if self.last_hidden is not None:
+            self.last_hidden = torch.cat([self.last_hidden, self.last_hidden.new_zeros(n, self.last_hidden.shape[1])])
+        self.known = torch.cat([self.known, torch.zeros(n, dtype=torch.bool, device=self.known.device)])
 
     def propose(self, request: DraftRequest) -> Proposal:
-        if request.target is None or self.last_hidden is None:
+        if request.target is None or self.last_hidden is None or len(self.last_hidden) != len(request.lengths):
             raise RuntimeError("SharedKVDrafter drafts from the target's cache and hidden states, which this loop "
                                "did not hand over.")
         tokens, lengths, gammas = request.tokens, request.lengths, request.gammas
+        gammas = torch.where(self.known.to(gammas.device), gammas, 0)     # a row without its hidden state yet
         ledger = request.target
         device = self.last_hidden.device
         query = (lengths.to(device) - 1 - ledger.pad.to(device))[:, None]             # p per row, [B, 1]
@@ -103,7 +115,8 @@ class SharedKVDrafter(Drafter):
             shared[kind] = (keys, values)
             masks[kind] = attention_mask_4d(self.assistant, seen[:, None, :])            # [B, 1, 1, C]
         embed = self.target.get_input_embeddings()
-        draft = Drafting(request, tokens, lengths, gammas, embed.num_embeddings, lambda logits: logits)
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        draft = Drafting(request, tokens, lengths, gammas, vocab, lambda logits: logits)
         token = tokens.gather(1, (lengths - 1)[:, None]).squeeze(1)
         hidden = self.last_hidden
         for k in range(int(gammas.max()) if len(gammas) else 0):
@@ -115,11 +128,7 @@ class SharedKVDrafter(Drafter):
     def select_rows(self, index):
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[index.to(self.last_hidden.device)]
-
-    def add_rows(self, input_ids, attention_mask, rows):
-        raise NotImplementedError("SharedKVDrafter drafts from the target's hidden state before each row's last token, "
-                                  "which rows joining a running batch do not bring (the serving engine's prefill does "
-                                  "not hand it over).")
+        self.known = self.known[index.to(self.known.device)]
 
     def end(self, tokens=None, lengths=None):
         self.last_hidden = None

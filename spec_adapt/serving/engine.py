@@ -51,7 +51,7 @@ from ..api import check_parts
 from ..distributed import ranks_of
 from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
-from ..loop import SpeculativeLoop, Stopper
+from ..loop import SpeculativeLoop, Stopper, target_margin
 from ..metrics import SpecStats
 from ..policies.adaptive import Adaptive
 from ..estimators import ProbeBackoff
@@ -179,7 +179,8 @@ class ServingLoop(SpeculativeLoop):
         for i, p in enumerate(prompts):
             ids[i, width - len(p):], mask[i, width - len(p):] = p.to(self.device), 1
         # The prefill first: if the target fails there, nothing of the running batch has changed yet.
-        joining = KVLedger(self.model, kernels=self.acceptor.mode, rewind=0)    # never below a commit
+        joining = KVLedger(self.model, kernels=self.acceptor.mode, rewind=target_margin(self.given_drafter))
+        joining.want_hidden = self.given_drafter is not None and self.given_drafter.wants_hidden
         logits = self._prefill(joining, ids, mask)                                  # [n, 1, V]
         new_rows = self._take_slots(n)
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
@@ -197,7 +198,7 @@ class ServingLoop(SpeculativeLoop):
         self.finished = torch.cat([self.finished, finished])
         # The first rows begin the drafter as a call's batch does (nothing runs: the slots taken are 0..n-1, the rows
         # a call's begin numbers); later ones join it.
-        self._drafter_joins("admission", ids, mask, None if first_rows else new_rows)
+        self._drafter_joins("admission", ids, mask, None if first_rows else new_rows, joining.hidden)
         self._retire()
         return new_rows
 
@@ -337,10 +338,6 @@ class Engine:
         self.max_new_tokens = _check_budget(max_new_tokens)
         policy = assistant_policy if assistant_policy is not None else Adaptive()
         drafter, policy, verifier = check_parts(model, drafter, policy, verifier)
-        if drafter is not None and drafter.wants_hidden:
-            raise ValueError(f"{drafter!r} drafts from the target's hidden states of each prompt, which the engine's "
-                             "prefill of joining requests does not hand over: serve with a draft model, prompt lookup "
-                             "or no drafter (generate() serves this drafter at any batch size).")
         if seed is not None:
             torch.manual_seed(seed)
         # eos_token_id: "model" = the model's generation config; None = no EOS (every request runs to its budget).
