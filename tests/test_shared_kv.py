@@ -118,6 +118,22 @@ def test_greedy_at_batch_3_matches_stock_per_row_after_enable(unified):
     assert stats.fallback is None and stats.drafted > 0
 
 
+def test_an_assistant_in_another_dtype_drafts_beside_a_float32_target():
+    """A bfloat16 assistant beside a float32 target (stock's concatenation fails on the mixed dtypes): its inputs and
+    the target's keys are cast to its dtype, its hidden state back; the output stays the target's."""
+    import copy
+
+    target, assistant = pair(agree=True)
+    half = copy.deepcopy(assistant).to(torch.bfloat16)
+    ids, mask = ragged()
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                          custom_generate=spec_adapt.generate, drafter=SharedKVDrafter(half),
+                          assistant_policy=FixedLength(3), strict=True)
+    stats = spec_adapt.last_stats()
+    assert_rows_equal(out, mask, stock_rows(target, ids, mask))
+    assert stats.fallback is None and stats.drafted > 0 and stats.accepted > 0
+
+
 def test_an_agreeing_assistant_has_its_drafts_accepted():
     target, assistant = pair(agree=True)
     ids, mask = ragged()

@@ -105,6 +105,8 @@ class SharedKVDrafter(Drafter):
         ledger = request.target
         device = self.last_hidden.device
         query = (lengths.to(device) - 1 - ledger.pad.to(device))[:, None]             # p per row, [B, 1]
+        weight = next(self.assistant.parameters())      # the assistant's dtype and device may differ from the target's
+        dtype, place = weight.dtype, weight.device
         shared, masks = {}, {}
         for kind in compat.shared_kv_layer_types(self.assistant):
             keys, values, positions = ledger.layer_columns(self.store[kind], kind)
@@ -112,16 +114,17 @@ class SharedKVDrafter(Drafter):
             window = (ledger.windows or {}).get(kind)
             if window is not None:
                 seen &= query - positions <= window + 1
-            shared[kind] = (keys, values)
-            masks[kind] = attention_mask_4d(self.assistant, seen[:, None, :])            # [B, 1, 1, C]
+            shared[kind] = (keys.to(place, dtype), values.to(place, dtype))
+            masks[kind] = attention_mask_4d(self.assistant, seen[:, None, :].to(place))   # [B, 1, 1, C]
         embed = self.target.get_input_embeddings()
         vocab = self.target.get_output_embeddings().weight.shape[0]
         draft = Drafting(request, tokens, lengths, gammas, vocab, lambda logits: logits)
         token = tokens.gather(1, (lengths - 1)[:, None]).squeeze(1)
         hidden = self.last_hidden
         for k in range(int(gammas.max()) if len(gammas) else 0):
-            inputs = torch.cat([embed(token[:, None].to(device)), hidden[:, None].to(device)], dim=-1)
-            logits, hidden = compat.shared_kv_step(self.assistant, inputs, masks, query, shared)
+            inputs = torch.cat([embed(token[:, None].to(device)), hidden[:, None].to(device, embed.weight.dtype)],
+                               dim=-1).to(place, dtype)
+            logits, hidden = compat.shared_kv_step(self.assistant, inputs, masks, query.to(place), shared)
             token, hidden = draft.choose(k, logits[:, 0]), hidden[:, 0]
         return draft.proposal(tokens.device)
 
