@@ -134,6 +134,30 @@ def test_an_assistant_in_another_dtype_drafts_beside_a_float32_target():
     assert stats.fallback is None and stats.drafted > 0 and stats.accepted > 0
 
 
+def test_a_multimodal_gemma4_target_with_text_prompts():
+    """Gemma 4 checkpoints load as `Gemma4ForConditionalGeneration` (vision tower beside the text model): the
+    assistant reads its text model's keys and last hidden state the same way, batched."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+
+    _, assistant = pair()
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=1,
+                                position_embedding_size=64)
+    torch.manual_seed(0)
+    target = Gemma4ForConditionalGeneration(Gemma4Config(text_config=_text_config(Gemma4TextConfig),
+                                                         vision_config=vision, audio_config=None)).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(8.0)
+    ids, mask = ragged()
+    references = stock_rows(target, ids, mask)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                          custom_generate=spec_adapt.generate, drafter=assistant, assistant_policy=FixedLength(3),
+                          strict=True)
+    stats = spec_adapt.last_stats()
+    assert_rows_equal(out, mask, references)
+    assert stats.fallback is None and stats.drafted > 0
+
+
 def test_an_agreeing_assistant_has_its_drafts_accepted():
     target, assistant = pair(agree=True)
     ids, mask = ragged()
