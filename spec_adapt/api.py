@@ -418,12 +418,12 @@ def _ensemble_acceptor(weight, drafter, policy, acceptor):
     kernel mode), which mixes the draft model's distributions into the target's; the acceptor as given otherwise."""
     if weight is None:
         return acceptor
-    if isinstance(drafter, (MTPDrafter, SharedKVDrafter)):
+    if isinstance(drafter, SharedKVDrafter):
         raise ValueError(f"assistant_ensemble_weight with {drafter!r} is not served: its lossy output depends on every "
-                         "draft, and this drafter's differ from stock's (a schedule of its own; a Gemma 4 assistant "
-                         "here attends to committed keys only), so it would not be stock's ensemble output. Use a "
-                         "draft model as assistant_model=, or leave the weight unset (lossless).")
-    if type(drafter) is not ModelDrafter:
+                         "draft, and a Gemma 4 assistant here attends to committed keys only where stock's also sees "
+                         "a rejected draft's, so it would not be stock's ensemble output. Use a draft model as "
+                         "assistant_model=, or leave the weight unset (lossless).")
+    if type(drafter) is not ModelDrafter and not isinstance(drafter, MTPDrafter):
         kind = f"a {type(drafter).__name__}" if drafter is not None else "no draft"
         raise ValueError(f"assistant_ensemble_weight mixes a draft model's distribution into the target's: pass the "
                          f"draft model itself as assistant_model= (or drafter=); got {kind}.")

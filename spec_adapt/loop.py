@@ -253,7 +253,8 @@ class SpeculativeLoop:
             if self.drafter.max_free and self._allows_free():
                 free = (remaining - 1).clamp(0, self.drafter.max_free)
             none = free is None and not bool(plan.gammas.any())    # the policy's answer, on the host
-            return StepPlan(torch.minimum(gammas, remaining - 1), True, members=plan.members, stop=plan.stop,
+            room = remaining if self.drafter.fills_budget else remaining - 1   # the bonus is cut past the budget
+            return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
                             free=free, plain=none)
         return self._tree_plan(gammas, plan, remaining)
 

@@ -239,3 +239,31 @@ def test_the_serving_engine_drafts_for_requests_that_join_a_running_batch():
         for slot, count in zip(record.rows, record.drafted):
             drafted[int(slot)] += int(count)
     assert all(drafted.values()), drafted                           # the joining requests drafted too
+
+
+@pytest.mark.parametrize("weight", [0.5, 0.1])
+def test_use_mtp_with_assistant_ensemble_weight_is_stocks(weight):
+    """Stock's lossy ensemble verification with its MTP drafts (drafts judged against w * p_target + (1 - w) * q_mtp):
+    the MTP layers draft here what stock's draft (`test_batched_drafts_are_stock_mtp_drafts_of_each_row`), so at
+    stock's schedule (as many drafts a step as the layers) each row's tokens are stock's ensemble output for its
+    prompt alone, at batch 1 and batch 3. `stats.lossy` says so."""
+    model = model_of("glm4_moe", 2)
+    ids, mask = ragged()
+    pads = (mask == 0).sum(dim=1).tolist()
+    stock = [model.generate(ids[b:b + 1, pads[b]:], max_new_tokens=NEW, do_sample=False, use_mtp=True,
+                            assistant_ensemble_weight=weight)[0] for b in range(3)]
+    plain = stock_rows(model, ids, mask)
+    assert any(s.tolist() != p.tolist() for s, p in zip(stock, plain))     # the weight changes some row's tokens
+    spec_adapt.enable(model, assistant_policy=FixedLength(2))
+    try:
+        for b in range(3):
+            one = model.generate(ids[b:b + 1, pads[b]:], max_new_tokens=NEW, do_sample=False, use_mtp=True,
+                                 assistant_ensemble_weight=weight)
+            assert one[0].tolist() == stock[b].tolist(), b
+            assert spec_adapt.last_stats().lossy == f"assistant_ensemble_weight={weight}"
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, use_mtp=True,
+                             assistant_ensemble_weight=weight)
+        assert_rows_equal(out, mask, stock)
+        assert spec_adapt.last_stats().drafted > 0
+    finally:
+        spec_adapt.disable(model)

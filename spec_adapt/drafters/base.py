@@ -142,6 +142,9 @@ class Drafter:
     wants_hidden = False  # True: a feature drafter, which drafts from the target's own last hidden states: the loop
                           # has the target's forwards keep them and hands those of committed positions to `take_hidden`
                           # (other drafters cost the target nothing of it)
+    fills_budget = False  # True: drafts up to a row's whole remaining budget, the step's bonus token then cut (stock's
+                          # MTP drafts its depth to the end: under a lossy ensemble acceptor the last token is the
+                          # mix's at a draft's position, not the target's bonus); False: leaves room for the bonus
     reads_target = 0    # > 0: attends to the target's cached keys and values (a Gemma 4 assistant): each request
                         # carries the target's ledger (DraftRequest.target), whose sliding layers keep this many
                         # positions more than the target's windows need

@@ -34,6 +34,7 @@ class MTPDrafter(Drafter):
     distributions go to the lossless rejection rule)."""
 
     wants_hidden = True
+    fills_budget = True     # as stock's MTP, which drafts its depth whatever the budget left
 
     def __init__(self, model, mtp=None):
         self.model = model
@@ -157,7 +158,9 @@ class Drafting:
         self.context = tokens.clone()                          # committed tokens + drafts so far (the processors')
         self.rows = request.rows.to(device)
         self.drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
-        self.probs = torch.zeros(batch, most, self.vocab, device=device) if request.sampling else None
+        # Distributions where sampling's rejection rule reads them, or an acceptor mixes them (ensemble verification).
+        wanted = request.sampling or (request.acceptor is not None and request.acceptor.draft_probs)
+        self.probs = torch.zeros(batch, most, self.vocab, device=device) if wanted else None
         self.confidence = torch.zeros(batch, most, device=device)
         self.survival = torch.ones(batch, device=device)
         self.going = gammas > 0                                # rows still drafting
