@@ -292,6 +292,32 @@ def test_the_serving_engine_drafts_for_requests_that_join_a_running_batch():
     assert sorted(first) == [0, 1, 2] and all(first.values()), first
 
 
+def test_a_restarted_assistant_drafts_again_on_the_running_rows():
+    """After a failure the engine restarts the drafter on its running rows, whose hidden states it has none of: each
+    row drafts again once its next step has handed one (no second failure), and the tokens stay stock's."""
+    from spec_adapt import Engine
+
+    target, assistant = pair()
+    ids, mask = ragged()
+    prompts = [ids[b][mask[b].bool()] for b in range(len(ids))]
+    drafter = SharedKVDrafter(assistant)
+    engine = Engine(target, drafter=drafter, assistant_policy=FixedLength(2), max_batch=3, pad_token_id=PAD,
+                    eos_token_id=None)
+    engine.loop.restarts.start = engine.loop.restarts.gap = 2      # restart soon
+    handles = [engine.submit(p, max_new_tokens=40) for p in prompts]
+    for _ in range(2):
+        engine.step()
+    with pytest.warns(RuntimeWarning, match="draft lost"):
+        engine.loop._guard("test", lambda: (_ for _ in ()).throw(RuntimeError("draft lost")))
+    engine.run_until_idle()
+    for prompt, handle in zip(prompts, handles):
+        stock = target.generate(prompt[None], max_new_tokens=40, do_sample=False, pad_token_id=PAD,
+                                eos_token_id=None)[0]
+        assert handle.result() == stock[len(prompt):].tolist()
+    assert engine.loop.drafter is drafter and engine.stats.restarts == 1
+    assert sum(sum(r.drafted) for r in engine.stats.trace[-5:]) > 0
+
+
 def test_the_example_runs_and_matches_stock(capsys):
     import runpy
     from pathlib import Path

@@ -97,10 +97,12 @@ class SharedKVDrafter(Drafter):
         self.known = torch.cat([self.known, torch.zeros(n, dtype=torch.bool, device=self.known.device)])
 
     def propose(self, request: DraftRequest) -> Proposal:
-        if request.target is None or self.last_hidden is None or len(self.last_hidden) != len(request.lengths):
-            raise RuntimeError("SharedKVDrafter drafts from the target's cache and hidden states, which this loop "
-                               "did not hand over.")
+        if request.target is None:
+            raise RuntimeError("SharedKVDrafter drafts from the target's cache, which this loop did not hand over "
+                               "(DraftRequest.target).")
         tokens, lengths, gammas = request.tokens, request.lengths, request.gammas
+        if self.last_hidden is None or not bool(self.known.any()):    # restarted on running rows: none handed yet
+            return Proposal.empty(len(lengths), tokens.device)
         gammas = torch.where(self.known.to(gammas.device), gammas, 0)     # a row without its hidden state yet
         ledger = request.target
         device = self.last_hidden.device
