@@ -278,6 +278,7 @@ def mtp_logits(mtp, hidden):
 # on a Gemma 3n target once it drafts).
 SHARED_KV_ASSISTANTS = ("Gemma4Assistant", "Gemma4UnifiedAssistant")
 SHARED_KV_TARGETS = ("Gemma4",)
+SHARED_KV_NAMED_ONLY = ("Gemma3n",)     # stock pairs them by name; their outputs carry no shared_kv_states
 
 
 def is_shared_kv_assistant(model) -> bool:

@@ -50,7 +50,7 @@ class SharedKVDrafter(Drafter):
 
     def validate(self, target) -> None:
         name = type(target).__name__
-        if name.startswith("Gemma3n"):     # stock accepts the pair by name, then fails at its first draft
+        if name.startswith(compat.SHARED_KV_NAMED_ONLY):   # stock accepts the pair, then fails at its first draft
             raise ValueError(f"{name} does not return the shared_kv_states a Gemma 4 assistant reads (stock fails the "
                              "same way: `model_outputs` ... need to contain `hidden_states` and `shared_kv_states`). "
                              "Draft for it with another draft model, or generate without one.")
