@@ -694,7 +694,7 @@ class KVLedger:
         their tensors (keys and values [H, n, D], an indexed layer's indexer keys [n, D]); a convolution layer's
         input columns ("inputs" [C, n], "kernel"); an encoder-decoder model's cross-attention keys and values under
         ("cross", index). Copies: the row may leave the batch after (the cache generate returns is built from them)."""
-        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        cache = self._own_cache
         entries: dict = {}
         for i, layer in enumerate(cache.layers):
             if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
@@ -717,15 +717,11 @@ class KVLedger:
         """What cache layer `index` (of layer type `kind`) holds for the live rows: (keys, values [B, H, C, D],
         positions [B, C] long, -1 at holes and padding), its columns being the ledger's from those the type dropped
         on. For a drafter that attends to the target's own keys (a Gemma 4 assistant); read-only."""
-        layer = self._layers_by_index()[index]
+        layer = self._own_cache.layers[index]
         live, dropped = self.slots.shape[0], self.dropped.get(kind, 0)
         slots = self.slots[:, dropped:]
         positions = torch.where(slots >= 0, slots - self.pad[:, None], -1)
         return layer.keys[:live], layer.values[:live], positions
-
-    def _layers_by_index(self):
-        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
-        return cache.layers
 
     def _widen(self, width: int) -> None:
         extra = width - self.physical_length
@@ -836,17 +832,22 @@ class KVLedger:
         """(layer type, layer) of the layers the ledger keeps per slot (type None where no column is dropped)."""
         if not self._kinds:
             return [(None, layer) for layer in self._layers()]
-        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        cache = self._own_cache
         return [(kind, layer) for kind, layer in zip(self._kinds, cache.layers) if layer.is_initialized]
+
+    @property
+    def _own_cache(self):
+        """The cache the ledger keeps per slot: an encoder-decoder model's self-attention cache, else the cache."""
+        return self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
 
     def _layers(self):
         """The KV cache layers the ledger keeps per slot (an encoder-decoder model's self-attention layers)."""
-        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        cache = self._own_cache
         return [layer for layer in cache.layers if isinstance(layer, DynamicLayer) and layer.is_initialized]
 
     # -- convolution layers ----------------------------------------------------------------------------------------
     def _conv_layers(self) -> dict[int, LinearAttentionLayer]:
-        cache = self.cache.self_attention_cache if isinstance(self.cache, EncoderDecoderCache) else self.cache
+        cache = self._own_cache
         return {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)}
 
     def _hand_conv_states(self) -> None:

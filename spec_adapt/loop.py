@@ -86,9 +86,7 @@ class SpeculativeLoop:
         # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
         # with their own prompt widths and token budgets; one generate call has one of each).
         self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
-        # Never below a commit; a drafter reading the target's keys may need a few more of its sliding layers'.
-        self.target = KVLedger(model, cache, kernels=self.acceptor.mode, rewind=target_margin(drafter))
-        self.target.want_hidden = drafter is not None and drafter.wants_hidden     # a feature drafter's input
+        self.target = target_ledger(model, drafter, self.acceptor.mode, cache)
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
                                                    model_inputs or {}, positions))
@@ -649,10 +647,14 @@ def _first_argmax(scores: torch.Tensor) -> torch.Tensor:
     return scores[:, 0].argmax(dim=-1)
 
 
-def target_margin(drafter) -> int:
-    """How many positions the target's sliding layers keep beyond their windows: what a drafter that reads the
-    target's keys asks for (Drafter.reads_target), else none."""
-    return int(drafter.reads_target) if drafter is not None else 0
+def target_ledger(model, drafter, kernels: str, cache=None) -> KVLedger:
+    """A ledger for the target's forwards (a call's, or prompts joining a serving batch) as `drafter` (the user's,
+    the same on every rank) needs it: rolled back never below a commit, its sliding layers keeping the extra
+    positions a drafter that reads the target's keys asks for (Drafter.reads_target), and the last hidden states
+    kept for a feature drafter (Drafter.wants_hidden)."""
+    ledger = KVLedger(model, cache, kernels=kernels, rewind=int(drafter.reads_target) if drafter is not None else 0)
+    ledger.want_hidden = drafter is not None and drafter.wants_hidden
+    return ledger
 
 
 def _pad_positions(logits: torch.Tensor, width: int) -> torch.Tensor:

@@ -46,6 +46,12 @@ class DraftRequest:
     target: "KVLedger | None" = None    # the target's ledger, read-only, for a drafter that attends to the target's
                                         # own keys and values (`Drafter.reads_target`); None for the others
 
+    @property
+    def wants_probs(self) -> bool:
+        """Whether the proposal should carry the drafts' distributions: sampling's rejection rule reads them, and so
+        does an acceptor that mixes them into the target's (ensemble verification)."""
+        return self.sampling or (self.acceptor is not None and self.acceptor.draft_probs)
+
 
 @dataclass
 class Proposal:

@@ -202,8 +202,7 @@ class ModelDrafter(Drafter):
         # A chain's buffers, sized by its plan (a tree plan's gammas are node budgets, never allocated here).
         context = tokens.clone()                                          # committed tokens + drafts so far
         drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
-        wanted = request.sampling or (request.acceptor is not None and request.acceptor.draft_probs)
-        probs = torch.zeros(batch, most, self.vocab, device=device) if wanted else None
+        probs = torch.zeros(batch, most, self.vocab, device=device) if request.wants_probs else None
         confidence = torch.zeros(batch, most, device=device)     # the draft's probability of each drafted token
         survival = torch.ones(batch, device=device)              # of the row's drafts so far (request.stop)
         ruled_in = torch.ones(batch, dtype=torch.bool, device=device)    # rows the plan's rule lets go on

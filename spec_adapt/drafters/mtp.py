@@ -158,9 +158,7 @@ class Drafting:
         self.context = tokens.clone()                          # committed tokens + drafts so far (the processors')
         self.rows = request.rows.to(device)
         self.drafts = torch.zeros(batch, most, dtype=torch.long, device=device)
-        # Distributions where sampling's rejection rule reads them, or an acceptor mixes them (ensemble verification).
-        wanted = request.sampling or (request.acceptor is not None and request.acceptor.draft_probs)
-        self.probs = torch.zeros(batch, most, self.vocab, device=device) if wanted else None
+        self.probs = torch.zeros(batch, most, self.vocab, device=device) if request.wants_probs else None
         self.confidence = torch.zeros(batch, most, device=device)
         self.survival = torch.ones(batch, device=device)
         self.going = gammas > 0                                # rows still drafting

@@ -83,7 +83,7 @@ class SharedKVDrafter(Drafter):
         count = count.to(hidden.device)
         column = (count - 1).clamp(0, hidden.shape[1] - 1)
         last = hidden.gather(1, column[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-        if self.last_hidden is not None and len(self.last_hidden) == len(last):
+        if self.last_hidden is not None:
             last = torch.where((count > 0)[:, None], last, self.last_hidden.to(last.device))
         self.last_hidden = last
         self.known = self.known.to(count.device) | (count > 0)

@@ -51,7 +51,7 @@ from ..api import check_parts
 from ..distributed import ranks_of
 from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
-from ..loop import SpeculativeLoop, Stopper, target_margin
+from ..loop import SpeculativeLoop, Stopper, target_ledger
 from ..metrics import SpecStats
 from ..policies.adaptive import Adaptive
 from ..estimators import ProbeBackoff
@@ -179,8 +179,7 @@ class ServingLoop(SpeculativeLoop):
         for i, p in enumerate(prompts):
             ids[i, width - len(p):], mask[i, width - len(p):] = p.to(self.device), 1
         # The prefill first: if the target fails there, nothing of the running batch has changed yet.
-        joining = KVLedger(self.model, kernels=self.acceptor.mode, rewind=target_margin(self.given_drafter))
-        joining.want_hidden = self.given_drafter is not None and self.given_drafter.wants_hidden
+        joining = target_ledger(self.model, self.given_drafter, self.acceptor.mode)
         logits = self._prefill(joining, ids, mask)                                  # [n, 1, V]
         new_rows = self._take_slots(n)
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
