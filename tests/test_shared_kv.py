@@ -86,6 +86,14 @@ def stock_rows(model, ids, mask, **kw):
                            pad_token_id=PAD, **kw)[0] for b in range(len(ids))]
 
 
+def early_stop(model, ids, mask) -> int:
+    """A token to stop rows at (EOS) which some row generates after a few tokens and another row later or never."""
+    plain = stock_rows(model, ids, mask, eos_token_id=None)
+    generated = [row[int(m.sum()):].tolist() for row, m in zip(plain, mask)]      # stock's rows: prompt, then new
+    first = {t: [row.index(t) if t in row else NEW for row in generated] for t in set(sum(generated, []))}
+    return next(t for t, at in sorted(first.items()) if min(at) >= 2 and max(at) >= min(at) + 3)
+
+
 def assert_rows_equal(out, mask, references):
     for b, reference in enumerate(references):
         row = out[b, int((mask[b] == 0).sum()):]
@@ -116,6 +124,21 @@ def test_greedy_at_batch_3_matches_stock_per_row_after_enable(unified):
     stats = spec_adapt.last_stats()
     assert_rows_equal(out, mask, references)
     assert stats.fallback is None and stats.drafted > 0
+
+
+def test_rows_that_stop_at_eos_leave_the_batch_and_the_rest_stay_identical():
+    """An EOS that one row reaches early and another later: rows leave the batch mid-call (the drafter follows them,
+    `select_rows`), drafts may run past a row's EOS, and every row's tokens are still stock's."""
+    target, assistant = pair()
+    ids, mask = ragged()
+    eos = early_stop(target, ids, mask)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                          eos_token_id=eos, custom_generate=spec_adapt.generate, drafter=SharedKVDrafter(assistant),
+                          assistant_policy=FixedLength(3), strict=True)
+    stats = spec_adapt.last_stats()
+    assert_rows_equal(out, mask, stock_rows(target, ids, mask, eos_token_id=eos))
+    assert stats.fallback is None and stats.drafted > 0
+    assert min(len(r.rows) for r in stats.trace) < len(ids)           # rows left mid-call
 
 
 def test_an_assistant_in_another_dtype_drafts_beside_a_float32_target():
@@ -206,14 +229,16 @@ def stock_drafts(target, assistant, tokens: torch.Tensor, count: int) -> list[in
 def test_batched_drafts_are_stock_drafts_of_each_row(gamma):
     """The keys each row's assistant sees (its committed columns of the target's cache: no padding, no rejected
     drafts, the sliding window counted in positions) give the drafts stock's generator gives that row alone, its
-    target state recomputed from scratch."""
+    target state recomputed from scratch; also after rows reached EOS and left the batch."""
     target, assistant = pair()
     ids, mask = ragged()
+    eos = early_stop(target, ids, mask)
     drafter = Recorded(assistant)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
-                          custom_generate=spec_adapt.generate, drafter=drafter, assistant_policy=FixedLength(gamma),
-                          strict=True)
-    assert_rows_equal(out, mask, stock_rows(target, ids, mask))
+                          eos_token_id=eos, custom_generate=spec_adapt.generate, drafter=drafter,
+                          assistant_policy=FixedLength(gamma), strict=True)
+    assert_rows_equal(out, mask, stock_rows(target, ids, mask, eos_token_id=eos))
+    assert min(len(rows) for _, _, rows, _ in drafter.seen) < len(ids)     # rows left mid-call
     checked = 0
     for tokens, lengths, rows, proposal in drafter.seen:
         for b, user_row in enumerate(rows.tolist()):
