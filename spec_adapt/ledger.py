@@ -379,6 +379,11 @@ class KVLedger:
         # forward keeps them in `hidden` [B, W, H] (all its columns, whatever logits it keeps); None otherwise.
         self.want_hidden = False
         self.hidden: torch.Tensor | None = None
+        # Host bookkeeping that spares a step without drafts tensor work: `_full` is the slot map last seen without
+        # a hole (every slots tensor is replaced, never written in place, so identity tells it is unchanged), and
+        # `_one_each` the [B] ones that `ones` hands out for a forward of one valid token a row.
+        self._full: torch.Tensor | None = None
+        self._one_each: torch.Tensor | None = None
 
     def use_inputs(self, inputs) -> None:
         """Run every forward with these model inputs (spec_adapt.inputs.ModelInputs; None: tokens only). Inputs that
@@ -515,8 +520,21 @@ class KVLedger:
         self.n_cached = self.n_cached + kept
         return logits, kept
 
+    def ones(self, batch: int) -> torch.Tensor:
+        """[batch] ones on the ledger's device, never written: `n_valid` for a forward of one valid token a row (a
+        step without drafts). The ledger knows it by identity, and appends such a column without checking for holes."""
+        if self._one_each is None or self._one_each.shape[0] != batch:
+            self._one_each = torch.ones(batch, dtype=torch.long, device=self.device)
+        return self._one_each
+
     def _append(self, width: int, n_valid: torch.Tensor):
         """Slots of `width` new columns (row b's first n_valid[b] valid): (new [B, W], all slots [B, P + W])."""
+        if n_valid is self._one_each and width == 1:    # every row's one token valid: no hole opens
+            new = self.n_cached[:, None]
+            slots = torch.cat([self.slots, new], dim=1)
+            if self.slots is self._full:
+                self._full = slots
+            return new, slots
         n_valid = n_valid[:, None]      # on the ledger's device (its callers put it there)
         if width == 1:                   # a step without drafts: one column, at the row's length where it is valid
             new = torch.where(n_valid > 0, self.n_cached[:, None], -1)
@@ -527,11 +545,15 @@ class KVLedger:
 
     def _inputs(self, slots, new):
         """(attention mask [B, P + W] or None, position ids [B, W]) for a forward over `new` given all `slots`."""
+        if slots is self._full:          # known without a hole (see `_append`): nothing to mask, no check
+            return None, new - self.pad[:, None]
         valid = slots >= 0
         position_ids = torch.where(new >= 0, new - self.pad[:, None], 0)   # holes get 0, like stock's padding
         # An all-valid mask is dropped, as stock generate does: the model then takes the same attention path.
-        mask = None if bool(valid.all()) else valid.long()
-        return mask, position_ids
+        if bool(valid.all()):
+            self._full = slots
+            return None, position_ids
+        return valid.long(), position_ids
 
     def _run(self, tokens, slots, keep, new=None, past=None, allowed=None, first=False):
         """The model over `tokens`; logits of the last `keep` columns, or (keep a [B, K] tensor) of columns keep[b].

@@ -209,7 +209,6 @@ class SpeculativeLoop:
         plan = self.ranks.decide(self._plan)                               # 0. choose: one StepPlan
         if plan.plain:                                                     # no drafts: stock's decode step
             return self._plain_step(plan, t0)
-        self._room_steps = 0                                               # rows may gain several tokens
         self._reserve(plan.deepest + 1)
         proposal = self._propose(plan)                                     # 1. propose
         t1 = self._now()
@@ -262,28 +261,6 @@ class SpeculativeLoop:
         if zeros is None or zeros.shape[0] != batch:
             zeros = self._zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
         return zeros
-
-    def _ones(self, batch: int) -> torch.Tensor:
-        """[batch] ones: one position per row (a step without drafts; never written)."""
-        ones = getattr(self, "_one_each", None)
-        if ones is None or ones.shape[0] != batch:
-            ones = self._one_each = torch.ones(batch, dtype=torch.long, device=self.device)
-        return ones
-
-    def _room_for_one(self, lengths: torch.Tensor) -> None:
-        """`_reserve(1)` for steps without drafts, reading the lengths once per buffer growth instead of every step:
-        a row gains at most one token per such step, so after a read that found `room` free columns in the longest
-        row, the next room - 1 steps fit. Anything else that moves rows or buffer (a step with drafts, rows that
-        leave or join) makes the next step read again."""
-        key = (self.buffer, self.rows)
-        steps = getattr(self, "_room_steps", 0)
-        if steps > 0 and getattr(self, "_room_key", None) is not None and all(
-                a is b for a, b in zip(self._room_key, key)):
-            self._room_steps = steps - 1
-            return
-        self._reserve(1)
-        self._room_key = (self.buffer, self.rows)
-        self._room_steps = self.buffer.shape[1] - int(lengths.max()) - 1
 
     def _allows_free(self) -> bool:
         with self.policy_lock:
@@ -453,9 +430,9 @@ class SpeculativeLoop:
         drafts, no rollback of drafts. The same tokens, cache, statistics and records as `step`."""
         rows = self.rows
         old = self.lengths[rows]
-        self._room_for_one(old)
+        self._reserve(1)
         t1 = self._now()
-        ones = self._ones(len(rows))
+        ones = self.target.ones(len(rows))
         result = self.verifier.verify(self.target, self.buffer[rows, old - 1][:, None], ones)   # 2. verify
         logits = _pad_positions(_as_float(result.logits), 1)                                     # [B, 1, V]
         n_new = ones if result.kept is ones else (result.kept > 0).long()    # a bonus where the position was kept
@@ -530,15 +507,24 @@ class SpeculativeLoop:
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _reserve(self, extra: int) -> None:
         """Room in the token buffer for `extra` more tokens in every active row (up to its limit): the buffer grows
-        with what is generated, doubling, never with the budget."""
+        with what is generated, doubling, never with the budget. The lengths are read once per growth, not every
+        step: a row gains at most `extra` tokens a step, so after a read that found `free` columns past the longest
+        row, steps whose extras add up to `free` fit. Anything that moves rows or buffer (rows that leave or join,
+        a growth) makes the next step read again."""
         if not len(self.rows):
             return
-        need = int(torch.minimum(self.lengths[self.rows] + extra, self.limits[self.rows]).max())
+        known = getattr(self, "_room", None)
+        if known is not None and known[0] is self.buffer and known[1] is self.rows and known[2] >= extra:
+            self._room = (self.buffer, self.rows, known[2] - extra)
+            return
+        lengths = self.lengths[self.rows]
+        need = int(torch.minimum(lengths + extra, self.limits[self.rows]).max())
         width = self.buffer.shape[1]
         if need > width:
             grown = max(need, min(2 * width, int(self.limits[self.rows].max())))
             more = self.buffer.new_full((self.buffer.shape[0], grown - width), self.pad_id)
             self.buffer = torch.cat([self.buffer, more], dim=1)
+        self._room = (self.buffer, self.rows, self.buffer.shape[1] - int(lengths.max()) - extra)
 
     def _guard(self, what, fn, *args):
         """Run a drafter method; on any error (out of memory included) continue without speculation.
