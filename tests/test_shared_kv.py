@@ -157,20 +157,45 @@ def test_an_assistant_in_another_dtype_drafts_beside_a_float32_target():
     assert stats.fallback is None and stats.drafted > 0 and stats.accepted > 0
 
 
-def test_a_multimodal_gemma4_target_with_text_prompts():
-    """Gemma 4 checkpoints load as `Gemma4ForConditionalGeneration` (vision tower beside the text model): the
-    assistant reads its text model's keys and last hidden state the same way, batched."""
+IMAGE, BOI, EOI = 90, 91, 92
+
+
+@functools.lru_cache(maxsize=None)
+def multimodal_target():
+    """Gemma 4 checkpoints load as `Gemma4ForConditionalGeneration` (vision tower beside the text model). Its tiny
+    vision tower pools 4x4 patches of 48 values by 2, so an image is 4 soft tokens (with no pooling, transformers 5.24's
+    pooler keeps none of them)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
 
-    _, assistant = pair()
     vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=1,
+                                num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
                                 position_embedding_size=64)
     torch.manual_seed(0)
-    target = Gemma4ForConditionalGeneration(Gemma4Config(text_config=_text_config(Gemma4TextConfig),
-                                                         vision_config=vision, audio_config=None)).eval()
+    target = Gemma4ForConditionalGeneration(Gemma4Config(
+        text_config=_text_config(Gemma4TextConfig), vision_config=vision, audio_config=None, image_token_id=IMAGE,
+        boi_token_id=BOI, eoi_token_id=EOI)).eval()
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(8.0)
+    return target
+
+
+def image_rows(count: int = 3):
+    """Per row: (prompt ids with an image block between texts of different lengths, pixel values [1, 16, 48], patch
+    positions [1, 16, 2])."""
+    rows = []
+    for seed in range(count):
+        gen = torch.Generator().manual_seed(seed)
+        text = torch.randint(3, 80, (2 + 2 * seed,), generator=gen).tolist()
+        ids = [BOS] + text + [BOI] + [IMAGE] * 4 + [EOI] + torch.randint(3, 80, (3,), generator=gen).tolist()
+        positions = torch.tensor([[[x, y] for y in range(4) for x in range(4)]])
+        rows.append((ids, torch.randn(1, 16, 48, generator=gen), positions))
+    return rows
+
+
+def test_a_multimodal_gemma4_target_with_text_prompts():
+    """The assistant reads a multimodal target's text model's keys and last hidden state the same way, batched."""
+    _, assistant = pair()
+    target = multimodal_target()
     ids, mask = ragged()
     references = stock_rows(target, ids, mask)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
@@ -179,6 +204,50 @@ def test_a_multimodal_gemma4_target_with_text_prompts():
     stats = spec_adapt.last_stats()
     assert_rows_equal(out, mask, references)
     assert stats.fallback is None and stats.drafted > 0
+
+
+def test_image_prompts_with_an_assistant_match_stock_and_draft_what_stock_drafts():
+    """Prompts with images, batched and ragged, through stock's `assistant_model=` after `enable`: each row's output
+    is stock's (stock serves the pair at batch 1 with images), and each row's drafts are what stock's generator drafts
+    after the row's tokens, its images included, so the assistant reads the keys of the image positions right."""
+    _, assistant = pair()
+    target = multimodal_target()
+    rows = image_rows()
+    references = []
+    for ids, pixels, positions in rows:
+        prompt = torch.tensor([ids])
+        plain = target.generate(prompt, pixel_values=pixels, image_position_ids=positions, max_new_tokens=NEW,
+                                do_sample=False, pad_token_id=PAD)
+        assisted = target.generate(prompt, pixel_values=pixels, image_position_ids=positions, max_new_tokens=NEW,
+                                   do_sample=False, pad_token_id=PAD, assistant_model=assistant)
+        assert assisted.tolist() == plain.tolist()
+        references.append(plain[0, len(ids):])
+    width = max(len(ids) for ids, _, _ in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r, _, _ in rows])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([[width - len(r)] for r, _, _ in rows])).long()
+    pixels, positions = torch.cat([r[1] for r in rows]), torch.cat([r[2] for r in rows])
+    recorded = Recorded(assistant)
+    spec_adapt.enable(target)
+    try:
+        out = target.generate(ids, attention_mask=mask, pixel_values=pixels, image_position_ids=positions,
+                              max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, assistant_model=recorded,
+                              assistant_policy=FixedLength(3), strict=True)
+    finally:
+        spec_adapt.disable(target)
+    stats = spec_adapt.last_stats()
+    assert stats.fallback is None and stats.drafted > 0
+    for b, reference in enumerate(references):
+        assert out[b, width:].tolist() == reference.tolist(), f"row {b}"
+    checked = 0
+    for tokens, lengths, user_rows, proposal in recorded.seen:
+        for b, user_row in enumerate(user_rows.tolist()):
+            n = int(proposal.lengths[b])
+            if n:
+                row = tokens[b, width - len(rows[user_row][0]) : int(lengths[b])]
+                inputs = {"pixel_values": rows[user_row][1], "image_position_ids": rows[user_row][2]}
+                assert proposal.tokens[b, :n].tolist() == stock_drafts(target, assistant, row, n, **inputs)
+                checked += 1
+    assert checked > 10
 
 
 def test_an_agreeing_assistant_has_its_drafts_accepted():
@@ -206,9 +275,10 @@ class Recorded(SharedKVDrafter):
         return proposal
 
 
-def stock_drafts(target, assistant, tokens: torch.Tensor, count: int) -> list[int]:
+def stock_drafts(target, assistant, tokens: torch.Tensor, count: int, **inputs) -> list[int]:
     """What stock's SinglePositionMultiTokenCandidateGenerator drafts after a row's committed tokens (no padding)
-    from a fresh forward of the target over all but the last: the target's state with no rejected columns."""
+    from a fresh forward of the target over all but the last: the target's state with no rejected columns.
+    `inputs`: the row's other model inputs (its images)."""
     from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
     config = target.generation_config.__class__(max_length=len(tokens) + count + 1)
@@ -219,7 +289,7 @@ def stock_drafts(target, assistant, tokens: torch.Tensor, count: int) -> list[in
     finally:
         assistant.generation_config.num_assistant_tokens = shipped
     with torch.no_grad():
-        out = target(tokens[None, :-1], output_hidden_states=True, return_shared_kv_states=True)
+        out = target(tokens[None, :-1], output_hidden_states=True, return_shared_kv_states=True, **inputs)
         drafted, _ = generator.get_candidates(tokens[None], {"attention_mask": torch.ones(1, len(tokens))}, out,
                                               is_first_iteration=False, n_last_matches=0)
     return drafted[0, len(tokens):].tolist()
