@@ -45,10 +45,13 @@ class StepPlan:
     stop: object = None                  # a chain plan's StopRule (gammas are each row's most), or None
     free: torch.Tensor | None = None     # [B] the most drafts a row may take from a model-free source (Drafter.max_free)
     plain: bool = False                  # known without reading a device tensor: no row drafts (every width 0)
+    most: int | None = None              # known without reading a tensor: a bound on `deepest` (None: read them)
 
     @property
     def deepest(self) -> int:
-        """The most tokens a row may draft in depth this step (its buffer needs one more)."""
+        """The most tokens a row may draft in depth this step (its buffer needs one more), or a bound on it."""
+        if self.most is not None:
+            return self.most
         reach = self.gammas if self.depths is None else self.depths
         if self.free is not None:
             reach = torch.maximum(reach, self.free)
@@ -56,7 +59,7 @@ class StepPlan:
 
     @property
     def drafts(self) -> bool:
-        """Whether any row may draft this step."""
+        """Whether any row may draft this step (a drafter is never asked for none)."""
         return bool((self.gammas > 0).any()) or (self.free is not None and bool((self.free > 0).any()))
 
 
@@ -249,10 +252,14 @@ class SpeculativeLoop:
             free = None
             if self.drafter.max_free and self._allows_free():
                 free = (remaining - 1).clamp(0, self.drafter.max_free)
-            none = free is None and not bool(plan.gammas.any())    # the policy's answer, on the host
+            # The policy's answer, read on the host: one width for every row needs no tensor read.
+            most = answer if type(answer) is int else None
+            if most is not None and free is not None:
+                most = max(most, self.drafter.max_free)
+            none = free is None and (most == 0 if most is not None else not bool(plan.gammas.any()))
             room = remaining if self.drafter.fills_budget else remaining - 1   # the bonus is cut past the budget
             return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
-                            free=free, plain=none)
+                            free=free, plain=none, most=most)
         return self._tree_plan(gammas, plan, remaining)
 
     def _no_drafts(self, batch: int) -> torch.Tensor:

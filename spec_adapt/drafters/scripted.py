@@ -31,15 +31,13 @@ class ScriptedDrafter(Drafter):
         self.pad = place(self.pad, rows, left_padding(input_ids, attention_mask))
 
     def propose(self, request: DraftRequest) -> Proposal:
-        batch = request.tokens.shape[0]
         branches = []
-        for b in range(batch):
-            gamma = int(request.gammas[b])
-            row = int(request.rows[b])
+        for b, (gamma, row, length) in enumerate(zip(request.gammas.tolist(), request.rows.tolist(),
+                                                     request.lengths.tolist())):
             if gamma == 0:
                 branches.append([])
                 continue
-            context = request.tokens[b, self.pad[row] : int(request.lengths[b])].tolist()
+            context = request.tokens[b, self.pad[row] : length].tolist()
             answer = list(self.script(row, context, gamma))
             tree = bool(answer) and all(isinstance(x, (list, tuple)) for x in answer)
             branches.append([list(x) for x in answer] if tree else [answer])

@@ -140,8 +140,10 @@ def check_gammas(policy, value, batch_size: int) -> torch.Tensor:
     expected = f"an int in [0, {MAX_WIDTH}] or {batch_size} such ints (one per active row)"
     gammas = None
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        gammas = torch.full((batch_size,), int(value), dtype=torch.long)
-    elif not isinstance(value, (bool, str, bytes)):
+        if not 0 <= int(value) <= MAX_WIDTH:      # one width for every row: checked on the host
+            raise ValueError(f"{type(policy).__name__}.choose returned {value!r}; expected {expected}.")
+        return torch.full((batch_size,), int(value), dtype=torch.long)
+    if not isinstance(value, (bool, str, bytes)):
         try:
             gammas = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError):
