@@ -155,7 +155,7 @@ def _ops_outside_forward(model, run) -> int:
     return count.ops
 
 
-def test_a_step_without_drafts_dispatches_at_most_twice_what_stocks_decode_step_does():
+def test_a_step_without_drafts_dispatches_at_most_1_6_times_what_stocks_decode_step_does():
     """The host loop's weight, counted: per generated token beyond the first 8, the tensor operations outside the
     forward of a call without a drafter, and of one whose policy plans width 0, against stock's decode step."""
     model = cached_model("llama")
@@ -168,5 +168,6 @@ def test_a_step_without_drafts_dispatches_at_most_twice_what_stocks_decode_step_
         return lambda n: spec_generate(model, ids, torch.ones_like(ids), drafter, FixedLength(0), max_new_tokens=n)
 
     stock = per_token(lambda n: stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=n))
-    assert per_token(spec(None)) <= 2 * stock
-    assert per_token(spec(ScriptedDrafter(lambda row, context, gamma: [5] * gamma))) <= 2.2 * stock
+    # Measured with transformers 5.24: stock 23 a token, no drafter 35, a planned width 0 39.
+    assert per_token(spec(None)) <= 1.6 * stock
+    assert per_token(spec(ScriptedDrafter(lambda row, context, gamma: [5] * gamma))) <= 1.8 * stock
