@@ -482,6 +482,26 @@ def test_a_long_copy_keeps_its_rate_past_the_positions_it_reached():
     assert float(acceptance.rates("lookup", 5)[0]) == acceptance.prior          # a feature never seen
 
 
+def test_a_row_whose_offers_keep_failing_early_does_not_ride_the_features_long_tail():
+    """The feature's copies hold for 24 tokens (other rows); this row's offers from the same source and feature
+    failed at the 1st to 3rd token, six times. Its expected tokens from a 24-token offer stay near what its first
+    positions show, not what the feature's tail adds (with the row's counts shrunk toward the feature's rates
+    position by position alone, the positions it never reached keep the feature's ~1 rate and the 24-token offer
+    reads about 11 tokens); a row whose copies held like the others' keeps the whole tail."""
+    acceptance = SourceAcceptance(positions=32)
+    for _ in range(30):
+        acceptance.observe("suffix", 1, 24, 24)
+    failing = torch.zeros(2, 32)
+    for accepted in (0, 2, 1, 0, 2, 1):
+        failing = failing * acceptance.decay + acceptance.step_counts(24, accepted)
+    holding = torch.zeros(2, 32)
+    for _ in range(3):
+        holding = holding * acceptance.decay + acceptance.step_counts(24, 24)
+    rows = acceptance.expected_rows("suffix", [1, 1], 24, [failing, holding])
+    assert float(rows[0, 24]) < 3.0 and float(rows[0, 24] - rows[0, 3]) < 0.5
+    assert float(rows[1, 24]) > 20
+
+
 # -- 6. serving ------------------------------------------------------------------------------------------------------
 def test_engine_with_several_sources_matches_stock_alone():
     def stock(prompt, n):

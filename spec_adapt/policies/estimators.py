@@ -430,7 +430,8 @@ class SourceAcceptance:
     def expected(self, source: str, feature: int, most: int, row: torch.Tensor | None = None,
                  shrink: float = 4.0, optimism: float = 0.0) -> torch.Tensor:
         """[most + 1]: the tokens committed when drafting k = 0..most tokens. `row`: the row's own [2, positions]
-        counts for this source (`step_counts` summed), shrunk toward the feature's rates by `shrink` observations.
+        counts for this source (`step_counts` summed), shrunk by `shrink` observations toward the feature's rate at
+        each position, or the row's own rate a position earlier where that is lower (`_row_rates`).
         `optimism`: each rate raised by that many standard errors of its estimate (`expected_rows`)."""
         return self.expected_rows(source, [feature], most, [row], shrink, optimism)[0]
 
@@ -449,7 +450,7 @@ class SourceAcceptance:
         own = [b for b, counts in enumerate(rows) if counts is not None]
         if own:
             counts = torch.stack([rows[b] for b in own])[:, :, :most]
-            rates[own] = (counts[:, 1] + shrink * rates[own]) / (counts[:, 0] + shrink)
+            rates[own] = _row_rates(counts, rates[own], shrink)
             if optimism:
                 seen[own] += counts[:, 0]
         if optimism:
@@ -476,3 +477,16 @@ class SourceAcceptance:
         counts = counts * self.decay if counts is not None else torch.zeros(2, self.positions)
         self.counts[key] = counts + self.step_counts(drafted, accepted)
         self._rates.pop(key, None)
+
+
+def _row_rates(counts: torch.Tensor, feature: torch.Tensor, shrink: float) -> torch.Tensor:
+    """[R, S] survival rates of rows with their own counts [R, 2, S] (reached, accepted), position by position: each
+    shrunk by `shrink` observations toward the feature's rate there, or toward the row's own rate at the position
+    before where that is lower. So a row whose drafts from this source keep failing early is not expected to ride
+    the feature's long tail at the positions it never reached (a copy that holds in other rows does not hold here)."""
+    out = torch.empty_like(feature)
+    before = torch.ones(feature.shape[0])
+    for i in range(feature.shape[1]):
+        toward = torch.minimum(feature[:, i], before)
+        before = out[:, i] = (counts[:, 1, i] + shrink * toward) / (counts[:, 0, i] + shrink)
+    return out
