@@ -34,6 +34,27 @@ def test_verification_never_costs_less_than_a_plain_step():
     assert all(cost.verify_time(1, w) >= 0.2 for w in range(1, 10))
 
 
+def test_past_the_widest_width_measured_a_flat_line_is_no_cheaper_per_token_than_elsewhere():
+    """A batch that shrank to one row after drafting at four measured only narrow widths at batch 1, and their line
+    is flat: a 24-token verification there reads the per-token slope batch 4 measured (per token fed across the
+    batch), not the 4-token time; within the widths batch 1 measured, its own line; with no wider bucket, its own
+    line past them too."""
+    cost = StepCost()
+    for w, t in [(1, 0.41), (3, 0.62), (8, 0.98), (9, 1.17), (12, 1.38), (10, 1.23)]:
+        for _ in range(3):
+            cost.observe_verify(4, w, t)
+    alone = StepCost()
+    for c in (cost, alone):
+        for w, t in [(1, 0.42), (3, 0.46), (4, 0.47), (3, 0.46), (4, 0.48), (3, 0.45), (4, 0.47)]:
+            c.observe_verify(1, w, t)
+    slope4 = cost.lines[("full", 4)].slope()
+    assert cost.verify_time(1, 4) == pytest.approx(alone.verify_time(1, 4))          # measured: its own
+    assert cost.verify_time(1, 24) == pytest.approx(cost.verify_time(1, 4) + slope4 / 4 * 20, rel=0.02)
+    assert cost.verify_time(1, 24) > 1.5 * cost.verify_time(1, 4)
+    line = alone.lines[("full", 1)]
+    assert alone.verify_time(1, 24) == pytest.approx(max(line(24), 0.42))
+
+
 def test_a_stall_counts_as_three_times_the_estimate():
     cost = StepCost()
     for _ in range(20):

@@ -7,7 +7,8 @@ A step is three parts, each with its own table:
 - verification: the target's forward, T_v(B, w), by batch size B and tokens fed per row w (the widest row's drafts
   plus the last committed token), per verification path ("full"; "pruned" for a Top-K early exit). Read from the
   mean of that exact point once it is measured, else a line a + d w through this batch-size bucket's drafting
-  steps, else a profiled `LatencyTable`, else the one-token time widened by a + b B of itself per extra token
+  steps (past the widest width it has measured, no flatter per token than the nearest bucket that measured wider),
+  else a profiled `LatencyTable`, else the one-token time widened by a + b B of itself per extra token
   (`prior_slope` = (a, b): a cautious prior that covers an unmeasured draft's time too);
 - drafting: per source ("model", "lookup", "suffix", a chain's "level0", ...) and bucket, a line a + d k in the
   tokens k drafted in a step (a draft model's first forward costs more than the next; `prior_draft` of a one-token
@@ -120,12 +121,30 @@ class StepCost:
         line = self.lines.get((path, key))
         if line is not None and line.ready():
             # A line through clustered widths can extrapolate below zero at narrow ones: never under a plain step.
-            return max(line(w), one[0] if one is not None else 1e-6, 1e-6)
+            value = max(line(w), one[0] if one is not None else 1e-6, 1e-6)
+            widest = max(line.values)
+            if w > widest:     # and flat past them: no cheaper per token than elsewhere (`_slope_beyond`)
+                value = max(value, line(widest) + self._slope_beyond(path, key, batch, widest) * (w - widest))
+            return value
         if not prior:
             return None
         base = one[0] if one is not None else min(v[0] for (p, k, _), v in self.near.items() if p == path and k == key)
         per_token = self.prior_slope[0] + self.prior_slope[1] * batch
         return base * (1.0 + per_token * (w - 1))
+
+    def _slope_beyond(self, path: str, key: int, batch: int, widest: int) -> float:
+        """Seconds one more token per row adds to a verification at this batch size, past the widest width this
+        bucket has measured. A line through a few narrow widths can come out flat (a batch that shrank to one row
+        after drafting at four), and a flat line makes a 24-token draft look as cheap as a 4-token one. So: the
+        per-token slope of the bucket nearest this one whose line reaches wider (seconds per token fed across the
+        batch, times this batch's rows); 0 where none does (the bucket's own line then, which its own wider steps
+        correct)."""
+        wider = [(k, fit) for (p, k), fit in self.lines.items()
+                 if p == path and k != key and fit.ready() and max(fit.values) > widest]
+        if not wider:
+            return 0.0
+        k, fit = min(wider, key=lambda item: abs(math.log2(item[0] / key)))
+        return fit.slope() / k * batch
 
     def verify_times(self, batch: int, feds) -> list[float]:
         """`verify_time` at each of `feds` (full path)."""
