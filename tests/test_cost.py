@@ -38,7 +38,7 @@ def test_past_the_widest_width_measured_a_flat_line_is_no_cheaper_per_token_than
     """A batch that shrank to one row after drafting at four measured only narrow widths at batch 1, and their line
     is flat: a 24-token verification there reads the per-token slope batch 4 measured (per token fed across the
     batch), not the 4-token time; within the widths batch 1 measured, its own line; with no wider bucket, its own
-    line past them too."""
+    line past them too; nor does a smaller batch bound a larger one."""
     cost = StepCost()
     for w, t in [(1, 0.41), (3, 0.62), (8, 0.98), (9, 1.17), (12, 1.38), (10, 1.23)]:
         for _ in range(3):
@@ -53,6 +53,14 @@ def test_past_the_widest_width_measured_a_flat_line_is_no_cheaper_per_token_than
     assert cost.verify_time(1, 24) > 1.5 * cost.verify_time(1, 4)
     line = alone.lines[("full", 1)]
     assert alone.verify_time(1, 24) == pytest.approx(max(line(24), 0.42))
+    # A smaller batch never bounds a larger one (its cost per token fed is higher): batch 4's own line stands.
+    small_wide = StepCost()
+    for w, t in [(1, 0.41), (3, 0.50), (4, 0.52), (3, 0.50), (4, 0.53), (3, 0.51), (4, 0.52)]:
+        small_wide.observe_verify(4, w, t)
+    for w, t in [(1, 0.28), (8, 0.55), (16, 1.0), (24, 1.3), (8, 0.56), (16, 1.0), (24, 1.3)]:
+        small_wide.observe_verify(1, w, t)
+    own = small_wide.lines[("full", 4)]
+    assert small_wide.verify_time(4, 20) == pytest.approx(max(own(20), 0.41))
 
 
 def test_a_stall_counts_as_three_times_the_estimate():

@@ -7,8 +7,8 @@ A step is three parts, each with its own table:
 - verification: the target's forward, T_v(B, w), by batch size B and tokens fed per row w (the widest row's drafts
   plus the last committed token), per verification path ("full"; "pruned" for a Top-K early exit). Read from the
   mean of that exact point once it is measured, else a line a + d w through this batch-size bucket's drafting
-  steps (past the widest width it has measured, no flatter per token than the nearest bucket that measured wider),
-  else a profiled `LatencyTable`, else the one-token time widened by a + b B of itself per extra token
+  steps (past the widest width it has measured, no cheaper per token than the nearest larger bucket that measured
+  wider), else a profiled `LatencyTable`, else the one-token time widened by a + b B of itself per extra token
   (`prior_slope` = (a, b): a cautious prior that covers an unmeasured draft's time too);
 - drafting: per source ("model", "lookup", "suffix", a chain's "level0", ...) and bucket, a line a + d k in the
   tokens k drafted in a step (a draft model's first forward costs more than the next; `prior_draft` of a one-token
@@ -136,11 +136,12 @@ class StepCost:
         """Seconds one more token per row adds to a verification at this batch size, past the widest width this
         bucket has measured. A line through a few narrow widths can come out flat (a batch that shrank to one row
         after drafting at four), and a flat line makes a 24-token draft look as cheap as a 4-token one. So: the
-        per-token slope of the bucket nearest this one whose line reaches wider (seconds per token fed across the
-        batch, times this batch's rows); 0 where none does (the bucket's own line then, which its own wider steps
-        correct)."""
+        per-token slope of the nearest larger bucket whose line reaches wider (seconds per token fed across the
+        batch, times this batch's rows). Only a larger batch bounds it: a forward's cost per token fed does not rise
+        with the batch, so a smaller batch's would overstate this one's. 0 where none does (the bucket's own line
+        then, which its own wider steps correct)."""
         wider = [(k, fit) for (p, k), fit in self.lines.items()
-                 if p == path and k != key and fit.ready() and max(fit.values) > widest]
+                 if p == path and k > key and fit.ready() and max(fit.values) > widest]
         if not wider:
             return 0.0
         k, fit = min(wider, key=lambda item: abs(math.log2(item[0] / key)))
