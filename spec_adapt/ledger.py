@@ -529,19 +529,18 @@ class KVLedger:
 
     def _append(self, width: int, n_valid: torch.Tensor):
         """Slots of `width` new columns (row b's first n_valid[b] valid): (new [B, W], all slots [B, P + W])."""
-        if n_valid is self._one_each and width == 1:    # every row's one token valid: no hole opens
+        every_one = n_valid is self._one_each and width == 1    # every row's one token valid: no hole opens
+        if every_one:
             new = self.n_cached[:, None]
-            slots = torch.cat([self.slots, new], dim=1)
-            if self.slots is self._full:
-                self._full = slots
-            return new, slots
-        n_valid = n_valid[:, None]      # on the ledger's device (its callers put it there)
-        if width == 1:                   # a step without drafts: one column, at the row's length where it is valid
-            new = torch.where(n_valid > 0, self.n_cached[:, None], -1)
+        elif width == 1:                 # a step without drafts: one column, at the row's length where it is valid
+            new = torch.where(n_valid[:, None] > 0, self.n_cached[:, None], -1)
         else:
             offset = torch.arange(width, device=self.device)[None, :]
-            new = torch.where(offset < n_valid, self.n_cached[:, None] + offset, -1)
-        return new, torch.cat([self.slots, new], dim=1)
+            new = torch.where(offset < n_valid[:, None], self.n_cached[:, None] + offset, -1)
+        slots = torch.cat([self.slots, new], dim=1)
+        if every_one and self.slots is self._full:
+            self._full = slots
+        return new, slots
 
     def _inputs(self, slots, new):
         """(attention mask [B, P + W] or None, position ids [B, W]) for a forward over `new` given all `slots`."""

@@ -181,8 +181,9 @@ class MultiSourceDrafter(Drafter):
         `features[i][b]`: free source i's offer for row b; `rows`: the user's row numbers (each row's own record
         with each source, shrunk position by position toward the source's rates for the feature, or toward the
         row's own rate a position earlier where that is lower: `SourceAcceptance.expected_rows`); `cost`: the
-        policy's step-cost model (`DraftRequest.cost`; None: the router's own, `SourceState.cost`); `lags`: per row, the tokens the draft model
-        has to read before it drafts (its prompt, on a row it has never drafted for; `lag`).
+        policy's step-cost model (`DraftRequest.cost`; None: the router's own, `SourceState.cost`); `lags`: per
+        row, the tokens the draft model has to read before it drafts (its prompt, on a row it has never drafted
+        for; `lag`).
 
         One verification serves the whole batch, so the choice is the batch's: for each step width W (the widest
         row's drafts) and with or without the draft model, every row takes its option committing the most tokens

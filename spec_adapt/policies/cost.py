@@ -144,7 +144,7 @@ class StepCost:
                  if p == path and k > key and fit.ready() and max(fit.values) > widest]
         if not wider:
             return 0.0
-        k, fit = min(wider, key=lambda item: abs(math.log2(item[0] / key)))
+        k, fit = min(wider, key=lambda item: item[0])          # the nearest of the larger buckets
         return fit.slope() / k * batch
 
     def verify_times(self, batch: int, feds) -> list[float]:
