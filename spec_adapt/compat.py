@@ -21,7 +21,8 @@ import transformers
 import transformers.modeling_utils
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig                               # noqa: F401 (re-exported)
 from transformers.cache_utils import (                                                  # noqa: F401 (re-exported)
-    DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, get_layer_types_and_kwargs,
+    DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionLayer, get_layer_types_and_kwargs,
 )
 from transformers.generation.candidate_generator import (                              # noqa: F401 (re-exported)
     AssistedCandidateGenerator, PromptLookupCandidateGenerator,
@@ -132,6 +133,20 @@ def layer_types(model) -> list[tuple[str, dict]]:
     config = model.config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(config)
     return list(zip(types, kwargs))
+
+
+# Layer types with short convolutions beside (or instead of) attention: LFM2's "conv", Inkling's "hybrid" (full
+# attention) and "hybrid_sliding" (a sliding window). Their cache layers are `LinearAttentionLayer`s, each holding
+# `number_of_states` convolution states.
+CONV_TYPES = ("conv", "hybrid", "hybrid_sliding")
+# In the mask mapping a model builds (or takes ready-made: `causal_mask_mapping`), a hybrid layer reads its
+# attention mask under its attention kind, and each convolution layer type reads the 2-D padding mask of the new
+# tokens under its own key (LFM2's under "conv", Inkling's under "linear_attention").
+MASK_KEYS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+CONV_MASK_KEYS = {"conv": "conv", "hybrid": "linear_attention", "hybrid_sliding": "linear_attention"}
+# The full-attention cache layer for each sliding one (the ledger runs sliding layers full and masks the window).
+FULL_LAYER = {DynamicSlidingWindowLayer: DynamicLayer,
+              LinearAttentionAndSlidingWindowAttentionLayer: LinearAttentionAndFullAttentionLayer}
 
 
 def create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids=None):

@@ -23,10 +23,11 @@ the start. Everything else follows from `slots`:
   it keeps) drops, from a sliding layer type's tensors only, the leading columns no row can attend to again (older
   than its window before the next position, or holes): `dropped[type]` columns. Such a layer then holds at most
   window + the step's width entries per row beyond the holes ragged acceptance leaves, however long the call.
-- convolution layers (LFM2's short convolutions): their state is the last few inputs of the row. The ledger keeps
-  every input column like a KV entry (`conv_inputs`, same columns and holes) and hands each layer, before a
-  forward, the last `kernel` valid columns of each row: rollback, compaction and row changes move them with the
-  slots. Layers with a recurrent state (stateful models) are refused with stock's own reason.
+- convolution layers (LFM2's short convolutions; Inkling's hybrid layers, attention with four short convolutions
+  around it): a convolution's state is the last few inputs of the row. The ledger keeps every input column like a
+  KV entry (`conv_inputs[layer, state]`, same columns and holes) and hands each state, before a forward, the last
+  `kernel` valid columns of each row: rollback, compaction and row changes move them with the slots. Layers with a
+  recurrent state (stateful models) are refused with stock's own reason.
 - spare rows: rows that left the batch may stay in the cache tensors, after the live rows, so the model keeps running
   a batch shape the hardware runs faster (on a CPU, some batch sizes run slower than a larger one). They are
   not ledger rows: `slots`, `pad` and `n_cached` describe the live rows only; each forward feeds spares token 0 at
@@ -47,9 +48,10 @@ import weakref
 import torch
 
 from . import compat
-from .compat import (PER_ROW_LOGITS_TO_KEEP, DummyLayer, DynamicCache, DynamicIndexedLayer, DynamicLayer,
-                     DynamicSlidingWindowLayer, EncoderDecoderCache, LinearAttentionLayer, attn_implementation,
-                     layer_types, takes_4d_mask, with_cache)
+from .compat import (CONV_MASK_KEYS, CONV_TYPES, FULL_LAYER, MASK_KEYS, PER_ROW_LOGITS_TO_KEEP, DummyLayer,
+                     DynamicCache, DynamicIndexedLayer, DynamicLayer, EncoderDecoderCache,
+                     LinearAttentionAndFullAttentionLayer, LinearAttentionLayer, attn_implementation, layer_types,
+                     takes_4d_mask, with_cache)
 from .inputs import encoder_decoder
 
 
@@ -69,8 +71,8 @@ def check_rollback_cache(cache) -> None:
             "Drop `cache_implementation=...` / the `past_key_values` you passed, and generate will create one."
         )
     bad = [type(layer).__name__ for layer in cache.layers if type(layer) not in _KEPT_LAYERS
-           or type(layer) is DynamicSlidingWindowLayer and layer.is_initialized
-           or type(layer) is LinearAttentionLayer and any(layer.is_recurrent_states_initialized.values())
+           or type(layer) in FULL_LAYER and layer.is_initialized
+           or isinstance(layer, LinearAttentionLayer) and any(layer.is_recurrent_states_initialized.values())
            or getattr(layer, "indexer_position_ids", None) is not None]
     if bad:
         raise UnsupportedCacheError(
@@ -82,7 +84,8 @@ def check_rollback_cache(cache) -> None:
 
 # Layers kept per column: attention (an indexed layer's indexer keys too) and convolutions (their input columns);
 # a KV-sharing layer holds nothing (it reads the keys its producer layer returns in the same forward).
-_KEPT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, LinearAttentionLayer, DummyLayer)
+_KEPT_LAYERS = (DynamicLayer, DynamicIndexedLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+                DummyLayer, *FULL_LAYER)
 
 _POSITIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -130,12 +133,15 @@ def _reads_positions(model) -> bool | None:
     images in every forward): stock passes it positions, which it is taken to read, as `GenerationMixin` does."""
     vocab = model.config.get_text_config().vocab_size
     ids = torch.tensor([[1, 2, 3]], device=model.device) % vocab
+    # An explicit mask: without one, transformers' masks read gaps in position_ids as the starts of packed sequences,
+    # and a model that numbers tokens by cache column (Inkling's relative position bias) would seem to read them.
+    mask = torch.ones_like(ids)
     outputs = []
     with torch.no_grad():
         for positions in ([0, 1, 2], [0, 3, 7]):     # other gaps: rotary embeddings see only relative positions
             try:
-                out = model(input_ids=ids, position_ids=torch.tensor([positions], device=model.device),
-                            use_cache=False, output_hidden_states=True)
+                out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True,
+                            position_ids=torch.tensor([positions], device=model.device))
             except ValueError:          # a forward that needs inputs of its own (the model says which)
                 return None
             # Hidden states, where a model has them: soft-capped logits can saturate to the same values.
@@ -144,8 +150,8 @@ def _reads_positions(model) -> bool | None:
 
 
 # Layer types whose cache entries the ledger keeps per column: attention (a window is enforced by the mask) and
-# short convolutions (the ledger keeps their input columns).
-_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "conv", "dummy")
+# short convolutions (the ledger keeps their input columns), alone or beside attention.
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "dummy", *CONV_TYPES)
 CHUNKED = "chunked_attention"      # its "window" is a chunk: a token sees the earlier tokens of its own chunk only
 
 
@@ -186,9 +192,6 @@ def sliding_windows(model) -> dict[str, int | None] | None:
     windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types if kind not in ("conv", "dummy")}
     if all(window is None for window in windows.values()):
         return None
-    if has_layer(model, "conv"):
-        raise UnsupportedCacheError(f"{type(model).__name__} mixes sliding-window and convolution layers, which "
-                                    "spec_adapt does not roll back together. Generate without a drafter.")
     if not takes_4d_mask(model):
         raise UnsupportedCacheError(
             f"{type(model).__name__} has sliding-window layers, which spec_adapt enforces with 4-D attention masks: "
@@ -201,7 +204,18 @@ def new_cache(model, windows) -> DynamicCache | EncoderDecoderCache:
     encoder-decoder model's pairs the decoder's self-attention cache with its cross-attention cache."""
     if encoder_decoder(model):
         return EncoderDecoderCache(DynamicCache(), DynamicCache())
-    return DynamicCache() if windows else DynamicCache(config=model.config)
+    if not windows:
+        return DynamicCache(config=model.config)
+    if not has_convolutions(model):
+        return DynamicCache()               # plain layers, created as the model writes them
+    cache = DynamicCache(config=model.config)          # convolution layers must exist before the first forward
+    for i, layer in enumerate(cache.layers):
+        full = FULL_LAYER.get(type(layer))
+        if full is LinearAttentionAndFullAttentionLayer:
+            cache.layers[i] = full(number_of_states=layer.number_of_states)
+        elif full is not None:
+            cache.layers[i] = full()
+    return cache
 
 
 def on_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -286,10 +300,15 @@ def has_layer(model, kind: str) -> bool:
     return any(each == kind for each, _ in layer_types(model))
 
 
+def has_convolutions(model) -> bool:
+    """Whether any decoder layer of `model` has short convolutions (alone or beside attention)."""
+    return any(kind in CONV_TYPES for kind, _ in layer_types(model))
+
+
 def check_no_convolutions(model, what: str) -> None:
     """A convolution layer reads the tokens before it in column order: a tree's siblings would be its predecessors,
     and a forward that stops mid-way leaves no input columns to keep."""
-    if has_layer(model, "conv"):
+    if has_convolutions(model):
         raise ValueError(f"{type(model).__name__} has convolution layers, which read the previous tokens in order: "
                          f"{what} cannot run on it. Draft chains (a policy without depth) with the FullVerifier.")
 
@@ -338,8 +357,10 @@ class KVLedger:
         self.device = model.device
         self.windows = sliding_windows(model)
         self.cache = cache if cache is not None and not self.windows else new_cache(model, self.windows)
-        self.conv_inputs: dict[int, torch.Tensor] = {}   # convolution layer -> its input columns [rows, channels, P]
-        self._convolutions = has_layer(model, "conv")      # decided once: the per-forward hooks skip other models
+        # (cache layer, convolution state) -> that convolution's input columns [rows, channels, P]
+        self.conv_inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._convolutions = has_convolutions(model)       # decided once: the per-forward hooks skip other models
+        self._layer_kinds = [kind for kind, _ in layer_types(model)]
         self._indexed = has_layer(model, "indexed_attention")
         # Sliding layers: how far below the length a rollback keeps a later rollback may go (None: keep every column,
         # as a draft's ledger, which a chain or a cross-tokenizer drafter rewinds into its own drafts, must), the layer
@@ -576,6 +597,8 @@ class KVLedger:
                 keep = torch.cat([keep, keep.new_zeros((self.spare, keep.shape[1]))])
         if allowed is not None:
             mask = _per_type(mask, lambda m: attention_mask_4d(self.model, m))
+        if isinstance(mask, dict) or self._convolutions and allowed is not None:
+            mask = self._mask_mapping(mask, index, tokens.shape[0])
         # Per-row columns go to the model only where it gathers them per row; otherwise it keeps all, we select.
         passes = self._keeps_logits and (PER_ROW_LOGITS_TO_KEEP or not torch.is_tensor(keep))
         kwargs = {"logits_to_keep": keep} if passes else {}
@@ -613,9 +636,24 @@ class KVLedger:
                                                                  | own[None])
                  for kind, window in self.windows.items()}
         masks = {kind: mask[..., self.dropped.get(kind, 0):] for kind, mask in masks.items()}   # what layers hold
-        if len(masks) == 1:
+        if len(masks) == 1 and not self._convolutions:
             return next(iter(masks.values()))
         return _one_mask(self.model, masks) if self.one_mask else masks
+
+    def _mask_mapping(self, mask, index: torch.Tensor, rows: int) -> dict:
+        """A 4-D mask, or {layer type: 4-D mask}, as the mapping the model reads: a hybrid type's under its
+        attention kind, and for convolutions the 2-D padding mask of the new columns `index` [B, W] (slots, -1 at
+        holes; spare rows after them up to `rows`), so that left padding and holes feed them zeros, as stock's
+        padding does. A 4-D mask alone carries no padding for them."""
+        kinds = self._layer_kinds
+        if not isinstance(mask, dict):
+            mask = {kind: mask for kind in kinds if kind not in ("conv", "dummy")}
+        mapping = {MASK_KEYS.get(kind, kind): each for kind, each in mask.items()}
+        if self._convolutions:
+            valid = (index >= 0).long()
+            valid = torch.cat([valid, valid.new_ones((rows - len(valid), valid.shape[1]))])
+            mapping.update({CONV_MASK_KEYS[kind]: valid for kind in kinds if kind in CONV_MASK_KEYS})
+        return mapping
 
     def _with_spares(self, tokens, mask, position_ids):
         """The forward's inputs with the spare rows after the live ones: token 0 at position 0, attending to every
@@ -712,9 +750,9 @@ class KVLedger:
 
     def row_entries(self, row: int) -> dict:
         """What live row `row` holds, by cache layer index: the buffer indices of its entries ("index", ascending) and
-        their tensors (keys and values [H, n, D], an indexed layer's indexer keys [n, D]); a convolution layer's
-        input columns ("inputs" [C, n], "kernel"); an encoder-decoder model's cross-attention keys and values under
-        ("cross", index). Copies: the row may leave the batch after (the cache generate returns is built from them)."""
+        their tensors (keys and values [H, n, D], an indexed layer's indexer keys [n, D]); under ("conv", index), a
+        convolution layer's input columns per state ("inputs" {state: [C, n]}, "kernel" {state: size}); an
+        encoder-decoder model's cross-attention keys and values under ("cross", index). Copies: the row may leave the batch after (the cache generate returns is built from them)."""
         cache = self._own_cache
         entries: dict = {}
         for i, layer in enumerate(cache.layers):
@@ -727,9 +765,9 @@ class KVLedger:
             for name, dim in _column_tensors(layer):
                 entries[i][name] = getattr(layer, name)[row].index_select(dim - 1, columns)
         columns = (self.slots[row] >= 0).nonzero().flatten()
-        for i, inputs in self.conv_inputs.items():
-            entries[i] = {"index": self.slots[row, columns], "inputs": inputs[row][:, columns],
-                          "kernel": cache.layers[i].conv_kernel_size[0]}
+        for (i, s), inputs in self.conv_inputs.items():
+            conv = entries.setdefault(("conv", i), {"index": self.slots[row, columns], "inputs": {}, "kernel": {}})
+            conv["inputs"][s], conv["kernel"][s] = inputs[row][:, columns], cache.layers[i].conv_kernel_size[s]
         for i, layer in enumerate(self._cross_layers()):
             entries["cross", i] = {"keys": layer.keys[row].clone(), "values": layer.values[row].clone()}
         return entries
@@ -871,23 +909,29 @@ class KVLedger:
         cache = self._own_cache
         return {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)}
 
+    def _conv_states(self):
+        """(cache layer index, state index, layer) of every convolution state the model has written."""
+        return [(i, s, layer) for i, layer in self._conv_layers().items() for s in range(layer.number_of_states)
+                if layer.is_conv_states_initialized[s]]
+
     def _hand_conv_states(self) -> None:
-        """Before a forward: each convolution layer's state is, per row, its last `kernel` valid input columns (zeros
-        where the row has fewer, as after a left-padded prompt), and the layer records what it appends."""
+        """Before a forward: each convolution state is, per row, its last `kernel` valid input columns (zeros where
+        the row has fewer, as after a left-padded prompt), and the layer records what it appends."""
         if not self._convolutions:
             return
-        last: dict[int, torch.Tensor] = {}        # kernel -> each row's last valid columns (the same for every layer)
-        for i, layer in self._conv_layers().items():
+        for layer in self._conv_layers().values():
             layer.activate_past_recording()
-            record = self.conv_inputs.get(i)
-            if record is None or not layer.is_conv_states_initialized[0]:
+        last: dict[int, torch.Tensor] = {}        # kernel -> each row's last valid columns (the same for every state)
+        for i, s, layer in self._conv_states():
+            record = self.conv_inputs.get((i, s))
+            if record is None:
                 continue                          # nothing cached yet: the forward starts the row from zeros
-            kernel = layer.conv_kernel_size[0]
+            kernel = layer.conv_kernel_size[s]
             if kernel not in last:
                 last[kernel] = self._last_valid(kernel)
             padded = torch.cat([record.new_zeros(record.shape[:2] + (1,)), record], dim=2)   # column 0: zeros
             state = padded.gather(2, (last[kernel] + 1)[:, None, :].expand(-1, record.shape[1], -1))
-            layer.conv_states[0], layer.has_previous_state[0] = state, True
+            layer.conv_states[s], layer.has_previous_state[s] = state, True
 
     def _last_valid(self, count: int) -> torch.Tensor:
         """[B, count]: each row's last `count` valid columns in order, -1 where the row has fewer."""
@@ -902,14 +946,12 @@ class KVLedger:
         its state and them: at least `width` columns)."""
         if not self._convolutions:
             return
-        for i, layer in self._conv_layers().items():
-            if not layer.is_conv_states_initialized[0]:
-                continue
-            full = layer.conv_states[0]
+        for i, s, layer in self._conv_states():
+            full = layer.conv_states[s]
             new = full[..., -width:]
-            old = self.conv_inputs.get(i)
-            self.conv_inputs[i] = new if old is None else torch.cat([old, new], dim=2)
-            layer.conv_states[0] = full[..., -layer.conv_kernel_size[0]:]        # the record lives here, not there
+            old = self.conv_inputs.get((i, s))
+            self.conv_inputs[i, s] = new if old is None else torch.cat([old, new], dim=2)
+            layer.conv_states[s] = full[..., -layer.conv_kernel_size[s]:]        # the record lives here, not there
 
     def _add_conv_rows(self, other: "KVLedger", mine: int, theirs: int) -> None:
         for i in set(self.conv_inputs) | set(other.conv_inputs):

@@ -91,12 +91,16 @@ def _lay_out(model, rows: list, width: int):
     for i, layer in enumerate(_self_attention(cache).layers):
         if isinstance(layer, DummyLayer):
             continue
-        found = [entries.get(i) for _, entries in rows]
-        if any(entry is None for entry in found):
-            return None
-        if isinstance(layer, LinearAttentionLayer):
-            _fill_conv(layer, found, width)
-        elif not isinstance(layer, DynamicLayer) or not _fill_kv(layer, rows, found, width):
+        if isinstance(layer, LinearAttentionLayer):          # convolutions, alone or beside attention (hybrid)
+            convs = [entries.get(("conv", i)) for _, entries in rows]
+            if any(entry is None for entry in convs):
+                return None
+            _fill_conv(layer, convs, width)
+        if isinstance(layer, DynamicLayer):
+            found = [entries.get(i) for _, entries in rows]
+            if any(entry is None for entry in found) or not _fill_kv(layer, rows, found, width):
+                return None
+        elif not isinstance(layer, LinearAttentionLayer):
             return None
     if isinstance(cache, EncoderDecoderCache):
         for i, layer in enumerate(cache.cross_attention_cache.layers):
@@ -141,22 +145,24 @@ def _fill_kv(layer, rows, found, width: int) -> bool:
 
 
 def _fill_conv(layer, found, width: int) -> None:
-    """A convolution layer's state: each row's last `kernel` inputs before column `width` (zeros where fewer)."""
-    kernel = found[0]["kernel"]
-    states = []
-    for entry in found:
-        chosen = (entry["index"] < width).nonzero().flatten()[-kernel:]
-        inputs = entry["inputs"][:, chosen]
-        states.append(torch.cat([inputs.new_zeros(inputs.shape[0], kernel - inputs.shape[1]), inputs], dim=1))
-    state = torch.stack(states)
-    layer.lazy_initialization(conv_states=state, conv_kernel_size=kernel)
-    layer.conv_states[0], layer.has_previous_state[0] = state, True
+    """A convolution layer's states: each row's last `kernel` inputs before column `width` (zeros where fewer)."""
+    for s, kernel in found[0]["kernel"].items():
+        states = []
+        for entry in found:
+            chosen = (entry["index"] < width).nonzero().flatten()[-kernel:]
+            inputs = entry["inputs"][s][:, chosen]
+            states.append(torch.cat([inputs.new_zeros(inputs.shape[0], kernel - inputs.shape[1]), inputs], dim=1))
+        state = torch.stack(states)
+        layer.lazy_initialization(conv_states=state, state_idx=s, conv_kernel_size=kernel)
+        layer.conv_states[s], layer.has_previous_state[s] = state, True
 
 
 def _entries_of(cache, width: int) -> dict:
     """One row's entries read back from a one-row cache of `width` columns (the catch-up's)."""
     entries = {}
     for i, layer in enumerate(_self_attention(cache).layers):
+        if isinstance(layer, LinearAttentionLayer) and any(layer.is_conv_states_initialized.values()):
+            entries["conv", i] = _conv_entry(layer, width)
         if isinstance(layer, DynamicLayer) and layer.is_initialized:
             held = layer.keys.shape[2]
             device = layer.keys.device
@@ -164,9 +170,14 @@ def _entries_of(cache, width: int) -> dict:
                           "keys": layer.keys[0], "values": layer.values[0]}
             if getattr(layer, "indexer_keys", None) is not None:
                 entries[i]["indexer_keys"] = layer.indexer_keys[0]
-        elif isinstance(layer, LinearAttentionLayer):
-            state = layer.conv_states[0][0]
-            kernel = state.shape[-1]
-            entries[i] = {"index": torch.arange(width - kernel, width, device=state.device), "inputs": state,
-                          "kernel": kernel}
     return entries
+
+
+def _conv_entry(layer, width: int) -> dict:
+    """A one-row convolution layer's states as entries: each state's last `kernel` inputs, before column `width`
+    (a state with a shorter kernel is padded on the left with zeros, which `_fill_conv` never takes)."""
+    states = {s: layer.conv_states[s][0] for s in range(layer.number_of_states) if layer.is_conv_states_initialized[s]}
+    kernels = {s: state.shape[-1] for s, state in states.items()}
+    most = max(kernels.values())
+    inputs = {s: torch.nn.functional.pad(state, (most - kernels[s], 0)) for s, state in states.items()}
+    return {"index": torch.arange(width - most, width, device=layer.device), "inputs": inputs, "kernel": kernels}

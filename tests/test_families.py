@@ -90,6 +90,20 @@ def lfm2_hybrid(seed: int = 0, layers: int = 3):
     return Lfm2ForCausalLM(config)
 
 
+def inkling_hybrid(seed: int = 0, layers: int = 3):
+    """Inkling: each layer is attention with four short convolutions (kernel 4) around it, on its keys, its values,
+    its output and its MLP's output ("hybrid" layers); layers 0 and 2 attend in a sliding window ("hybrid_sliding")."""
+    from transformers import InklingForCausalLM, InklingTextConfig
+
+    torch.manual_seed(seed)
+    config = InklingTextConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+                               swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=WINDOW,
+                               local_layer_ids=[0, 2], mlp_layer_types=["dense"] * layers, rel_extent=16, d_rel=4,
+                               logits_mup_width_multiplier=1.0, max_position_embeddings=256, **SMALL)
+    return InklingForCausalLM(config)
+
+
 def glm_dsa(seed: int = 0):
     """GLM-MoE-DSA: sparse attention whose indexer keeps keys of its own and picks the top 6 tokens per query, so
     the selection changes as the context grows past 6. Eight indexer heads: a ReLU'd score is exactly 0 only where
@@ -109,7 +123,10 @@ WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
 SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating, "gemma3n": gemma3n_shared,
            "llama4": llama4_chunked}
-_BUILDERS = {**FAMILIES, **SLIDING, "lfm2": lfm2_hybrid, "glm_dsa": glm_dsa}
+CONVOLUTIONS = {"lfm2": lfm2_hybrid, "inkling": inkling_hybrid}
+_BUILDERS = {**FAMILIES, **SLIDING, **CONVOLUTIONS, "glm_dsa": glm_dsa}
+# Families that number tokens by cache column: Inkling's attention bias reads the distance between cache columns.
+BY_COLUMN = [*FAMILIES, "inkling"]
 _MADE: dict = {}
 
 
@@ -122,8 +139,10 @@ def family(name):
             for module_name, module in model.named_modules():     # positions that decide tokens: a shift shows
                 if module_name.endswith("embed_positions"):
                     module.weight.mul_(30.0)
-                if module_name.endswith(("conv.conv", "conv.in_proj")):     # a convolution's inputs count: a wrong
-                    module.weight.mul_(8.0)                                 # previous input moves the logits
+                if module_name.endswith("rel_logits_proj"):               # Inkling's bias by cache-column distance
+                    module.proj.mul_(30.0)
+                if module_name.endswith(("conv.conv", "conv.in_proj", "sconv.conv1d")):   # a convolution's inputs
+                    module.weight.mul_(8.0)                         # count: a wrong previous input moves the logits
         _MADE[name] = model
     return _MADE[name]
 
@@ -136,12 +155,12 @@ def spec(model, ids, mask, drafter, policy, max_new_tokens=16, **kw):
     return out, stats
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", BY_COLUMN)
 def test_cache_column_positions_are_detected(name):
     assert positions_from_cache(family(name)) is not None
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", BY_COLUMN)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("modes", [["right", 2, 1], [1, "right", 3], ["right", "wrong", 2]])
 def test_rows_that_accept_differently_keep_their_positions(name, batch, modes):
@@ -153,7 +172,7 @@ def test_rows_that_accept_differently_keep_their_positions(name, batch, modes):
     assert stats.accepted > 0 or "wrong" in modes[:batch]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", BY_COLUMN)
 def test_prompt_lookup_and_the_default_policy_batched(name):
     model = family(name)
     ids, mask = ragged_batch(3, seed=12)
@@ -165,7 +184,7 @@ def test_prompt_lookup_and_the_default_policy_batched(name):
         assert torch.equal(out, reference)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", BY_COLUMN)
 def test_no_drafter_matches_stock_on_left_padded_rows(name):
     model = family(name)
     ids, mask = ragged_batch(3, seed=13)
@@ -317,16 +336,18 @@ def test_decoder_zoo_batched_chains_and_trees(name):
             assert stats.accepted > 0
 
 
+@pytest.mark.parametrize("name", list(CONVOLUTIONS))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_hybrid_convolution_model_is_identical_to_stock(batch):
-    """LFM2: short convolutions between attention layers. A convolution reads the row's previous inputs in order, so
-    a rejected draft or a hole must never reach it: the ledger keeps every input column and hands each layer its
-    rows' last valid ones. Scripted drafts right for some rows and wrong for others, prompt lookup, a draft model and
-    the default policy, against stock greedy at the same batch."""
-    model = family("lfm2")
+def test_a_hybrid_convolution_model_is_identical_to_stock(name, batch):
+    """LFM2 (short convolutions between attention layers) and Inkling (four in every layer, sliding windows in some).
+    A convolution reads the row's previous inputs in order, so a rejected draft or a hole must never reach it: the
+    ledger keeps every input column and hands each convolution its rows' last valid ones. Scripted drafts right for
+    some rows and wrong for others, prompt lookup, a draft model and the default policy, against stock greedy at the
+    same batch."""
+    model = family(name)
     ids, mask = long_ragged(batch, seed=24)
     reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
-    draft = lfm2_hybrid(seed=1, layers=2).eval()
+    draft = CONVOLUTIONS[name](seed=1, layers=2).eval()
     for drafter, policy in [(Oracle(reference, mask, ["right", 2, "wrong"]).drafter(), FixedLength(3)),
                             (PromptLookupDrafter(2, 1), spec_adapt.Adaptive()), (draft, FixedLength(2)),
                             (model, FixedLength(4))]:
@@ -349,7 +370,7 @@ def test_indexed_sparse_attention_is_identical_to_stock(batch, seed):
         assert stats.accepted > 0
 
 
-@pytest.mark.parametrize("name", ["lfm2", "glm_dsa"])
+@pytest.mark.parametrize("name", ["lfm2", "inkling", "glm_dsa"])
 def test_verified_logits_match_one_token_decoding(name):
     """Stricter than tokens (a tiny model's greedy choice survives a small error): every generated position's logits
     equal stock's at batch 3, with rows that accept differently, so rejected drafts sit in the cache."""
@@ -368,10 +389,10 @@ def test_verified_logits_match_one_token_decoding(name):
 def test_convolution_models_refuse_trees_and_stateful_models_get_stocks_reason():
     import transformers
 
-    model = family("lfm2")
     ids, mask = ragged_batch(2)
-    with pytest.raises(ValueError, match="convolution layers.*token trees"):
-        spec(model, ids, mask, PromptLookupDrafter(2, 1), FixedTree(4, 2))
+    for name in CONVOLUTIONS:
+        with pytest.raises(ValueError, match="convolution layers.*token trees"):
+            spec(family(name), ids, mask, PromptLookupDrafter(2, 1), FixedTree(4, 2))
     config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, state_size=4, **SMALL)
     mamba = transformers.MambaForCausalLM(config).eval()
     with pytest.raises(ValueError, match="not supported with stateful models, such as MambaForCausalLM"):

@@ -51,7 +51,7 @@ def axk2():
 _BUILT: dict = {}
 BUILDERS = {"llama": lambda: tiny_model("llama"), "gemma3n": lambda: family("gemma3n"), "gemma4": gemma4,
             "gemma4_unified": lambda: gemma4(unified=True), "glm_moe_dsa": glm_dsa, "axk2": axk2,
-            "lfm2": lambda: family("lfm2")}
+            "lfm2": lambda: family("lfm2"), "inkling": lambda: family("inkling")}
 
 
 def built(name):
@@ -78,9 +78,9 @@ def layer_state(layer) -> dict:
     for name in ("cumulative_length", "sliding_window"):
         if hasattr(layer, name):
             state[name] = getattr(layer, name)
-    conv = getattr(layer, "conv_states", {}).get(0)
-    if conv is not None:
-        state["conv"] = (tuple(conv.shape), getattr(layer, "has_previous_state", {}).get(0))
+    for i, conv in getattr(layer, "conv_states", {}).items():       # a layer may hold several (Inkling's four)
+        if conv is not None:
+            state["conv", i] = (tuple(conv.shape), layer.has_previous_state[i])
     return state
 
 
@@ -93,8 +93,9 @@ def check_same_structure(stock, mine, mask) -> None:
     assert mine.get_seq_length() == stock.get_seq_length()
     for a, b in zip(stock.layers, mine.layers):
         assert layer_state(b) == layer_state(a)
-        if getattr(a, "conv_states", {}).get(0) is not None:          # a convolution's last inputs
-            assert torch.allclose(a.conv_states[0], b.conv_states[0], atol=1e-4)
+        for i, conv in getattr(a, "conv_states", {}).items():          # a convolution's last inputs
+            if conv is not None:
+                assert torch.allclose(conv, b.conv_states[i], atol=1e-4), ("conv", i)
         if not torch.is_tensor(getattr(a, "keys", None)):
             continue
         held = stock.get_seq_length()

@@ -221,8 +221,11 @@ class _Layers:
         hidden, last, tokens = self.feed.hidden, self.feed.last[:, None], input_ids
         for k in range(self.depth):
             mask = attention_mask
-            if isinstance(mask, dict):          # one mask per attention type (sliding windows)
-                mask = mask[compat.mtp_layer_type(self.mtp, k)]
+            # One mask per attention type (sliding windows, hybrid layers). A convolution's padding mask is not
+            # needed: a row's window starts at its first token, and holes come only after its last.
+            if isinstance(mask, dict):
+                kind = compat.mtp_layer_type(self.mtp, k)
+                mask = mask[compat.MASK_KEYS.get(kind, kind)]
             hidden = compat.mtp_layer_forward(self.mtp, k, tokens, hidden, position_ids + k + 1, mask, cache)
             at_last = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1])).squeeze(1)
             token = self.feed.choose(k, at_last)
