@@ -758,7 +758,7 @@ class KVLedger:
         for i, layer in enumerate(cache.layers):
             if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
                 continue
-            kind = self._kinds[i] if self._kinds else None
+            kind = self._kinds[i] if i < len(self._kinds) else None
             slots = self.slots[row, self.dropped.get(kind, 0):]
             columns = (slots >= 0).nonzero().flatten()
             entries[i] = {"index": slots[columns]}
@@ -889,10 +889,9 @@ class KVLedger:
 
     def _typed_layers(self):
         """(layer type, layer) of the layers the ledger keeps per slot (type None where no column is dropped)."""
-        if not self._kinds:
-            return [(None, layer) for layer in self._layers()]
-        cache = self._own_cache
-        return [(kind, layer) for kind, layer in zip(self._kinds, cache.layers) if layer.is_initialized]
+        kept = set(map(id, self._layers()))
+        return [(self._kinds[i] if i < len(self._kinds) else None, layer)       # layers the model adds: none dropped
+                for i, layer in enumerate(self._own_cache.layers) if id(layer) in kept]
 
     @property
     def _own_cache(self):

@@ -88,6 +88,9 @@ def _lay_out(model, rows: list, width: int):
     """Stock's cache holding, for each row (pad, entries), its entries at buffer indices < width in columns 0..width-1;
     None where a layer kind is unknown or an entry a layer needs is missing."""
     cache = _stock_cache(model, rows[0][1])
+    held = {key if isinstance(key, int) else key[1] for _, entries in rows for key in entries}
+    if max(held, default=-1) >= len(_self_attention(cache).layers):
+        return None             # layers the model adds to its cache itself (Inkling 2 Loop's passes): unknown here
     for i, layer in enumerate(_self_attention(cache).layers):
         if isinstance(layer, DummyLayer):
             continue

@@ -4,6 +4,8 @@ drafts that are right for some rows and wrong for others (so the rows accept dif
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -104,6 +106,28 @@ def inkling_hybrid(seed: int = 0, layers: int = 3):
     return InklingForCausalLM(config)
 
 
+def inkling2(seed: int = 0, layers: int = 3, loop: bool = False):
+    """Inkling 2 (transformers >= 5.24): Inkling's hybrid layers with attention residuals across blocks; its Loop
+    variant runs its last layer (sliding in the target) twice, each pass with cache layers of its own that the model
+    appends to the cache."""
+    import transformers
+
+    name = "Inkling2Loop" if loop else "Inkling2"
+    if not hasattr(transformers, f"{name}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    config_class, model_class = getattr(transformers, f"{name}TextConfig"), getattr(transformers, f"{name}ForCausalLM")
+    looping = dict(loop_layer_index_start=layers - 1, loop_layer_index_end=layers, loop_num_passes=2,
+                   loop_gate_rank=4) if loop else {}
+    torch.manual_seed(seed)
+    config = config_class(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+                          swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=WINDOW, rel_extent=16,
+                          d_rel=4, n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
+                          unpadded_vocab_size=VOCAB, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"][:layers],
+                          max_position_embeddings=256, **looping, **SMALL)
+    return model_class(config)
+
+
 def glm_dsa(seed: int = 0):
     """GLM-MoE-DSA: sparse attention whose indexer keeps keys of its own and picks the top 6 tokens per query, so
     the selection changes as the context grows past 6. Eight indexer heads: a ReLU'd score is exactly 0 only where
@@ -123,10 +147,11 @@ WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
 SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating, "gemma3n": gemma3n_shared,
            "llama4": llama4_chunked}
-CONVOLUTIONS = {"lfm2": lfm2_hybrid, "inkling": inkling_hybrid}
+CONVOLUTIONS = {"lfm2": lfm2_hybrid, "inkling": inkling_hybrid, "inkling2": inkling2,
+                "inkling2_loop": functools.partial(inkling2, loop=True)}
 _BUILDERS = {**FAMILIES, **SLIDING, **CONVOLUTIONS, "glm_dsa": glm_dsa}
 # Families that number tokens by cache column: Inkling's attention bias reads the distance between cache columns.
-BY_COLUMN = [*FAMILIES, "inkling"]
+BY_COLUMN = [*FAMILIES, "inkling", "inkling2", "inkling2_loop"]
 _MADE: dict = {}
 
 
@@ -139,8 +164,8 @@ def family(name):
             for module_name, module in model.named_modules():     # positions that decide tokens: a shift shows
                 if module_name.endswith("embed_positions"):
                     module.weight.mul_(30.0)
-                if module_name.endswith("rel_logits_proj"):               # Inkling's bias by cache-column distance
-                    module.proj.mul_(30.0)
+                if module_name.endswith(("rel_logits_proj", "relative_position_bias")):   # Inkling's bias by
+                    module.proj.mul_(30.0)                                              # cache-column distance
                 if module_name.endswith(("conv.conv", "conv.in_proj", "sconv.conv1d")):   # a convolution's inputs
                     module.weight.mul_(8.0)                         # count: a wrong previous input moves the logits
         _MADE[name] = model
@@ -370,7 +395,7 @@ def test_indexed_sparse_attention_is_identical_to_stock(batch, seed):
         assert stats.accepted > 0
 
 
-@pytest.mark.parametrize("name", ["lfm2", "inkling", "glm_dsa"])
+@pytest.mark.parametrize("name", ["lfm2", "inkling", "inkling2", "inkling2_loop", "glm_dsa"])
 def test_verified_logits_match_one_token_decoding(name):
     """Stricter than tokens (a tiny model's greedy choice survives a small error): every generated position's logits
     equal stock's at batch 3, with rows that accept differently, so rejected drafts sit in the cache."""
@@ -390,7 +415,7 @@ def test_convolution_models_refuse_trees_and_stateful_models_get_stocks_reason()
     import transformers
 
     ids, mask = ragged_batch(2)
-    for name in CONVOLUTIONS:
+    for name in ("lfm2", "inkling"):
         with pytest.raises(ValueError, match="convolution layers.*token trees"):
             spec(family(name), ids, mask, PromptLookupDrafter(2, 1), FixedTree(4, 2))
     config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, state_size=4, **SMALL)
