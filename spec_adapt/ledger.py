@@ -151,7 +151,8 @@ def _reads_positions(model) -> bool | None:
 
 # Layer types whose cache entries the ledger keeps per column: attention (a window is enforced by the mask) and
 # short convolutions (the ledger keeps their input columns), alone or beside attention.
-_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "dummy", *CONV_TYPES)
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "dummy",
+                   *CONV_TYPES)
 CHUNKED = "chunked_attention"      # its "window" is a chunk: a token sees the earlier tokens of its own chunk only
 
 
@@ -752,7 +753,8 @@ class KVLedger:
         """What live row `row` holds, by cache layer index: the buffer indices of its entries ("index", ascending) and
         their tensors (keys and values [H, n, D], an indexed layer's indexer keys [n, D]); under ("conv", index), a
         convolution layer's input columns per state ("inputs" {state: [C, n]}, "kernel" {state: size}); an
-        encoder-decoder model's cross-attention keys and values under ("cross", index). Copies: the row may leave the batch after (the cache generate returns is built from them)."""
+        encoder-decoder model's cross-attention keys and values under ("cross", index). Copies: the row may leave
+        the batch after (the cache generate returns is built from them)."""
         cache = self._own_cache
         entries: dict = {}
         for i, layer in enumerate(cache.layers):
