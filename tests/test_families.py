@@ -11,9 +11,10 @@ import torch
 
 import spec_adapt
 from spec_adapt import FixedLength, FixedTree, PromptLookupDrafter
-from spec_adapt.ledger import positions_from_cache
+from spec_adapt import ledger as ledger_module
+from spec_adapt.ledger import KVLedger, positions_from_cache
 
-from conftest import BOS, EOS, PAD, VOCAB, Oracle, drive_engine, ragged_batch, stock_greedy
+from conftest import BOS, EOS, PAD, VOCAB, Oracle, drive_engine, ragged_batch, stock_greedy, tiny_model
 
 SMALL = dict(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
 
@@ -527,3 +528,43 @@ def test_the_engine_with_requests_joining_a_running_batch(name):
         assert handle.result() == stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None,
                                                max_new_tokens=budget)[0, len(prompt):].tolist()
     assert max(r.batch_size for r in engine.stats.trace) > 1
+
+
+def very_ragged(seed: int = 40):
+    """Three prompts of 30, 4 and 17 tokens: most of the batch is padding."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, mask = torch.full((3, 30), PAD, dtype=torch.long), torch.zeros(3, 30, dtype=torch.long)
+    for b, n in enumerate([30, 4, 17]):
+        ids[b, 30 - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[b, 30 - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "llama4", "lfm2", "glm_dsa"])
+def test_rows_prefilled_apart_are_identical_to_stock(name, monkeypatch):
+    """A ragged batch prefilled a row at a time, each without its padding (what a CPU does when padding costs more
+    than the extra forwards): every drafter's output is stock's, with full, sliding, chunked, convolution and indexed
+    layers."""
+    apart = []
+    monkeypatch.setattr(ledger_module, "PREFILL_APART_TOKENS", 0)
+    monkeypatch.setattr(KVLedger, "_prefill_apart", lambda self, *a, _f=KVLedger._prefill_apart: apart.append(1)
+                        or _f(self, *a))
+    model = tiny_model("llama").eval() if name == "llama" else family(name)
+    ids, mask = very_ragged()
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
+    for drafter, policy in [(Oracle(reference, mask, ["right", 2, "wrong"]).drafter(), FixedLength(3)),
+                            (PromptLookupDrafter(2, 1), spec_adapt.Adaptive()), (model, FixedLength(4))]:
+        out, _ = spec(model, ids, mask, drafter, policy, max_new_tokens=30)
+        assert torch.equal(out, reference), drafter
+    assert apart
+
+
+def test_only_padding_worth_a_forward_is_skipped_on_a_cpu():
+    model = tiny_model("llama").eval()
+    ledger = KVLedger(model)
+    ids, mask = very_ragged()                             # 39 padding tokens for 2 extra forwards
+    assert not ledger._prefills_apart(mask)
+    wide = torch.cat([torch.zeros(3, 60, dtype=torch.long), mask], dim=1)     # 219 for 2
+    assert ledger._prefills_apart(wide)
+    assert not ledger._prefills_apart(wide[:1])                            # one row: nothing to skip
+    assert not ledger._prefills_apart(wide.flip(1))                        # right padding: one forward
