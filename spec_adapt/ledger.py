@@ -57,8 +57,9 @@ from .inputs import encoder_decoder
 
 # A forward's fixed cost, in prompt tokens, below which padding is cheaper to compute than to skip with a forward a
 # row (`KVLedger._prefills_apart`): on a 2-core AMD EPYC a 1.5B model's one-token forward costs what about 14 prompt
-# tokens do in a batched prefill; the bound is kept well above that.
-PREFILL_APART_TOKENS = 64
+# tokens do in a batched prefill (docs/execution.md); the bound leaves room for CPUs with more cores per memory
+# channel, whose forwards are more of a fixed cost.
+PREFILL_APART_TOKENS = 32
 
 
 class UnsupportedCacheError(ValueError):

@@ -564,7 +564,7 @@ def test_only_padding_worth_a_forward_is_skipped_on_a_cpu():
     ledger = KVLedger(model)
     ids, mask = very_ragged()                             # 39 padding tokens for 2 extra forwards
     assert not ledger._prefills_apart(mask)
-    wide = torch.cat([torch.zeros(3, 60, dtype=torch.long), mask], dim=1)     # 219 for 2
+    wide = torch.cat([torch.zeros(3, 20, dtype=torch.long), mask], dim=1)     # 99 for 2
     assert ledger._prefills_apart(wide)
     assert not ledger._prefills_apart(wide[:1])                            # one row: nothing to skip
     assert not ledger._prefills_apart(wide.flip(1))                        # right padding: one forward
