@@ -543,20 +543,26 @@ def very_ragged(seed: int = 40):
 @pytest.mark.parametrize("name", ["llama", "gemma2", "llama4", "lfm2", "glm_dsa"])
 def test_rows_prefilled_apart_are_identical_to_stock(name, monkeypatch):
     """A ragged batch prefilled a row at a time, each without its padding (what a CPU does when padding costs more
-    than the extra forwards): every drafter's output is stock's, with full, sliding, chunked, convolution and indexed
-    layers."""
+    than the extra forwards), the draft model's first catch-up too: every drafter's output is stock's, with full,
+    sliding, chunked, convolution and indexed layers, and the target drafting for itself has every draft accepted (its
+    own cache, filled a row at a time, drafts what the target's verifies)."""
+    from spec_adapt.drafters.model import ModelDrafter
+
     apart = []
     monkeypatch.setattr(ledger_module, "PREFILL_APART_TOKENS", 0)
     monkeypatch.setattr(KVLedger, "_prefill_apart", lambda self, *a, _f=KVLedger._prefill_apart: apart.append(1)
                         or _f(self, *a))
+    monkeypatch.setattr(ModelDrafter, "_catch_up_apart", lambda self, *a, _f=ModelDrafter._catch_up_apart:
+                        apart.append(2) or _f(self, *a))
     model = tiny_model("llama").eval() if name == "llama" else family(name)
     ids, mask = very_ragged()
     reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30)
     for drafter, policy in [(Oracle(reference, mask, ["right", 2, "wrong"]).drafter(), FixedLength(3)),
-                            (PromptLookupDrafter(2, 1), spec_adapt.Adaptive()), (model, FixedLength(4))]:
-        out, _ = spec(model, ids, mask, drafter, policy, max_new_tokens=30)
+                            (PromptLookupDrafter(2, 1), spec_adapt.Adaptive()), (ModelDrafter(model), FixedLength(4))]:
+        out, stats = spec(model, ids, mask, drafter, policy, max_new_tokens=30)
         assert torch.equal(out, reference), drafter
-    assert apart
+    assert stats.accepted == stats.drafted > 0
+    assert set(apart) == {1, 2}
 
 
 def test_only_padding_worth_a_forward_is_skipped_on_a_cpu():

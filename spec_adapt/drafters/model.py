@@ -7,7 +7,7 @@ import torch
 from .. import compat
 from ..estimators import ema
 from ..inputs import ModelInputs, encoder_decoder
-from ..ledger import KVLedger, positions_from_cache
+from ..ledger import KVLedger, positions_from_cache, worth_apart
 from .base import Drafter, DraftRequest, Proposal, left_padding
 from .head import ShortHead, check_short_head
 
@@ -255,10 +255,15 @@ class ModelDrafter(Drafter):
         One forward is [B, max pending] wide, holes included. When rows that joined a running batch (nothing cached
         yet: a whole prompt pending) catch up next to rows that are one or two tokens behind, that width would be
         paid by every row, so the fresh rows run apart in a ledger of their own and rejoin the batch afterwards
-        (at batch 4 a joiner's 147-token prompt then costs one row's forward, not four)."""
+        (at batch 4 a joiner's 147-token prompt then costs one row's forward, not four). On a CPU, a whole batch of
+        fresh rows whose prompts differ enough in length (`ledger.worth_apart`) runs a row at a time, as the target's
+        prefill does."""
         ledger = self.ledger
         fresh = (ledger.n_cached == ledger.pad) & (pending > 0)
         # A ledger with inputs (encoder outputs) holds them for its rows together: its rows are never run apart.
+        if ledger.inputs is None and not ledger.lockstep and bool(fresh.all()) and \
+                worth_apart(ledger.device, pending.tolist()):
+            return self._catch_up_apart(tokens, pending)
         together = ledger.inputs is not None or not bool(fresh.any()) or bool(fresh.all())
         if together or int(pending[~fresh].max()) >= int(pending[fresh].max()):
             return _forward_pending(ledger, tokens, pending)
@@ -273,6 +278,16 @@ class ModelDrafter(Drafter):
         ledger.add_rows(apart)
         ledger.select_rows(torch.cat([others, joined]).argsort())      # back to the batch's row order
         return last
+
+    def _catch_up_apart(self, tokens, pending) -> torch.Tensor:
+        """Every row's pending prompt in a ledger of its own, the rows then joined back in order (`add_rows`)."""
+        ledger, last, pads = self.ledger, [], self.ledger.pad
+        ledger.select_rows(pads[:0])
+        for b in range(len(pending)):
+            row = KVLedger.empty(self.runner, pads[b:b + 1], ledger.device)
+            last.append(_forward_pending(row, tokens[b:b + 1], pending[b:b + 1]))
+            ledger.add_rows(row)
+        return torch.cat(last)
 
     def lag(self, lengths):
         if self.ledger is None:
