@@ -390,7 +390,7 @@ class KVLedger:
         # What another ledger of this model needs to be built as this one (a row prefilled apart).
         self._settings = dict(compact_threshold=compact_threshold, compact_min=compact_min, kernels=kernels,
                               rewind=rewind, full_masks=full_masks)
-        self._kinds = [kind for kind, _ in layer_types(model)] if self.rewind is not None else []
+        self._kinds = self._layer_kinds if self.rewind is not None else []
         self.dropped: dict[str, int] = {}
         check_rollback_cache(self.cache)
         # What the model's forwards take besides tokens, mask and cache (spec_adapt.inputs; None: nothing). A ledger

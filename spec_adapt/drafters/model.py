@@ -260,11 +260,12 @@ class ModelDrafter(Drafter):
         prefill does."""
         ledger = self.ledger
         fresh = (ledger.n_cached == ledger.pad) & (pending > 0)
+        some = bool(fresh.any())
+        every = some and bool(fresh.all())                     # one host read on a step with no fresh row
         # A ledger with inputs (encoder outputs) holds them for its rows together: its rows are never run apart.
-        if ledger.inputs is None and not ledger.lockstep and bool(fresh.all()) and \
-                worth_apart(ledger.device, pending.tolist()):
+        if every and ledger.inputs is None and not ledger.lockstep and worth_apart(ledger.device, pending.tolist()):
             return self._catch_up_apart(tokens, pending)
-        together = ledger.inputs is not None or not bool(fresh.any()) or bool(fresh.all())
+        together = ledger.inputs is not None or every or not some
         if together or int(pending[~fresh].max()) >= int(pending[fresh].max()):
             return _forward_pending(ledger, tokens, pending)
         joined, others = fresh.nonzero().squeeze(1), (~fresh).nonzero().squeeze(1)
