@@ -282,12 +282,13 @@ def _small_vocab(builder, **config):
     return model
 
 
-@pytest.mark.parametrize("name", ["mistral", "bart", "lfm2"])
+@pytest.mark.parametrize("name", ["mistral", "bart", "lfm2", "inkling"])
 def test_sampling_follows_the_target_distribution(name):
     """The enumerated statistical test: the first generated tokens' marginals against the target's exact ones.
     Mistral with a window of 3 (it slides within the 4 + 3 tokens enumerated) and LFM2 (convolutions), sampled as
-    one batch; Bart (lockstep) in batches of 3 whose rows accept different numbers of drafts, with a point-mass
-    draft."""
+    one batch; the families that number tokens by cache column (Bart; Inkling's convolutions and sliding layers, the
+    window 3) run in lockstep, so in batches of 3 whose rows accept different numbers of drafts (in one batch of
+    thousands the row that accepts fewest accepts nothing), with a point-mass draft."""
     import test_sampling as ts
 
     global WINDOW
@@ -299,7 +300,7 @@ def test_sampling_follows_the_target_distribution(name):
     marginals = ts.exact_marginals(model, [3, 7, 9, 4])
     guess = int(marginals[1].argmax())
     drafter = spec_adapt.ScriptedDrafter(lambda row, context, gamma: [guess, 5, 6][:gamma])
-    rows, calls = (3, 500) if name == "bart" else (3000, 1)
+    rows, calls = (3, 500) if name in BY_COLUMN else (3000, 1)
     tokens = []
     torch.manual_seed(0)
     accepted = 0
