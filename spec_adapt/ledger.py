@@ -53,6 +53,7 @@ from .compat import (CONV_MASK_KEYS, CONV_TYPES, FULL_LAYER, MASK_KEYS, PER_ROW_
                      LinearAttentionAndFullAttentionLayer, LinearAttentionLayer, attn_implementation, layer_types,
                      takes_4d_mask, with_cache)
 from .inputs import encoder_decoder
+from .positions import offsets
 
 
 # A forward's fixed cost, in prompt tokens, below which padding is cheaper to compute than to skip with a forward a
@@ -606,7 +607,7 @@ class KVLedger:
         elif width == 1:                 # a step without drafts: one column, at the row's length where it is valid
             new = torch.where(n_valid[:, None] > 0, self.n_cached[:, None], -1)
         else:
-            offset = torch.arange(width, device=self.device)[None, :]
+            offset = offsets(width, self.device)
             new = torch.where(offset < n_valid[:, None], self.n_cached[:, None] + offset, -1)
         slots = torch.cat([self.slots, new], dim=1)
         if every_one and self.slots is self._full:
@@ -724,9 +725,10 @@ class KVLedger:
             self.keep_tree(torch.zeros_like(self.slots, dtype=torch.bool))
         self.slots = torch.where(self.slots < keep_len[:, None], self.slots, -1)
         self.n_cached = torch.minimum(self.n_cached, keep_len)
-        self._trim()
+        used, longest = self._extent()
+        self._trim(used)
         self._drop_outside_windows()
-        free = self.reclaimable()
+        free = self.physical_length - longest if self.slots.numel() else 0     # what `reclaimable` reads
         if not self.lockstep and free >= self.compact_min and free > self.compact_threshold * self.physical_length:
             self.compact()
 
@@ -842,6 +844,16 @@ class KVLedger:
         for layer in self._layers():
             _map_columns(layer, lambda t, dim: _with_columns(t, extra, dim, after=True))
 
+    def _extent(self) -> tuple[int, int]:
+        """(columns in use: the last column any row holds a slot in, plus 1; the most slots one row holds), in one
+        host read: a rollback reads both every step."""
+        if not self.slots.numel():
+            return 0, 0
+        valid = self.slots >= 0
+        ends = offsets(valid.shape[1] + 1, self.device)[0, 1:]                   # column c's end: c + 1
+        used, longest = torch.stack([(valid.any(dim=0) * ends).max(), valid.sum(dim=1).max()]).tolist()
+        return used, longest
+
     def reclaimable(self) -> int:
         """Slots compaction would free: physical length minus the longest row's count of valid entries."""
         if not self.slots.numel():
@@ -889,11 +901,13 @@ class KVLedger:
                     _map_columns(layer, lambda t, dim: t.narrow(dim, 0, held))
             raise
 
-    def _trim(self) -> None:
+    def _trim(self, length: int | None = None) -> None:
+        """Drop the columns after the last one any row holds a slot in (`length`, where the caller has read it)."""
         if self.tree is not None:       # the pending region's columns are counted by its ancestry
             return
-        used = (self.slots >= 0).any(dim=0).nonzero()
-        length = int(used.max()) + 1 if used.numel() else 0
+        if length is None:
+            used = (self.slots >= 0).any(dim=0).nonzero()
+            length = int(used.max()) + 1 if used.numel() else 0
         if length < self.slots.shape[1]:
             self.slots = self.slots[:, :length]
             self.conv_inputs = {i: record[..., :length] for i, record in self.conv_inputs.items()}
@@ -922,6 +936,8 @@ class KVLedger:
         return int(live[0]) if live.numel() else self.physical_length
 
     def _drop_outside_windows(self) -> None:
+        if not self.dropped and not self._sliding():       # nothing dropped and nothing to drop: no layer to visit
+            return
         new = {kind: max(self._dead_prefix(kind, window), self.dropped.get(kind, 0))
                for kind, window in self._sliding()}
         for kind, layer in self._typed_layers():

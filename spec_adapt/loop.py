@@ -27,6 +27,7 @@ from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
 from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
 from .policies.cost import CostReader, StepCost
+from .positions import offsets
 from .processors import ScoreProcessor, tree_positions
 from .returned_cache import ReturnedCache
 from .tree import ancestry, chunk_tree, path_nodes
@@ -229,15 +230,14 @@ class SpeculativeLoop:
     def _plan(self) -> StepPlan:
         """This step's plan: the policy's answer, validated and capped by what each row may still generate; a plain
         step without asking the policy when there is no drafter or it is away."""
-        plain = StepPlan(self._no_drafts(len(self.rows)), plain=True)
         if self.drafter is None or not self._guard("available", self.drafter.available):
-            return plain
+            return StepPlan(self._no_drafts(len(self.rows)), plain=True)
         lengths = self.lengths[self.rows]
         remaining = self.limits[self.rows] - lengths
         lag = self._guard("lag", self.drafter.lag, lengths)
         level_lags = self._guard("lag", self.drafter.level_lags, lengths) if self.drafter is not None else None
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
-            return plain
+            return StepPlan(self._no_drafts(len(self.rows)), plain=True)
         info = StepInfo(len(self.rows), self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps,
                         lag, level_lags, self.closed)
         with self.policy_lock:
@@ -460,11 +460,13 @@ class SpeculativeLoop:
         self._retire()
 
     def _observe(self, plan: StepPlan, proposal, accepted, committed, step_time, draft_time, verify_time) -> None:
+        # The per-row fields in one host copy (each `tolist` of a device tensor is a copy and a wait of its own).
+        per_row = torch.stack([self.rows, plan.gammas, proposal.lengths, accepted, committed]).tolist()
+        rows, gammas, drafted, accepted, committed = per_row
         record = StepRecord(
-            batch_size=len(self.rows), rows=self.rows.tolist(), gammas=plan.gammas.tolist(),
-            drafted=proposal.lengths.tolist(), accepted=accepted.tolist(), committed=committed.tolist(),
-            step_time=step_time, draft_time=draft_time, verify_time=verify_time, telemetry=proposal.telemetry,
-            held=self.target.held_rows, confidence=proposal.confidence,
+            batch_size=len(self.rows), rows=rows, gammas=gammas, drafted=drafted, accepted=accepted,
+            committed=committed, step_time=step_time, draft_time=draft_time, verify_time=verify_time,
+            telemetry=proposal.telemetry, held=self.target.held_rows, confidence=proposal.confidence,
             free=proposal.free.tolist() if proposal.free is not None else None,
         )
         self._tell(plan, record)
@@ -696,7 +698,7 @@ class Stopper:
 
     def _write(self, buffer, rows, old, new, n, limits):
         """Row b's first n[b] tokens of new [B, W] into the buffer, cut after an EOS: (n, finished)."""
-        pos = torch.arange(new.shape[1], device=new.device)[None, :]
+        pos = offsets(new.shape[1], new.device)
         hit_eos = torch.zeros_like(n, dtype=torch.bool)
         if self.eos is not None:
             is_eos = torch.isin(new, self.eos) & (pos < n[:, None])

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..positions import offsets
 from ..processors import ScoreProcessor
 from ..tree import ancestry, from_branches, is_chain, pack_tree_lists, tree_problems
 
@@ -267,7 +268,7 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         _expect(int(given.sum()) <= total, lambda: f"{int(given.sum())} nodes proposed for a pooled budget of "
                 f"{total}")
     tokens = tokens[:, :width]
-    used = torch.arange(width, device=device)[None, :] < lengths[:, None]            # [B, S]
+    used = offsets(width, device) < lengths[:, None]                                  # [B, S]
     if low_id < 0 or high_id >= vocab:    # an id is out of range: is it one a row uses (past its length, any value)?
         bad = used & ((tokens < 0) | (tokens >= vocab))
         _expect(not bool(bad.any()), lambda: f"token ids must be within [0, {vocab}), got {tokens[bad][:4].tolist()}")
