@@ -171,8 +171,15 @@ def mask_length(generation_config):
 
 
 def attn_implementation(model) -> str | None:
-    """The attention implementation a model runs (`config._attn_implementation`)."""
-    return getattr(model.config, "_attn_implementation", None)
+    """The attention implementation a model's decoder layers run (`_attn_implementation` of its text config, for a
+    composite model, where the layers read it: PaliGemma 2's Gemma 2 runs eager under a top config that says sdpa,
+    and an eager layer adds its mask to the scores, so it must get an additive one)."""
+    config = model.config
+    try:
+        text = config.get_text_config(decoder=True)
+    except (AttributeError, TypeError, ValueError):
+        text = config
+    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
 
 
 def takes_4d_mask(model) -> bool:

@@ -9,6 +9,8 @@ with left-padded ragged prompts:
   image attention mask per token;
 - DeepSeek-VL hybrid and LFM2-VL: the draft model (the target itself) reads rows of different lengths, with image
   tokens at the prompt's start or end;
+- Inkling: hybrid layers (attention with short convolutions, some sliding) whose attention bias reads the distance
+  between cache columns, so its rows run in lockstep, behind a vision tower whose patches become one token each;
 - Voxtral realtime: refused by name (its streaming audio encoder steps with every generated token)."""
 
 from __future__ import annotations
@@ -97,6 +99,24 @@ def lfm2_vl():
                                                              downsample_factor=4, projector_hidden_size=32))
 
 
+@_seeded
+def inkling():
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+                swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=8, local_layer_ids=[0, 2],
+                mlp_layer_types=["dense"] * 3, rel_extent=16, d_rel=4, logits_mup_width_multiplier=1.0,
+                max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    vision = dict(patch_size=2, temporal_patch_size=2, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+    model = tf.InklingForConditionalGeneration(tf.InklingConfig(
+        text_config=text, vision_config=vision, audio_config=dict(n_mel_bins=4, mel_vocab_size=8), image_token_id=98,
+        audio_token_id=97, image_bos_token_id=96, audio_bos_token_id=95))
+    with torch.no_grad():                # the bias by cache-column distance decides tokens: a wrong distance shows
+        for name, module in model.named_modules():
+            if name.endswith(("rel_logits_proj", "relative_position_bias")):
+                module.proj.mul_(30.0)
+    return model
+
+
 # ------------------------------------------------------------------------------------------------------- inputs
 def _left_padded(batch, length, vocab, pad, seed, image=None):
     """[B, L] ids left padded with `pad` (row b has 2b padding columns) and their mask; `image(row, start)` places
@@ -151,9 +171,17 @@ def lfm2_vl_inputs(batch, seed=0):
                 pixel_attention_mask=torch.ones(batch, 64, dtype=torch.long))
 
 
+def inkling_inputs(batch, seed=0):
+    def image(row, start):                               # 3 image tokens after the first token, one per patch
+        row[start + 1: start + 4] = 98
+    ids, mask, gen = _left_padded(batch, 14, 99, 0, seed, image)
+    # Each patch: (time 2, height 2, width 2, channels 3), folded by the tower into one token.
+    return dict(input_ids=ids, attention_mask=mask, pixel_values=torch.randn(3 * batch, 2, 2, 2, 3, generator=gen))
+
+
 FAMILIES = {"kosmos2": (kosmos2, kosmos2_inputs), "paligemma2": (paligemma2, paligemma2_inputs),
             "idefics": (idefics, idefics_inputs), "deepseek_vl_hybrid": (deepseek_vl_hybrid, deepseek_vl_hybrid_inputs),
-            "lfm2_vl": (lfm2_vl, lfm2_vl_inputs)}
+            "lfm2_vl": (lfm2_vl, lfm2_vl_inputs), "inkling": (inkling, inkling_inputs)}
 
 
 def enabled_generate(model, inputs, **kw):
@@ -209,6 +237,34 @@ def test_prompt_lookup(name, batch):
     reference, out, stats = enabled_generate(build(), inputs(batch), prompt_lookup_num_tokens=2)
     assert torch.equal(out, reference)
     assert stats.fallback is None
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_rows_that_accept_different_numbers_of_drafts(name):
+    """Scripted drafts from stock's own output, with one wrong token at a place that moves with the row and the
+    length: in one step the rows accept different numbers of drafts (a lockstep family's rows commit together). The
+    logits too: a tiny model's greedy choice survives a wrong position or column distance for a while."""
+    build, inputs = FAMILIES[name]
+    model, kw = build(), inputs(3)
+    common = dict(do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None, return_dict_in_generate=True,
+                  output_logits=True)
+    stock = model.generate(**kw, **common)
+    reference = stock.sequences
+    generated, prompt = reference[:, -MAX_NEW:].tolist(), kw["attention_mask"].sum(dim=1).tolist()
+
+    def script(row, context, gamma):
+        done = len(context) - prompt[row]
+        right = generated[row][done: done + gamma]
+        wrong = (row + done) % 4                         # the draft at this index is wrong (none at index 3)
+        return [t if i != wrong else (t + 1) % 90 + 5 for i, t in enumerate(right)]
+
+    out = model.generate(**kw, **common, custom_generate=spec_adapt.generate,
+                         drafter=spec_adapt.ScriptedDrafter(script), assistant_policy=FixedLength(3))
+    stats = spec_adapt.last_stats()
+    assert torch.equal(out.sequences, reference)
+    for mine, theirs in zip(out.logits, stock.logits, strict=True):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert stats.fallback is None and 0 < stats.accepted < stats.drafted
 
 
 @pytest.mark.parametrize("batch", [1, 3])
