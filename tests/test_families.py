@@ -363,6 +363,22 @@ def test_decoder_zoo_batched_chains_and_trees(name):
             assert stats.accepted > 0
 
 
+@pytest.mark.parametrize("name", list(ZOO))
+def test_decoder_zoo_verified_logits_match_one_token_decoding(name):
+    """Stricter than tokens (a tiny model's greedy choice survives a wrong mask or position for a while): every
+    generated position's logits equal stock's, at batch 3 with rows that accept differently."""
+    model = zoo_model(name)
+    ids, mask = long_ragged(3, seed=23)
+    stock = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30, return_dict_in_generate=True,
+                         output_logits=True)
+    drafter = Oracle(stock.sequences, mask, ["right", 2, "wrong"]).drafter()
+    ours, stats = spec(model, ids, mask, drafter, FixedLength(3), max_new_tokens=30, return_dict_in_generate=True,
+                       output_logits=True)
+    assert torch.equal(ours.sequences, stock.sequences) and 0 < stats.accepted < stats.drafted
+    for position, (mine, theirs) in enumerate(zip(ours.logits, stock.logits, strict=True)):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-4), position
+
+
 @pytest.mark.parametrize("name", list(CONVOLUTIONS))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_hybrid_convolution_model_is_identical_to_stock(name, batch):
