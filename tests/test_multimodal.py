@@ -22,6 +22,7 @@ from spec_adapt.ledger import positions_from_cache
 
 import multimodal_models as mm
 from conftest import PAD, Oracle, cached_model
+from test_sampling import marginals_miss
 
 ALL = mm.DECODER_ONLY + mm.ENCODER_DECODER
 MAX_NEW = 16
@@ -253,11 +254,8 @@ def test_sampling_follows_the_target_distribution(name):
         accepted += spec_adapt.last_stats().accepted
     tokens = torch.cat(tokens)
     assert accepted > 0
-    for position, exact in enumerate(marginals):
-        assert float(exact.max()) < 0.9                   # a real distribution, not a near-certain token
-        empirical = torch.bincount(tokens[:, position], minlength=len(exact)).float() / len(tokens)
-        tolerance = 5 * (exact * (1 - exact) / len(tokens)).sqrt() + 2e-3
-        assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
+    assert all(float(exact.max()) < 0.9 for exact in marginals)   # real distributions, not near-certain tokens
+    assert marginals_miss(tokens, marginals, vocab=len(marginals[0])) is None
 
 
 @pytest.mark.parametrize("name", ["llava", "t5"])

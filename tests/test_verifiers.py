@@ -139,7 +139,7 @@ def test_enable_passes_the_verifier_through():
 
 # -- sampling ----------------------------------------------------------------------------------------------------------
 def test_early_exit_sampling_follows_target_distribution():
-    from test_sampling import TEMPERATURE, TOP_K, VOCAB_SMALL, exact_marginals
+    from test_sampling import TEMPERATURE, TOP_K, VOCAB_SMALL, exact_marginals, marginals_miss
 
     target = tiny_model("llama", seed=5, vocab=VOCAB_SMALL, layers=3)
     draft = tiny_model("llama", seed=6, vocab=VOCAB_SMALL, layers=1)
@@ -157,11 +157,7 @@ def test_early_exit_sampling_follows_target_distribution():
                           assistant_policy=FixedLength(3), verifier=verifier)
     stats = spec_adapt.last_stats()
     assert stats.fallback is None and stats.verifier["pruned"] > 0
-    tokens = out[:, len(prompt):]
-    for position, exact in enumerate(marginals):
-        empirical = torch.bincount(tokens[:, position], minlength=VOCAB_SMALL).float() / n
-        tolerance = 5 * (exact * (1 - exact) / n).sqrt() + 2e-3
-        assert bool(((empirical - exact).abs() < tolerance).all()), (position, empirical, exact)
+    assert marginals_miss(out[:, len(prompt):], marginals) is None
 
 
 # -- boundaries ----------------------------------------------------------------------------------------------------------
