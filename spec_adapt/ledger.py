@@ -176,6 +176,11 @@ CHUNKED = "chunked_attention"      # its "window" is a chunk: a token sees the e
 _ONE_TOKEN_AT_A_TIME = {
     "blt": "its global model runs over byte patches, and a forward of several new bytes over a filled cache does not "
            "line up with them (it fails inside the model)",
+    "cpmant": "its forward reads the whole sequence at every step (it numbers, segments and masks the tokens from all "
+              "of input_ids, ignoring the attention mask, then keeps the columns past the cache), so it cannot take "
+              "new tokens alone, holes or rows of different lengths",
+    "prophetnet": "its decoder takes one token at a time over a cache (`use_cache` is only supported for "
+                  "`decoder_input_ids` of length 1, it asserts, in stock's assisted generation too)",
     "voxtral_realtime": "its streaming audio encoder takes the next slice of audio with every generated token, by "
                         "the cache length, and keeps a cache of its own that cannot go back (transformers' own "
                         "tests skip assisted decoding for it: it does not fall in the paradigm of assisted decoding)",

@@ -460,6 +460,30 @@ def test_a_byte_latent_model_is_refused_by_name():
             spec(model, ids, torch.ones_like(ids), drafter, FixedLength(2))
 
 
+@pytest.mark.parametrize("name", ["cpmant", "prophetnet"])
+def test_models_that_take_no_several_new_tokens_over_a_cache_are_refused_by_name(name):
+    """CPM-Ant's forward reads the whole sequence at every step (it numbers, segments and masks the tokens from all
+    of input_ids, then keeps the columns past the cache), and ProphetNet's decoder takes one token at a time over a
+    cache (it asserts so, in stock's assisted generation too): refused where they enter, rather than failing inside
+    the model mid-call."""
+    import transformers
+
+    if name == "cpmant":
+        config = transformers.CpmAntConfig(vocab_size=99, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64,
+                                           num_hidden_layers=2, prompt_length=4, prompt_types=2, segment_types=4)
+        model, match = transformers.CpmAntForCausalLM(config), "cannot run CpmAntForCausalLM: .*whole sequence"
+    else:
+        config = transformers.ProphetNetConfig(vocab_size=99, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                               num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+                                               num_decoder_attention_heads=4, max_position_embeddings=64, ngram=2,
+                                               is_decoder=True, add_cross_attention=False)
+        model, match = transformers.ProphetNetForCausalLM(config), "cannot run ProphetNetForCausalLM: .*one token"
+    ids = torch.randint(5, 90, (2, 7))
+    for drafter in (PromptLookupDrafter(2, 1), None):
+        with pytest.raises(ValueError, match=match):
+            spec(model.eval(), ids, torch.ones_like(ids), drafter, FixedLength(2))
+
+
 def test_a_moe_model_configured_to_return_router_logits_runs_batched():
     """Mixtral with output_router_logits=True: its forward computes an auxiliary loss from the router logits, which
     fails on a padded batch (stock's batched generate fails so). Generation needs neither: each row of the batch
