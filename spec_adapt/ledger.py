@@ -120,16 +120,26 @@ def takes_positions(model) -> bool:
     return known
 
 
+# Model types that read the ledger's 2-D mask of holes wrongly: their rows keep their columns in step (no holes).
+_NO_HOLES = {
+    "git": "{name} widens a 2-D attention mask by its image tokens' columns whenever its cache holds anything, image "
+           "or not, so the mask of a hole would be read shifted",
+}
+
+
 def positions_from_cache(model) -> str | None:
     """Why `model` numbers a token by its physical column in the cache rather than by `position_ids` (None if it
-    reads position_ids). Such a model (the Bart-family standalone decoders, which use cache length + offset; models
-    run without position_ids) sees a shifted position wherever the cache holds a hole before a row's tokens, so
-    its rows must keep their columns in step (KVLedger.lockstep). Decided once per model by a probe: two forwards
-    of three tokens at position_ids with different gaps."""
+    reads position_ids), or cannot read a mask of holes (`_NO_HOLES`). Such a model (the Bart-family standalone
+    decoders, which use cache length + offset; models run without position_ids) sees a shifted position wherever
+    the cache holds a hole before a row's tokens, so its rows must keep their columns in step (KVLedger.lockstep).
+    Decided once per model by a probe: two forwards of three tokens at position_ids with different gaps."""
     known = _POSITIONS.get(model, False)
     if known is not False:
         return known
-    if encoder_decoder(model):
+    no_holes = _NO_HOLES.get(getattr(model.config, "model_type", None))
+    if no_holes is not None:
+        reason = no_holes.format(name=type(model).__name__)
+    elif encoder_decoder(model):
         reason = (f"{type(model).__name__} is an encoder-decoder model, whose decoder stock runs without position ids "
                   "(it numbers tokens by cache column)")
     elif not takes_positions(model):

@@ -376,6 +376,33 @@ def test_decoder_zoo_verified_logits_match_one_token_decoding(name):
         assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-4), position
 
 
+def test_git_whose_forward_widens_a_2d_mask_commits_its_rows_together():
+    """GIT widens a 2-D attention mask by its image tokens' columns whenever its cache holds anything, image or not,
+    so a mask with holes (rejected drafts) would be read shifted and the holes attended: its rows commit together
+    (no holes), and every generated position's logits equal stock's at batch 3 with drafts rows accept differently."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GitConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=256, pad_token_id=PAD,
+                                    bos_token_id=BOS, eos_token_id=EOS,
+                                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=4, image_size=8, patch_size=4))
+    model = transformers.GitForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    assert "widens" in positions_from_cache(model)
+    ids, mask = long_ragged(3, seed=23)
+    stock = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=30, return_dict_in_generate=True,
+                         output_logits=True)
+    drafter = Oracle(stock.sequences, mask, ["right", 2, "right"]).drafter()   # row 1 rejects its third draft
+    ours, stats = spec(model, ids, mask, drafter, FixedLength(3), max_new_tokens=30, return_dict_in_generate=True,
+                       output_logits=True)
+    assert torch.equal(ours.sequences, stock.sequences) and 0 < stats.accepted < stats.drafted
+    for position, (mine, theirs) in enumerate(zip(ours.logits, stock.logits, strict=True)):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-4), position
+
+
 @pytest.mark.parametrize("name", list(CONVOLUTIONS))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_hybrid_convolution_model_is_identical_to_stock(name, batch):
