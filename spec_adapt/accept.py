@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from .positions import offsets
-
 
 def greedy_accept(
     target_logits: torch.Tensor,   # [B, S+1, V] processed scores (any monotone transform of them works)
@@ -33,7 +31,7 @@ def greedy_accept(
     batch, width = draft_tokens.shape
     target_tokens = target_logits.argmax(dim=-1)                     # [B, S+1]
     matches = target_tokens[:, :width] == draft_tokens                 # [B, S]
-    matches &= offsets(width, matches.device) < lengths[:, None]
+    matches &= torch.arange(width, device=matches.device)[None, :] < lengths[:, None]
     accepted = matches.long().cumprod(dim=-1).sum(dim=-1)             # [B] leading matches
     next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)  # argmax of p_accepted
     return accepted, next_token
@@ -74,7 +72,7 @@ def rejection_sample(
     else:
         q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)              # [B, S]
     accept = uniforms < p_draft / q_draft
-    accept &= offsets(width, accept.device) < lengths[:, None]
+    accept &= torch.arange(width, device=accept.device)[None, :] < lengths[:, None]
     accepted = accept.long().cumprod(dim=-1).sum(dim=-1)                                   # [B]
 
     p_next = target_probs[rows, accepted]                                                  # [B, V]
@@ -104,7 +102,7 @@ def committed_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_to
     """[B, S+1] tokens each row commits: d_1..d_a, then next_token, then `fill`."""
     batch, width = draft_tokens.shape
     out = torch.full((batch, width + 1), fill, dtype=torch.long, device=draft_tokens.device)
-    pos = offsets(width + 1, draft_tokens.device)
+    pos = torch.arange(width + 1, device=draft_tokens.device)[None, :]
     out[:, :width] = torch.where(pos[:, :width] < accepted[:, None], draft_tokens, fill)
     out.scatter_(1, accepted[:, None], next_token[:, None])
     return out
