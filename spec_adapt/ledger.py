@@ -743,7 +743,7 @@ class KVLedger:
         used, longest = self._extent()
         self._trim(used)
         self._drop_outside_windows()
-        free = self.physical_length - longest if self.slots.numel() else 0     # what `reclaimable` reads
+        free = self.physical_length - longest       # slots compaction would free: the longest row keeps its own
         if not self.lockstep and free >= self.compact_min and free > self.compact_threshold * self.physical_length:
             self.compact()
 
@@ -869,12 +869,6 @@ class KVLedger:
         used, longest = torch.stack([(valid.any(dim=0) * ends).max(), valid.sum(dim=1).max()]).tolist()
         return used, longest
 
-    def reclaimable(self) -> int:
-        """Slots compaction would free: physical length minus the longest row's count of valid entries."""
-        if not self.slots.numel():
-            return 0
-        return self.physical_length - int((self.slots >= 0).sum(dim=1).max())
-
     def compact(self) -> None:
         """Move each row's valid entries to the front of the cache (stable), then trim. Attention is unchanged."""
         valid = self.slots >= 0
@@ -921,8 +915,7 @@ class KVLedger:
         if self.tree is not None:       # the pending region's columns are counted by its ancestry
             return
         if length is None:
-            used = (self.slots >= 0).any(dim=0).nonzero()
-            length = int(used.max()) + 1 if used.numel() else 0
+            length = self._extent()[0]
         if length < self.slots.shape[1]:
             self.slots = self.slots[:, :length]
             self.conv_inputs = {i: record[..., :length] for i, record in self.conv_inputs.items()}
