@@ -329,3 +329,40 @@ def test_lookup_runs_match_what_prompt_lookup_proposes():
     runs = lookup_runs(prompt, output, width=4)
     # after [.. 4 5] the latest earlier 1..3-gram match of the suffix "4 5"? none with 2; "5" at 0 -> proposes 8 3 9 4
     assert runs[1] == 3 and len(runs) == len(output) + 1 and runs[-1] == 0
+
+
+def test_configurations_on_the_bf16_copy_run_beside_float32(capsys):
+    """<config>@bf16 runs on the target's bfloat16 copy, after stock generate on that copy (added when missing):
+    identity is judged against it, the speedup is over float32 stock and "vs bf16 stock" over the copy's; without
+    a copy the bench refuses before timing anything."""
+    model, tok = cached_model("llama"), char_tokenizer()
+    twin = b.bf16_twin(model)
+    cells = b.run_bench(model, tok, ["def add(a, b):", "for i in range(3):"], ["target", "lookup:fixed2@bf16"], [1],
+                        8, 1, progress=False, rows=2, ignore_eos=True, twin=twin)
+    summary = {s["config"]: s for s in b.summarize(cells)}
+    assert list(summary) == ["target", "target@bf16", "lookup:fixed2@bf16"]
+    assert summary["lookup:fixed2@bf16"]["verdict"] in ("identical",) and summary["lookup:fixed2@bf16"]["checks"] == 2
+    assert summary["target"]["speedup_vs_bf16_stock"] is None
+    copy_cell = next(c for c in cells if c.config == "target@bf16")
+    assert summary["target@bf16"]["speedup_vs_bf16_stock"] == pytest.approx(1.0)
+    assert summary["target@bf16"]["speedup"] == pytest.approx(
+        next(c for c in cells if c.config == "target").times[0] / copy_cell.times[0])
+    b.print_table(list(summary.values()))
+    assert "vs bf16 stock" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="twin="):
+        b.run_bench(model, tok, ["x"], ["target", "lookup:fixed2@bf16"], [1], 2, 1, progress=False, rows=1)
+    with pytest.raises(ValueError, match="before spec_adapt.prepare"):
+        from spec_adapt import prepare, unprepare
+
+        prepared = prepare(copy.deepcopy(model), spill=False)
+        try:
+            b.bf16_twin(prepared)
+        finally:
+            unprepare(prepared)
+
+
+def test_bf16_names_keep_their_drafter_policy_and_cold_row():
+    assert b.split_config("multi:adaptive@bf16 (cold)") == ("multi", "adaptive", "")
+    assert b.cold_rows(["target", "multi:adaptive@bf16"]) == ["target", "multi:adaptive@bf16",
+                                                              "multi:adaptive@bf16 (cold)"]
+    assert b.ordered_configs(["lookup:fixed2@bf16"]) == ["target", "target@bf16", "lookup:fixed2@bf16"]

@@ -152,3 +152,27 @@ def test_the_bench_reports_ties_apart_from_differences():
     assert cells["tie"].verdict == "differs" and cells["tie"].differing == 1
     cells = time_interleaved(fns, ["tied input"], 1, 1, count=lambda i, o: 1, progress=False)
     assert cells["tie"].verdict == "differs"
+
+
+def test_the_bench_judges_each_model_against_its_own_reference():
+    """Configurations on the target's bf16 copy are judged against stock generate on that copy, with that copy's
+    judge: a bf16 output equal to bf16 stock is identical however far float32's output is from it."""
+    from types import SimpleNamespace
+
+    from spec_adapt.tools.bench import time_interleaved
+
+    f32, bf16 = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 5, 6]])
+    fns = {"target": lambda item: (f32, None), "spec": lambda item: (f32, None),
+           "target@bf16": lambda item: (bf16, None), "spec@bf16": lambda item: (bf16, None),
+           "off@bf16": lambda item: (f32, None)}
+    judged = []
+
+    def judge_of(name):
+        return lambda item, ref, out: judged.append(name) or SimpleNamespace(ok=False, ties=0)
+
+    cells = time_interleaved(fns, ["input"], 1, 1, count=lambda i, o: 1, progress=False,
+                             judge={"": judge_of("f32"), "@bf16": judge_of("bf16")},
+                             group=lambda name: "@bf16" if "@bf16" in name else "")
+    assert cells["spec"].verdict == "identical" and cells["spec@bf16"].verdict == "identical"
+    assert cells["target@bf16"].checks == 0            # the copy's reference is judged by nothing but itself
+    assert cells["off@bf16"].verdict == "differs" and judged == ["bf16"]

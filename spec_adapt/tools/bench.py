@@ -28,6 +28,10 @@ Configuration names:
   chain:<policy>                [prompt lookup -> --draft -> target]; policy "chain" = ChainScheduler over it
                                 (suffix starts every call with an empty index: it never sees the outputs it is
                                 measured on, so its numbers are those of a cold start)
+  <config>@bf16                 any configuration above on a bfloat16 copy of the target (`twin=`; prepared when
+                                the target is): judged against target@bf16 (stock `generate` on that copy, added
+                                when missing), tie-aware; its speedup is over the float32 `target`, and "vs bf16
+                                stock" over target@bf16
   <config> (cold)               a spec_adapt configuration whose every call starts from a fresh policy: each timed
                                 call is a first call (`cold_rows` adds one beside each <drafter>:adaptive); the
                                 plain row's policy carries what it learned from call to call (warm)
@@ -170,12 +174,45 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
 
 
 COLD = " (cold)"     # the suffix of a configuration whose every call starts from a fresh policy
+TWIN = "@bf16"       # the suffix of a configuration run on the target's bfloat16 copy
+
+
+def is_twin(name: str) -> bool:
+    return TWIN in name
+
+
+def on_target(name: str) -> str:
+    """The configuration as it runs on whichever copy of the target (multi:adaptive@bf16 (cold) ->
+    multi:adaptive (cold))."""
+    return name.replace(TWIN, "")
+
+
+def ordered_configs(configs: list[str]) -> list[str]:
+    """The run's configurations in timing order: `target` first (the float32 reference), then, where any
+    configuration runs on the bf16 copy, target@bf16 (that copy's reference), then the rest as given."""
+    names = ["target"] + [c for c in configs if c != "target"]
+    if any(is_twin(name) for name in names):
+        names = names[:1] + ["target" + TWIN] + [c for c in names[1:] if c != "target" + TWIN]
+    return names
+
+
+def bf16_twin(model):
+    """A bfloat16 copy of an unprepared float32 target, for the <config>@bf16 configurations (prepare it as the
+    target is). A user with a CPU that computes bf16 natively (`spec_adapt.execution.native_bf16`) runs the target
+    this way: its stock `generate` is the baseline there."""
+    import copy
+
+    from spec_adapt.execution import prepared
+
+    if prepared(model):
+        raise ValueError("bf16_twin copies the target before spec_adapt.prepare: the packed copy is not copied")
+    return copy.deepcopy(model).to(torch.bfloat16)
 
 
 def split_config(name: str) -> tuple[str, str, str]:
     """A spec_adapt configuration's (drafter, policy, verifier) names: "<drafter>:<policy>[+<verifier>][ (cold)]"
     ("+ee": EarlyExitVerifier, cost-gated; "+ee-always"; no verifier: "")."""
-    config, _, verifier = name.removesuffix(COLD).partition("+")
+    config, _, verifier = on_target(name).removesuffix(COLD).partition("+")
     drafter, _, policy = config.partition(":")
     return drafter, policy, verifier
 
@@ -339,19 +376,24 @@ def parse_policy(name: str, latency=None):
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
               repeats: int, draft=None, progress=True, rows: int = 8, latency=None, ignore_eos=False,
-              policy_state=None, xdraft=None, bound: int | None = None) -> list[Cell]:
+              policy_state=None, xdraft=None, bound: int | None = None, twin=None) -> list[Cell]:
     """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU).
     `policy_state`: a folder; each cell's policy starts from what a previous run saved there (warm; none saved:
     cold) and is saved there after the cell. `bound`: the widest draft of the hindsight bound, computed at batch 1
-    with a draft from the target's own outputs in this run (None: no bound)."""
-    names = ["target"] + [c for c in configs if c != "target"]
+    with a draft from the target's own outputs in this run (None: no bound). `twin`: the bfloat16 copy of the
+    target the <config>@bf16 configurations run on (`bf16_twin`)."""
+    names = ordered_configs(configs)
+    if twin is None and any(is_twin(name) for name in names):
+        raise ValueError(f"configurations ending in {TWIN} run on a bfloat16 copy of the target: pass it as twin= "
+                         "(`bf16_twin(model)`, made before the target is prepared)")
     cells = []
     for batch in batch_sizes:
         runnable = {}
         for name in names:
             if name.startswith("hf-") and batch != 1:
                 continue            # stock transformers speculation refuses batches
-            fn = build_config(name, model, tok, new_tokens, draft, latency, ignore_eos, xdraft)
+            on = twin if is_twin(name) else model
+            fn = build_config(on_target(name), on, tok, new_tokens, draft, latency, ignore_eos, xdraft)
             if fn is not None:
                 runnable[name] = fn
                 if policy_state is not None:
@@ -367,7 +409,8 @@ def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: l
         row = time_interleaved(runnable, batches, repeats, batch,
                                count=lambda enc, out: _count_new(out[:, enc["input_ids"].shape[1]:], eos),
                                desc=f"B={batch}", progress=progress, unchecked={"target-eager"},
-                               judge=_judge(model, eos))
+                               judge={"": _judge(model, eos), TWIN: _judge(twin, eos) if twin is not None else None},
+                               group=lambda name: TWIN if is_twin(name) else "")
         if bounded:
             _add_bound(row, model, draft, batches, outputs, bound, progress)
         for name, fn in runnable.items():   # warm-up included: the scheduler's choices from its first step
@@ -452,16 +495,21 @@ def _policy_file(folder, name: str, batch: int, fn, load: bool) -> bool | None:
 
 
 def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, count, desc: str = "",
-                     progress: bool = True, unchecked=frozenset(), judge=None) -> dict[str, Cell]:
+                     progress: bool = True, unchecked=frozenset(), judge=None, group=None) -> dict[str, Cell]:
     """The one timing harness of every benchmark. `fns`: name -> fn(input) -> (output, SpecStats | None); the first
     is the reference the others' outputs must equal (except those named in `unchecked`, another execution
-    configuration). `judge(input, reference, output)`: where an output is not equal to the reference, the identity
-    rule's `Verdict` (`spec_adapt.identity.judge`: a difference at the target's own near-ties is not a failure),
-    run after the timing; None: any difference fails. After a warm-up on inputs[0], each of `repeats` rounds runs every input through every fn in turn
-    (interleaved, so machine noise hits all of them alike) and records per fn the round's seconds and tokens
-    (`count(input, output)`: the one way tokens are counted). The progress bar ticks once per call."""
+    configuration). `group(name)`: where fns run on different models (a target and its bf16 copy), the key of the
+    model a name runs on; the first fn of each group is that group's reference (None: one group). `judge(input,
+    reference, output)`, or {group: judge}: where an output is not equal to its reference, the identity rule's
+    `Verdict` (`spec_adapt.identity.judge`: a difference at the target's own near-ties is not a failure), run after
+    the timing; None: any difference fails. After a warm-up on inputs[0], each of `repeats` rounds runs every input
+    through every fn in turn (interleaved, so machine noise hits all of them alike) and records per fn the round's
+    seconds and tokens (`count(input, output)`: the one way tokens are counted). The progress bar ticks once per
+    call."""
     from tqdm import tqdm
 
+    group = group or (lambda name: "")
+    judges = judge if isinstance(judge, dict) else {group(name): judge for name in fns}
     cells = {name: Cell(name, batch_size, identical=None if name in unchecked else True) for name in fns}
     bar = tqdm(total=len(fns) * (1 + repeats * len(inputs)), desc=desc, disable=not progress)
     for name, fn in fns.items():
@@ -472,7 +520,7 @@ def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, cou
         elapsed = dict.fromkeys(fns, 0.0)
         produced = dict.fromkeys(fns, 0)
         for item in inputs:
-            reference = None
+            references = {}
             for name, fn in fns.items():
                 bar.set_postfix_str(name)
                 start = time.perf_counter()
@@ -480,12 +528,13 @@ def time_interleaved(fns: dict, inputs: list, repeats: int, batch_size: int, cou
                 elapsed[name] += time.perf_counter() - start
                 bar.update()
                 produced[name] += count(item, out)
+                key = group(name)
                 if name in unchecked:
                     pass
-                elif reference is None:
-                    reference = out
+                elif key not in references:
+                    references[key] = out
                 else:
-                    _check(cells[name], item, reference, out, judge)
+                    _check(cells[name], item, references[key], out, judges.get(key))
                 if stats is not None:
                     cells[name].add_stats(stats)
         for name in fns:
@@ -530,17 +579,21 @@ def _count_new(new: torch.Tensor, eos_id) -> int:
 def summarize(cells: list[Cell]) -> list[dict]:
     base = {c.batch_size: c for c in cells if c.config == "target"}
     eager = {c.batch_size: c for c in cells if c.config == "target-eager"}
+    twins = {c.batch_size: c for c in cells if c.config == "target" + TWIN}
     out = []
     for c in cells:
         rates = [n / t for n, t in zip(c.tokens, c.times)]
         speedups = [b / t for b, t in zip(base[c.batch_size].times, c.times)]
         versus_eager = [b / t for b, t in zip(eager[c.batch_size].times, c.times)] if c.batch_size in eager else None
+        twin = twins.get(c.batch_size) if is_twin(c.config) else None
+        versus_twin = [b / t for b, t in zip(twin.times, c.times)] if twin is not None else None
         out.append({
             "config": c.config, "batch_size": c.batch_size,
             "tok_s": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
             "ms_per_token": 1000 * statistics.median(t / n for n, t in zip(c.tokens, c.times)),
             "speedup": statistics.median(speedups), "speedup_min": min(speedups), "speedup_max": max(speedups),
             "speedup_vs_eager": statistics.median(versus_eager) if versus_eager else None,
+            "speedup_vs_bf16_stock": statistics.median(versus_twin) if versus_twin else None,
             **_versus_bound(c.bound, statistics.median(speedups)),
             "alpha": c.accepted / c.drafted if c.drafted else None,
             "acceptance_length": c.step_tokens / c.row_steps if c.row_steps else None,
@@ -668,8 +721,10 @@ def _plot_bound(ax, rows: list[dict]) -> None:
 def print_table(summary: list[dict], run: dict | None = None) -> None:
     """The summary as a table; `run`: the run's hindsight bound (`run_bound`), for its notes below the table."""
     eager = any(s.get("speedup_vs_eager") is not None for s in summary)
+    twin = any(s.get("speedup_vs_bf16_stock") is not None for s in summary)
     bound = next((s["bound_speedup"] for s in summary if s.get("bound_speedup") is not None), None)
     print(f"\n{'config':<22} {'B':>3} {'tok/s':>8} {'ms/tok':>7} {'speedup':>16} " + ("vs eager " if eager else "")
+          + ("vs bf16 stock " if twin else "")
           + ("of bound " if bound else "") + f"{'alpha':>6} {'acc.len':>7} {'c':>5} {'γ=0':>5} identical")
     for s in summary:
         alpha = f"{s['alpha']:.2f}" if s["alpha"] is not None else "-"
@@ -678,6 +733,9 @@ def print_table(summary: list[dict], run: dict | None = None) -> None:
         plain = f"{s['plain_step_share']:.0%}" if s.get("plain_step_share") is not None else "-"
         spread = f"{s['speedup']:.2f}x [{s['speedup_min']:.2f}-{s['speedup_max']:.2f}]"
         versus = (f"{s['speedup_vs_eager']:>7.2f}x " if s.get("speedup_vs_eager") else f"{'-':>8} ") if eager else ""
+        if twin:
+            versus += (f"{s['speedup_vs_bf16_stock']:>13.2f}x " if s.get("speedup_vs_bf16_stock")
+                       else f"{'-':>14} ")
         share = (f"{s['of_bound']:>8.0%} " if s.get("of_bound") is not None else f"{'-':>8} ") if bound else ""
         same = "n/a" if s["identical"] is None else s.get("verdict") or s["identical"]
         print(f"{s['config']:<22} {s['batch_size']:>3} {s['tok_s']:>8.1f} {s['ms_per_token']:>7.1f} {spread:>16} "

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from spec_adapt.execution import fastest
+from spec_adapt.execution import fastest, native_bf16
 from spec_adapt.tools.synthetic import truncated_copy
 
 
@@ -39,16 +39,23 @@ def demo(args) -> None:
     model, tok = load_model(name, dtype=torch.float32)
     dtype = getattr(torch, args.dtype)
     model = model.to(dtype)
+    # Where this CPU computes bf16 natively, a bf16 target is what its users run: its cells sit beside float32's.
+    twin = b.bf16_twin(model) if dtype == torch.float32 and native_bf16() else None
     if args.prepare:
         from spec_adapt import prepare
 
         prepare(model)
+        twin = prepare(twin) if twin is not None else None
     print(f"target dtype: {args.dtype}" + (" (prepared)" if args.prepare else "") + (
         ": float32 keeps every one-token and multi-token forward's argmax equal" if dtype == torch.float32 else
         ": chosen with --dtype"))
     # The draft's dtype is chosen apart from the target's: it changes which tokens the draft proposes, never the output.
     draft = _fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare) if plan["draft"] else None
-    plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]}
+    plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]
+            + ([plan["configs"][-1] + b.TWIN] if twin is not None else [])}
+    if twin is not None:
+        print(f"this CPU computes bfloat16 natively: the rows ending in {b.TWIN} run a bfloat16 copy of the target, "
+              "judged against stock generate on that copy")
     summaries = {}
     workloads_run = [("HumanEval", plan["code"]), ("ShareGPT", "sharegpt")] + (
         [("Edit", "edit")] if plan.get("edit") else [])
@@ -56,11 +63,11 @@ def demo(args) -> None:
         ds = workloads.with_inputs(workloads.load(workload, plan["prompts"]), tok)
         print(f"\n{label}: {len(ds)} prompts, batch sizes {plan['batch_sizes']}, {plan['new_tokens']} new tokens")
         cells = b.run_bench(model, tok, list(ds["input_text"]), plan["configs"], plan["batch_sizes"],
-                            plan["new_tokens"], plan["repeats"], draft, rows=plan["prompts"])
+                            plan["new_tokens"], plan["repeats"], draft, rows=plan["prompts"], twin=twin)
         summaries[label] = b.summarize(cells)
-    if dtype == torch.bfloat16:
-        print("\nThe target runs in bfloat16 (--dtype bfloat16): one-token decoding and multi-token verification "
-              "sum in other orders and can break a tie between two logits 1 bf16 ulp apart differently (stock "
+    if dtype == torch.bfloat16 or twin is not None:
+        print("\nA bfloat16 target (--dtype bfloat16, or the rows ending in @bf16): one-token decoding and "
+              "multi-token verification sum in other orders and can break a tie between two logits 1 bf16 ulp apart differently (stock "
               "assisted generation included), so outputs are judged by the tie-aware identity rule: a difference "
               "only at the target's own near-ties is 'tie-equivalent', any other 'differs'.")
     for label, summary in summaries.items():
@@ -90,6 +97,7 @@ def bench(args) -> None:
     configs = _bench_configs(args)
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype, **_offload(args))
+    twin = _twin(model, configs)
     draft, xdraft = _draft(model, args), _xdraft(args)
     if args.bound is not None and (draft is None or 1 not in args.batch_sizes):
         print("--bound: the hindsight bound needs a draft model (--draft or --draft-layers) and batch size 1; "
@@ -98,6 +106,7 @@ def bench(args) -> None:
         from spec_adapt import prepare
 
         model, draft = prepare(model), prepare(draft) if draft is not None else None
+        twin = prepare(twin) if twin is not None else None
         configs = [c for c in configs if c != "target-eager"]
         if not args.no_eager:
             configs.insert(1 if "target" in configs else 0, "target-eager")
@@ -108,7 +117,7 @@ def bench(args) -> None:
     latency = LatencyTable.load(args.latency) if args.latency else None
     cells = b.run_bench(model, tok, prompts, configs, args.batch_sizes, args.new_tokens, args.repeats, draft,
                         rows=args.rows, latency=latency, ignore_eos=args.ignore_eos, policy_state=args.policy_state,
-                        xdraft=xdraft, bound=args.bound)
+                        xdraft=xdraft, bound=args.bound, twin=twin)
     summary = b.summarize(cells)
     b.print_table(summary, b.run_bound(cells))
     name = Path(args.prompts).stem if args.prompts else args.workload
@@ -121,6 +130,17 @@ def bench(args) -> None:
     out = Path(args.out or f"results/bench-{name}-{args.dtype}")
     b.write_results(cells, summary, out, meta)
     print(f"\nwrote {out}/summary.json, summary.csv, traces.json, bench.png")
+
+
+def _twin(model, configs: list[str]):
+    """The target's bfloat16 copy where a configuration runs on it (<config>@bf16), else None."""
+    from spec_adapt.tools import bench as b
+
+    if not any(b.is_twin(c) for c in configs):
+        return None
+    if next(model.parameters()).dtype != torch.float32:
+        raise SystemExit(f"{b.TWIN} configurations run beside a float32 target: drop --dtype, or the {b.TWIN} suffix")
+    return b.bf16_twin(model)
 
 
 def _bench_configs(args) -> list[str]:
