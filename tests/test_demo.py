@@ -1,0 +1,37 @@
+"""The demo's own path (`spec-adapt demo`), on a tiny model in place of the real pair: where the CPU computes bf16
+natively it times a bf16 copy of the target beside the float32 one, each judged against stock on its own copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_adapt.tools import cli
+
+from conftest import cached_model
+from tiny_tokenizers import char_tokenizer
+
+
+@pytest.fixture
+def tiny_demo(monkeypatch):
+    from spec_adapt.tools import models
+
+    plan = dict(draft=None, configs=["target", "lookup:fixed2"], batch_sizes=[1], prompts=1, new_tokens=4,
+                repeats=1, code="humaneval")
+    monkeypatch.setattr(cli, "DEMOS", {"smollm2-135m": plan})
+    tok = char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"     # ShareGPT's prompts are chats
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: (cached_model("llama"), tok))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_demo_adds_bf16_rows_where_bf16_is_native(tiny_demo, monkeypatch, capsys, native):
+    monkeypatch.setattr(cli, "native_bf16", lambda: native)
+    with torch.enable_grad():
+        cli.main(["demo", "--model", "smollm2-135m", "--no-prepare"])
+    printed = capsys.readouterr().out
+    assert ("target@bf16" in printed) is native and ("lookup:fixed2@bf16" in printed) is native
+    checks = [line for line in printed.splitlines() if " B=1: " in line]
+    assert checks and not any("DIFFERENT" in line for line in checks)
+    assert any("lookup:fixed2@bf16" in line for line in checks) is native
+    assert next(cached_model("llama").parameters()).dtype == torch.float32     # the copy, never the target itself
