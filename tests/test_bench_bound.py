@@ -268,7 +268,9 @@ def test_no_draft_leaves_the_column_empty():
 
 
 @pytest.mark.parametrize("argv, message", [(["--bound", "0"], "--bound"), (["--repeats", "0"], "--repeats"),
-                                           (["--cold", "--configs", "target", "draft:fixed2"], "--cold")])
+                                           (["--cold", "--configs", "target", "draft:fixed2"], "--cold"),
+                                           (["--configs", "lookup:fixed2@bf16", "--target-memory", "900"], "@bf16"),
+                                           (["--configs", "lookup:fixed2@bf16", "--dtype", "bfloat16"], "@bf16")])
 def test_bench_refuses_bad_options_before_loading(argv, message):
     with pytest.raises(SystemExit, match=message):
         bench("--model", "/nonexistent", *argv)
@@ -351,6 +353,8 @@ def test_configurations_on_the_bf16_copy_run_beside_float32(capsys):
     assert "vs bf16 stock" in capsys.readouterr().out
     with pytest.raises(ValueError, match="twin="):
         b.run_bench(model, tok, ["x"], ["target", "lookup:fixed2@bf16"], [1], 2, 1, progress=False, rows=1)
+    with pytest.raises(ValueError, match="float32 target"):
+        b.bf16_twin(twin)
     with pytest.raises(ValueError, match="before spec_adapt.prepare"):
         from spec_adapt import prepare, unprepare
 

@@ -206,6 +206,12 @@ def bf16_twin(model):
 
     if prepared(model):
         raise ValueError("bf16_twin copies the target before spec_adapt.prepare: the packed copy is not copied")
+    if getattr(model, "hf_device_map", None) or next(model.parameters()).device.type == "meta":
+        raise ValueError("bf16_twin copies a target held whole in memory; this one is spread by a device map "
+                         "(--target-memory): drop the @bf16 configurations or the memory cap")
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError(f"bf16_twin copies a float32 target beside itself; this one is "
+                         f"{next(model.parameters()).dtype}: run its configurations without the @bf16 suffix")
     return copy.deepcopy(model).to(torch.bfloat16)
 
 

@@ -136,11 +136,7 @@ def _twin(model, configs: list[str]):
     """The target's bfloat16 copy where a configuration runs on it (<config>@bf16), else None."""
     from spec_adapt.tools import bench as b
 
-    if not any(b.is_twin(c) for c in configs):
-        return None
-    if next(model.parameters()).dtype != torch.float32:
-        raise SystemExit(f"{b.TWIN} configurations run beside a float32 target: drop --dtype, or the {b.TWIN} suffix")
-    return b.bf16_twin(model)
+    return b.bf16_twin(model) if any(b.is_twin(c) for c in configs) else None
 
 
 def _bench_configs(args) -> list[str]:
@@ -155,6 +151,10 @@ def _bench_configs(args) -> list[str]:
         raise SystemExit(f"--batch-sizes must be at least 1, got {args.batch_sizes}")
     if args.bound is not None and not 1 <= args.bound <= 32:
         raise SystemExit(f"--bound takes the widest draft of the bound's schedules, 1 to 32, got {args.bound}")
+    twins = [c for c in args.configs if b.is_twin(c)]
+    if twins and (args.target_memory is not None or args.dtype != "float32"):
+        raise SystemExit(f"{', '.join(twins)}: the {b.TWIN} configurations run a bfloat16 copy beside a float32 "
+                         "target held in memory; drop --target-memory and --dtype, or the suffix")
     if not args.cold:
         return list(args.configs)
     try:
