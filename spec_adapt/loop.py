@@ -221,8 +221,8 @@ class SpeculativeLoop:
         accepted, next_token, path = self._accept(scores, proposal)        # 3. accept (a tree: along `path`)
         committed = self._commit(proposal, accepted, next_token, scores, logits, bonus, path, hidden=hidden)  # 4.
         t3 = self._now()
-        self._observe(plan, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)    # 5. observe
-        self._retire()
+        finished = self._observe(plan, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)    # 5. observe
+        self._retire(finished)
 
     # -- phases --------------------------------------------------------------------------------------------------------
     # Each decision (the plan, the proposal, the acceptance, the stop, the batch shape) goes through `ranks.decide`:
@@ -453,16 +453,22 @@ class SpeculativeLoop:
         n_keep = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True,     # 4. commit
                               hidden=result.hidden, old=old)
         t3 = self._now()
+        # The step's one host copy: the record's per-row counts and which rows finished.
+        rows, n_keep, finished = torch.stack([rows, n_keep, self.finished.long()]).tolist()
         zeros = plan.gammas
         record = StepRecord(len(rows), rows, zeros, zeros, zeros, n_keep, t3 - t0, t1 - t0, t2 - t1,   # 5. observe
                             held=self.target.held_rows)
         self._tell(plan, record, plain=True)
-        self._retire()
+        self._retire(finished)
 
-    def _observe(self, plan: StepPlan, proposal, accepted, committed, step_time, draft_time, verify_time) -> None:
-        # The per-row fields in one host copy (each `tolist` of a device tensor is a copy and a wait of its own).
-        per_row = torch.stack([self.rows, plan.gammas, proposal.lengths, accepted, committed]).tolist()
-        rows, gammas, drafted, accepted, committed = per_row
+    def _observe(self, plan: StepPlan, proposal, accepted, committed, step_time, draft_time,
+                 verify_time) -> list[int]:
+        """The step's record to whoever learns from it; returns which rows finished (host ints, for `_retire`)."""
+        # The per-row fields and the rows that finished in one host copy (each `tolist` of a device tensor is a copy
+        # and a wait of its own).
+        per_row = torch.stack([self.rows, plan.gammas, proposal.lengths, accepted, committed,
+                               self.finished.long()]).tolist()
+        rows, gammas, drafted, accepted, committed, finished = per_row
         record = StepRecord(
             batch_size=len(self.rows), rows=rows, gammas=gammas, drafted=drafted, accepted=accepted,
             committed=committed, step_time=step_time, draft_time=draft_time, verify_time=verify_time,
@@ -470,6 +476,7 @@ class SpeculativeLoop:
             free=proposal.free.tolist() if proposal.free is not None else None,
         )
         self._tell(plan, record)
+        return finished
 
     def _tell(self, plan: StepPlan, record: StepRecord, plain: bool = False) -> None:
         """The step's record to the statistics, the policy (if it planned the step), the verifier and the drafter."""
@@ -481,10 +488,11 @@ class SpeculativeLoop:
         if self.drafter is not None:
             self._guard("observe", self.drafter.observe, record)
 
-    def _retire(self) -> None:
+    def _retire(self, finished: list | None = None) -> None:
         """Rows that finished leave the batch and every ledger. A batch that takes new rows (serving) follows them
-        down to none and fills again; a generate call ends with its last row."""
-        if not bool(self.finished.any()):
+        down to none and fills again; a generate call ends with its last row. `finished`: `self.finished` as host
+        values, where the step has already copied it (no second read)."""
+        if not (any(finished) if finished is not None else bool(self.finished.any())):
             return
         if getattr(self, "returned", None) is not None:
             self.returned.keep(self.target, self.finished, self.rows)

@@ -132,15 +132,22 @@ def test_a_drafter_that_fails_before_its_begin_falls_back():
     assert stats.drafted == 0
 
 
-def _ops_outside_forward(model, run) -> int:
-    """Tensor operations `run()` dispatches outside `model`'s forward (a count, which no machine load moves)."""
+# The operations that copy a device value to the host (on a GPU, each waits for the device): `item()`, `int()`,
+# `bool()` of a tensor, `nonzero` and `tolist()` (which dispatches one resolve_neg per call).
+HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default",
+              "aten.resolve_neg.default"}
+
+
+def _ops_outside_forward(model, run, only: set | None = None) -> int:
+    """Tensor operations `run()` dispatches outside `model`'s forward (a count, which no machine load moves); `only`:
+    just those operations."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         ops, inside = 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += not self.inside
+            self.ops += not self.inside and (only is None or str(func) in only)
             return func(*args, **(kwargs or {}))
 
     count = Count()
@@ -171,6 +178,25 @@ def test_a_step_without_drafts_dispatches_at_most_1_6_times_what_stocks_decode_s
     # Measured with transformers 5.24: stock 23 a token, no drafter 35, a planned width 0 39.
     assert per_token(spec(None)) <= 1.6 * stock
     assert per_token(spec(ScriptedDrafter(lambda row, context, gamma: [5] * gamma))) <= 1.8 * stock
+
+
+def test_a_step_without_drafts_reads_the_device_once_as_stocks_decode_step_does():
+    """On a GPU every host read is a wait: a plain step copies its record's counts and the finished rows in one read,
+    where stock's decode step reads once whether every row has finished."""
+    model = cached_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def per_token(call) -> float:
+        return (_ops_outside_forward(model, lambda: call(24), HOST_READS)
+                - _ops_outside_forward(model, lambda: call(8), HOST_READS)) / 16
+
+    def spec(drafter):
+        return lambda n: spec_generate(model, ids, torch.ones_like(ids), drafter, FixedLength(0), max_new_tokens=n)
+
+    assert per_token(lambda n: stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None,
+                                            max_new_tokens=n)) == 1
+    assert per_token(spec(None)) == 1
+    assert per_token(spec(ScriptedDrafter(lambda row, context, gamma: [5] * gamma))) == 1
 
 
 def test_a_drafting_step_dispatches_at_most_1_3_times_stocks_per_generated_token():
