@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compat
-from .compat import GenerateDecoderOnlyOutput
+from .compat import GenerateDecoderOnlyOutput, cache_holds_tokens
 from .drafters.base import Drafter
 from .drafters.cross import CrossTokenizerDrafter
 from .drafters.early_exit import early_exit_model
@@ -469,7 +469,7 @@ def _check_cache(cache) -> None:
     if cache is None:
         return
     check_rollback_cache(cache)
-    if cache.get_seq_length() > 0:
+    if cache_holds_tokens(cache):
         raise ValueError(
             "spec_adapt starts from an empty cache: continuing from a filled cache (past_key_values) is not supported. "
             "Pass the whole sequence as input_ids instead."

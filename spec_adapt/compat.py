@@ -21,8 +21,9 @@ import transformers
 import transformers.modeling_utils
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig                               # noqa: F401 (re-exported)
 from transformers.cache_utils import (                                                  # noqa: F401 (re-exported)
-    DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionLayer, get_layer_types_and_kwargs,
+    CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionLayer,
+    get_layer_types_and_kwargs,
 )
 from transformers.generation.candidate_generator import (                              # noqa: F401 (re-exported)
     AssistedCandidateGenerator, PromptLookupCandidateGenerator,
@@ -346,3 +347,14 @@ def shared_kv_step(assistant, embeds, masks: dict, position_ids, shared: dict):
     else:
         logits = assistant.lm_head(last)
     return logits, assistant.post_projection(last)
+
+
+def cache_holds_tokens(cache) -> bool:
+    """Whether a cache a call was handed already holds something. `Cache.get_seq_length` answers for attention
+    layers only and refuses a cache of convolution layers alone (a model without attention layers), which is judged
+    by its layers' own initialized states."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(isinstance(layer, CacheLayerMixin) for layer in layers):
+        return cache.get_seq_length() > 0
+    return any(any(getattr(layer, name, {}).values()) for layer in layers
+               for name in ("is_conv_states_initialized", "is_recurrent_states_initialized"))

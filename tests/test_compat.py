@@ -202,3 +202,27 @@ def test_num_assistant_tokens_and_the_confidence_threshold_are_read_where_set():
     with pytest.raises(ValueError, match="not also pass"):              # another Drafter with lookup: refused
         _stock_speculation(model, model.generation_config.__class__(prompt_lookup_num_tokens=2),
                            PromptLookupDrafter())
+
+
+@pytest.mark.parametrize("family, kinds", [("Lfm3", ["conv", "conv"]), ("Lfm2", ["conv", "full_attention"])])
+def test_a_cache_is_known_empty_or_filled_without_attention_layers(family, kinds):
+    """A call refuses a filled cache before anything runs; a cache of convolution layers alone (LFM3's, whose
+    forward takes such a config where LFM2's does not) answers no `get_seq_length`, so its layers' states say
+    whether it holds anything."""
+    import transformers
+    from transformers import DynamicCache
+
+    if not hasattr(transformers, f"{family}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    config = getattr(transformers, f"{family}Config")(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, layer_types=kinds, pad_token_id=0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    cache = DynamicCache(config=config)
+    assert not compat.cache_holds_tokens(cache)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5]]), position_ids=torch.arange(3)[None], past_key_values=cache,
+              use_cache=True)
+    assert compat.cache_holds_tokens(cache)
+    with pytest.raises(ValueError, match="empty cache"):
+        spec_adapt.api._check_cache(cache)

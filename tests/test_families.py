@@ -93,6 +93,20 @@ def lfm2_hybrid(seed: int = 0, layers: int = 3):
     return Lfm2ForCausalLM(config)
 
 
+def lfm3_convolutions(seed: int = 0, layers: int = 3):
+    """LFM3 with convolution layers only: no attention layer, so its cache has no layer that counts tokens (the
+    cache `generate` hands the call answers no `get_seq_length`)."""
+    import transformers
+
+    if not hasattr(transformers, "Lfm3ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no LFM3")
+    torch.manual_seed(seed)
+    config = transformers.Lfm3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, layer_types=["conv"] * layers,
+                                     max_position_embeddings=256, **SMALL)
+    return transformers.Lfm3ForCausalLM(config)
+
+
 def inkling_hybrid(seed: int = 0, layers: int = 3):
     """Inkling: each layer is attention with four short convolutions (kernel 4) around it, on its keys, its values,
     its output and its MLP's output ("hybrid" layers); layers 0 and 2 attend in a sliding window ("hybrid_sliding")."""
@@ -148,8 +162,8 @@ WINDOW = 8
 FAMILIES = {"bart": bart_decoder, "whisper": whisper_decoder}
 SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating, "gemma3n": gemma3n_shared,
            "llama4": llama4_chunked}
-CONVOLUTIONS = {"lfm2": lfm2_hybrid, "inkling": inkling_hybrid, "inkling2": inkling2,
-                "inkling2_loop": functools.partial(inkling2, loop=True)}
+CONVOLUTIONS = {"lfm2": lfm2_hybrid, "lfm3_conv": lfm3_convolutions, "inkling": inkling_hybrid,
+                "inkling2": inkling2, "inkling2_loop": functools.partial(inkling2, loop=True)}
 _BUILDERS = {**FAMILIES, **SLIDING, **CONVOLUTIONS, "glm_dsa": glm_dsa}
 # Families that number tokens by cache column: Inkling's attention bias reads the distance between cache columns.
 BY_COLUMN = [*FAMILIES, "inkling", "inkling2", "inkling2_loop"]
@@ -437,7 +451,7 @@ def test_indexed_sparse_attention_is_identical_to_stock(batch, seed):
         assert stats.accepted > 0
 
 
-@pytest.mark.parametrize("name", ["lfm2", "inkling", "inkling2", "inkling2_loop", "glm_dsa"])
+@pytest.mark.parametrize("name", ["lfm2", "lfm3_conv", "inkling", "inkling2", "inkling2_loop", "glm_dsa"])
 def test_verified_logits_match_one_token_decoding(name):
     """Stricter than tokens (a tiny model's greedy choice survives a small error): every generated position's logits
     equal stock's at batch 3, with rows that accept differently, so rejected drafts sit in the cache."""
