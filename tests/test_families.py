@@ -165,8 +165,9 @@ SLIDING = {"mistral": mistral_sliding, "gemma2": gemma2_alternating, "gemma3n": 
 CONVOLUTIONS = {"lfm2": lfm2_hybrid, "lfm3_conv": lfm3_convolutions, "inkling": inkling_hybrid,
                 "inkling2": inkling2, "inkling2_loop": functools.partial(inkling2, loop=True)}
 _BUILDERS = {**FAMILIES, **SLIDING, **CONVOLUTIONS, "glm_dsa": glm_dsa}
-# Families that number tokens by cache column: Inkling's attention bias reads the distance between cache columns.
-BY_COLUMN = [*FAMILIES, "inkling", "inkling2", "inkling2_loop"]
+# Families that number tokens by cache column: Inkling's attention bias reads the distance between cache columns;
+# LFM3 of convolutions alone reads no positions at all, so the probe cannot tell it from one (lockstep is exact).
+BY_COLUMN = [*FAMILIES, "inkling", "inkling2", "inkling2_loop", "lfm3_conv"]
 _MADE: dict = {}
 
 
@@ -296,12 +297,12 @@ def _small_vocab(builder, **config):
     return model
 
 
-@pytest.mark.parametrize("name", ["mistral", "bart", "lfm2", "inkling"])
+@pytest.mark.parametrize("name", ["mistral", "bart", "lfm2", "lfm3_conv", "inkling", "inkling2"])
 def test_sampling_follows_the_target_distribution(name):
     """The enumerated statistical test: the first generated tokens' marginals against the target's exact ones.
     Mistral with a window of 3 (it slides within the 4 + 3 tokens enumerated) and LFM2 (convolutions), sampled as
-    one batch; the families that number tokens by cache column (Bart; Inkling's convolutions and sliding layers, the
-    window 3) run in lockstep, so in batches of 3 whose rows accept different numbers of drafts (in one batch of
+    one batch; the families that number tokens by cache column (Bart; Inkling's and Inkling 2's convolutions and
+    sliding layers, the window 3; LFM3 of convolutions alone, which reads no positions) run in lockstep, so in batches of 3 whose rows accept different numbers of drafts (in one batch of
     thousands the row that accepts fewest accepts nothing), with a point-mass draft."""
     import test_sampling as ts
 

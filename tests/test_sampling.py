@@ -28,7 +28,7 @@ def small():
 def processed_probs(model, prefixes):
     """Target distributions [N, V] after each prefix [N, L], under temperature + top-k."""
     with torch.no_grad():
-        logits = model(prefixes).logits[:, -1].float()
+        logits = model(prefixes, use_cache=False).logits[:, -1].float()
     logits = TopKLogitsWarper(TOP_K)(prefixes, TemperatureLogitsWarper(TEMPERATURE)(prefixes, logits))
     return logits.softmax(-1)
 
