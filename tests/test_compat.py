@@ -221,8 +221,8 @@ def test_a_cache_is_known_empty_or_filled_without_attention_layers(family, kinds
     cache = DynamicCache(config=config)
     assert not compat.cache_holds_tokens(cache)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[3, 4, 5]]), position_ids=torch.arange(3)[None], past_key_values=cache,
-              use_cache=True)
+        model(input_ids=torch.tensor([[3, 4, 5]]), position_ids=torch.arange(3)[None], use_cache=True,
+              **compat.with_cache(model, cache))
     assert compat.cache_holds_tokens(cache)
     with pytest.raises(ValueError, match="empty cache"):
         spec_adapt.api._check_cache(cache)

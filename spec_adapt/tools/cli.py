@@ -68,8 +68,9 @@ def demo(args) -> None:
     if dtype == torch.bfloat16 or twin is not None:
         print("\nA bfloat16 target (--dtype bfloat16, or the rows ending in @bf16): one-token decoding and "
               "multi-token verification sum in other orders and can break a tie between two logits 1 bf16 ulp "
-              "apart differently (stock assisted generation included), so outputs are judged by the tie-aware identity rule: a difference "
-              "only at the target's own near-ties is 'tie-equivalent', any other 'differs'.")
+              "apart differently (stock assisted generation included), so outputs are judged by the tie-aware "
+              "identity rule: a difference only at the target's own near-ties is 'tie-equivalent', any other "
+              "'differs'.")
     for label, summary in summaries.items():
         print(f"\n--- {label} ---")
         b.print_table(summary)
