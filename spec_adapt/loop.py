@@ -454,9 +454,9 @@ class SpeculativeLoop:
                               hidden=result.hidden, old=old)
         t3 = self._now()
         # The step's one host copy: the record's per-row counts and which rows finished.
-        rows, n_keep, finished = torch.stack([rows, n_keep, self.finished.long()]).tolist()
+        row_ids, kept, finished = torch.stack([rows, n_keep, self.finished.long()]).tolist()
         zeros = plan.gammas
-        record = StepRecord(len(rows), rows, zeros, zeros, zeros, n_keep, t3 - t0, t1 - t0, t2 - t1,   # 5. observe
+        record = StepRecord(len(row_ids), row_ids, zeros, zeros, zeros, kept, t3 - t0, t1 - t0, t2 - t1,  # 5. observe
                             held=self.target.held_rows)
         self._tell(plan, record, plain=True)
         self._retire(finished)

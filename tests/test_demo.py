@@ -26,7 +26,8 @@ def tiny_demo(monkeypatch):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_demo_adds_bf16_rows_where_bf16_is_native(tiny_demo, monkeypatch, capsys, native):
-    monkeypatch.setattr(cli, "native_bf16", lambda: native)
+    monkeypatch.setattr(cli, "bf16_capability",
+                        lambda device: (torch.bfloat16 if native else torch.float32, "forced by the test"))
     with torch.enable_grad():
         cli.main(["demo", "--model", "smollm2-135m", "--no-prepare"])
     printed = capsys.readouterr().out

@@ -206,7 +206,7 @@ def bf16_twin(model):
 
     if prepared(model):
         raise ValueError("bf16_twin copies the target before spec_adapt.prepare: the packed copy is not copied")
-    if getattr(model, "hf_device_map", None) or next(model.parameters()).device.type == "meta":
+    if getattr(model, "hf_device_map", None):
         raise ValueError("bf16_twin copies a target held whole in memory; this one is spread by a device map "
                          "(--target-memory): drop the @bf16 configurations or the memory cap")
     if next(model.parameters()).dtype != torch.float32:

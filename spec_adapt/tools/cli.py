@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from spec_adapt.execution import fastest, native_bf16
+from spec_adapt.execution import bf16_capability, fastest
 from spec_adapt.tools.synthetic import truncated_copy
 
 
@@ -40,7 +40,8 @@ def demo(args) -> None:
     dtype = getattr(torch, args.dtype)
     model = model.to(dtype)
     # Where this CPU computes bf16 natively, a bf16 target is what its users run: its cells sit beside float32's.
-    twin = b.bf16_twin(model) if dtype == torch.float32 and native_bf16() else None
+    native = bf16_capability(model.device)[0] == torch.bfloat16
+    twin = b.bf16_twin(model) if dtype == torch.float32 and native else None
     if args.prepare:
         from spec_adapt import prepare
 
