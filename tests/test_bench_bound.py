@@ -370,3 +370,38 @@ def test_bf16_names_keep_their_drafter_policy_and_cold_row():
     assert b.cold_rows(["target", "multi:adaptive@bf16"]) == ["target", "multi:adaptive@bf16",
                                                               "multi:adaptive@bf16 (cold)"]
     assert b.ordered_configs(["lookup:fixed2@bf16"]) == ["target", "target@bf16", "lookup:fixed2@bf16"]
+
+
+# -- what a lookup's verification costs: measured on the run's own model-free steps ----------------------------------
+def test_a_lookups_verification_is_priced_from_the_runs_free_steps():
+    """Derived costs (a draft step's time less its drafts) come out flat when the draft's per-token time absorbs the
+    step's overhead; the run's lookup steps say what verifying g tokens really costs, and wider is never cheaper."""
+    from spec_adapt.tools.bound import free_costs, verify_costs
+
+    costs = [1.0, 2.0, 3.0]                                    # every width: exactly one more draft token's time
+    flat = verify_costs(costs, draft_token=1.0, width=16)
+    assert flat[:3] == [1.0, 1.0, 1.0]                          # the fragile derivation: width is free
+    free = {2: [1.2, 1.2, 1.2], 8: [1.8], 12: [2.2]}            # 0.1 s per token fed
+    priced = verify_costs(costs, draft_token=1.0, width=16, free_times=free)
+    assert priced[2] == pytest.approx(1.2)                      # a width measured MIN_STEPS times: its median
+    assert priced[16] == pytest.approx(2.6, rel=0.05)           # past the widest: on the line
+    assert priced[0] == 1.0 and all(b >= a for a, b in zip(priced, priced[1:]))
+    assert free_costs({4: [1.4, 1.4, 1.4]}, 1.0, 8) is None     # one width gives no line
+    assert free_costs({2: [1.2], 4: [1.4]}, 1.0, 8) is None     # too few steps
+
+
+def test_the_bound_reads_free_steps_from_lookup_cells_and_several_source_steps_that_took_no_model():
+    from spec_adapt.tools import bench as b
+
+    def step(drafted, seconds, source=None):
+        return {"drafted": drafted, "step_time": seconds, "source": source}
+
+    row = {name: b.Cell(name, 1) for name in ("target", "lookup:adaptive", "multi:adaptive", "draft:fixed4",
+                                              "lookup:adaptive@bf16", "lookup:adaptive+ee")}
+    row["lookup:adaptive"].trace = [step([4], 1.4), step([0], 1.0)]
+    row["multi:adaptive"].trace = [step([8], 1.8, ["suffix"]), step([3], 2.5, ["model"]),
+                                   step([2, 5], 2.9, ["lookup", "model"]), step([6, 0], 1.6, ["lookup", None])]
+    row["draft:fixed4"].trace = [step([4], 3.0)]
+    row["lookup:adaptive@bf16"].trace = [step([4], 0.7)]       # another model's steps
+    row["lookup:adaptive+ee"].trace = [step([4], 0.9)]         # a verifier that skips layers
+    assert b._free_step_times(row) == {4: [1.4], 8: [1.8], 6: [1.6]}

@@ -448,7 +448,8 @@ def _add_bound(row: dict, model, draft, batches: list, outputs: dict, max_width:
     prompts = [enc["input_ids"][0] for enc in batches]
     new = [outputs[id(enc)][0, len(p):] for enc, p in zip(batches, prompts)]
     result = hindsight(model, draft, prompts, new, max_width, progress, step_times=_draft_step_times(row),
-                       plain_seconds=statistics.median(row["target"].times), draft_token=_draft_token_seconds(row))
+                       plain_seconds=statistics.median(row["target"].times), draft_token=_draft_token_seconds(row),
+                       free_times=_free_step_times(row))
     for cell in row.values():
         cell.bound = result
 
@@ -459,7 +460,8 @@ def _draft_token_seconds(row: dict) -> float | None:
     seconds = positions = 0
     for name, cell in row.items():
         drafter, policy, verifier = split_config(name)
-        if drafter in ("draft", "draftc") and not verifier and not policy.startswith(("tree", "adaptive-tree")):
+        if drafter in ("draft", "draftc") and not verifier and not policy.startswith(("tree", "adaptive-tree")) \
+                and not is_twin(name):
             seconds, positions = seconds + cell.draft_seconds, positions + cell.draft_positions
     return seconds / positions if positions else None
 
@@ -470,11 +472,34 @@ def _draft_step_times(row: dict) -> dict[int, list[float]]:
     times: dict[int, list[float]] = {}
     for name, cell in row.items():
         drafter, policy, verifier = split_config(name)
-        if drafter not in ("draft", "draftc") or verifier or policy.startswith(("tree", "adaptive-tree")):
+        if drafter not in ("draft", "draftc") or verifier or policy.startswith(("tree", "adaptive-tree")) \
+                or is_twin(name):     # the bound prices the float32 target's steps
             continue
         for step in cell.trace:
             width = max(step["drafted"], default=0)
             if width:
+                times.setdefault(width, []).append(step["step_time"])
+    return times
+
+
+FREE_SOURCES = ("lookup", "suffix")     # drafters whose drafts cost no forward: their steps time a verification
+
+
+def _free_step_times(row: dict) -> dict[int, list[float]]:
+    """Seconds of every timed step that drafted from model-free sources alone, by its widest row's draft, verified in
+    full: what a verification of that many tokens costs in this run (a lookup's scan is small beside a forward).
+    The several-source configuration's steps count where every row that drafted took a free source."""
+    times: dict[int, list[float]] = {}
+    for name, cell in row.items():
+        drafter, policy, verifier = split_config(name)
+        if verifier or policy.startswith(("tree", "adaptive-tree")) or is_twin(name):
+            continue
+        for step in cell.trace:
+            width = max(step["drafted"], default=0)
+            sources = [s for s, d in zip(step.get("source") or [], step["drafted"]) if d]
+            free = drafter in FREE_SOURCES or (drafter == "multi" and sources
+                                               and all(s in FREE_SOURCES for s in sources))
+            if width and free:
                 times.setdefault(width, []).append(step["step_time"])
     return times
 

@@ -13,6 +13,10 @@ Where T(g) comes from decides how far the bound can be trusted. `spec-adapt benc
 from stock `generate`'s measured time less the prefills. The bound is then the best schedule of the loop as it ran,
 and its plain decoding is stock `generate` as it ran. A separate profile (`step_costs`, the fallback) is one
 measurement taken at another moment, under other load, so its costs can differ from the steps the run timed.
+
+The several-source bound (`several_sources_schedule`) also chooses prompt lookup at any width up to `max_free`, a
+verification with no draft forward. Its price comes from the run's steps that drafted from model-free sources alone
+(`free_costs`), and only without them from the draft model's steps less their drafts (`verify_costs`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Sequence
 import torch
 
 from ..policies.cost import StepCost
+from ..policies.estimators import LineFit
 
 
 def agreement_runs(draft, prompt: torch.Tensor, output: torch.Tensor, vocab: int) -> list[int]:
@@ -125,15 +130,42 @@ def _several(runs, free_runs, costs, verify, model: bool):
     return (best[1] if n > 1 else 0.0), steps
 
 
-def verify_costs(costs: Sequence[float], draft_token: float, width: int) -> list[float]:
-    """verify[g], g = 0..width: a step's seconds without its g draft tokens (costs[g] - g x draft_token), the
-    widths past the measured ones on the least-squares line through them (never below a plain step)."""
+def verify_costs(costs: Sequence[float], draft_token: float, width: int,
+                 free_times: dict[int, list[float]] | None = None) -> list[float]:
+    """verify[g], g = 0..width: a step's seconds when its g drafts cost no draft forward (prompt lookup).
+
+    Measured where the run has them: `free_times` {g: seconds of each timed step that drafted g tokens from
+    model-free sources only}, on the step-cost model's line through them (`free_costs`). Else derived from the draft
+    model's steps, costs[g] - g x draft_token. The derivation is fragile: a drafting step's overhead (the draft's
+    catch-up, its rollback) counts into `draft_token`, and the difference then comes out flat, which would price a
+    32-token verification as a plain step."""
+    measured = free_costs(free_times or {}, costs[0], width)
+    if measured is not None:
+        return measured
     known = [max(costs[0], c - g * draft_token) for g, c in enumerate(costs)]
     cost = StepCost()
     for g, seconds in enumerate(known):
         for _ in range(3):      # each point counts as measured (the step-cost model reads a width after 3 samples)
             cost.observe_verify(1, g + 1, seconds)
     return known + [cost.verify_time(1, g + 1) for g in range(len(known), width + 1)]
+
+
+def free_costs(free_times: dict[int, list[float]], plain: float, width: int) -> list[float] | None:
+    """verify[g], g = 0..width, from a run's timed steps that drafted only from model-free sources: a width's median
+    where MIN_STEPS steps drafted it, else the least-squares line in the tokens fed through every such step (a wide
+    lookup is drafted rarely, at many different widths); never below a plain step, never cheaper for more tokens.
+    None where fewer than two widths or MIN_STEPS steps were timed."""
+    steps = [(g, t) for g, times in free_times.items() if g >= 1 for t in times]
+    if len({g for g, _ in steps}) < 2 or len(steps) < MIN_STEPS or not plain > 0:
+        return None
+    line = LineFit(window=len(steps), min_samples=MIN_STEPS)
+    for g, seconds in steps:
+        line.add(g + 1, seconds)
+    medians = {g: statistics.median(t) for g, t in free_times.items() if g >= 1 and len(t) >= MIN_STEPS}
+    out = [plain]
+    for g in range(1, width + 1):
+        out.append(max(out[-1], medians[g] if g in medians else line(g + 1)))
+    return out
 
 
 def fixed_schedule(runs: Sequence[int], costs: Sequence[float], width: int) -> float:
@@ -218,7 +250,8 @@ def prompt_bound(model, draft, prompt: torch.Tensor, output: torch.Tensor, costs
 
 def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Tensor], max_width: int = 8,
               progress: bool = True, step_times: dict[int, list[float]] | None = None,
-              plain_seconds: float | None = None, draft_token: float | None = None, max_free: int = 32) -> dict:
+              plain_seconds: float | None = None, draft_token: float | None = None, max_free: int = 32,
+              free_times: dict[int, list[float]] | None = None) -> dict:
     """The bound over prompts (1-D ids) and the target's greedy outputs (1-D new tokens). Step costs from the run
     itself where given (`step_times`: seconds of its timed drafting steps by width; `plain_seconds`: stock
     `generate`'s time over all these prompts; see `measured_costs`), else profiled now at a typical context of these
@@ -236,11 +269,13 @@ def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Ten
     if costs is None:
         costs = step_costs(model, draft, max_width, context=max(1, context), progress=progress)
     # `draft_token`: seconds per drafted token, measured in the run; with it, the bound over several sources too.
-    verify = verify_costs(costs, draft_token, max_free) if draft_token is not None else None
+    # `free_times`: its steps drafted by prompt lookup alone, by width, which price a lookup's verification.
+    verify = verify_costs(costs, draft_token, max_free, free_times) if draft_token is not None else None
     rows = [prompt_bound(model, draft, p, o, costs, prefill, verify)
             for p, o, prefill in tqdm(list(zip(prompts, outputs, prefills)), desc="bound", disable=not progress)]
     fixed = [sum(r["fixed_seconds"][g] for r in rows) for g in range(max_width + 1)]
-    several = {"several_seconds": sum(r["several_seconds"] for r in rows), "verify_costs": verify} \
+    several = {"several_seconds": sum(r["several_seconds"] for r in rows), "verify_costs": verify,
+               "verify_cost_source": "free steps" if free_costs(free_times or {}, costs[0], max_free) else "derived"} \
         if verify is not None else {}
     return {"seconds": sum(r["seconds"] for r in rows), "plain_seconds": sum(r["plain_seconds"] for r in rows),
             "best_fixed_width": min(range(max_width + 1), key=fixed.__getitem__), "fixed_seconds": fixed,
