@@ -68,9 +68,9 @@ test-gpu: setup
 
 bench: setup
 	spec-adapt bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --draft-dtype fastest --prepare \
-		--no-eager --workload edit --num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 2 \
-		--configs target hf-assisted hf-lookup multi:adaptive draft:adaptive draft:fixed3 draft:fixed5 \
-		lookup:adaptive --bound --out results/bench-qwen-sources/edit-b1
+		--no-eager --workload edit --num-prompts 3 --rows 3 --batch-sizes 1 --new-tokens 48 --repeats 3 \
+		--configs target hf-assisted hf-lookup multi:adaptive draft:adaptive draft:fixed5 lookup:adaptive \
+		--bound --out results/bench-qwen-sources/edit-b1
 
 clean:
 	rm -rf $(STAMP) $(OLDEST) $(LATEST)
