@@ -555,8 +555,7 @@ def _choices(policy) -> list:
 
 @pytest.mark.parametrize("poison", ["cost key of two", "cost key of four", "span key of two",
                                     "cost key with a bool", "negative tree gap", "tree key of one",
-                                    "calibration accepting more than it reached", "calibration of 3 bins",
-                                    "pooled counts accepting more than were tried"])
+                                    "calibration accepting more than it reached", "calibration of 3 bins"])
 def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
     ruled = poison.startswith("calibration")
     source = Adaptive(seed=3, trees=True) if "tree" in poison else Adaptive(seed=3, stop_rule=True) if ruled \
@@ -575,8 +574,6 @@ def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
             calibration["reached"], calibration["accepted"] = [4.0] * 3, [2.0] * 3
         else:
             calibration["accepted"][0] = calibration["reached"][0] + 1
-    elif poison.startswith("pooled"):
-        state["pooled"]["accepted"][1][2] = state["pooled"]["tried"][1][2] + 1
     elif poison == "negative tree gap":
         state["tree_shapes"]["gaps"].append([[1, 2], [-5, 0]])
     else:
@@ -657,22 +654,3 @@ def test_the_lab_runs_a_stop_rule_plan_at_its_widths_and_refuses_trees():
     assert ruled.history == plain.history and ruled.goodput == pytest.approx(plain.goodput, rel=0.05)
     with pytest.raises(ValueError, match="chains only"):
         simulate(_Planned(3, tree=True), requests, latency(0.15, 0.9), Static(2))
-
-
-def test_a_draft_position_never_reached_reads_like_the_one_before_it():
-    """A policy that has drafted 2 tokens a step, each accepted, has never reached position 3. A draft given its
-    predecessor was accepted is accepted about as often at any depth, so positions 3..8 read near the measured rate
-    (not a fixed 0.5) and widths past 2 are valued for what they would commit; a position measured low stays low,
-    and none reads below the first position's prior."""
-    from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.adaptive import PRIOR_RATE, chained_rates
-
-    policy = Adaptive(max_gamma=8)
-    policy.begin(1)
-    for _ in range(30):
-        policy._count(StepRecord(1, [0], [2], [2], [2], [3], 0.03, 0.01, 0.02))   # the counts alone
-    expected = policy.expected()
-    rates = (expected[1:] - expected[:-1])[1:] / (expected[1:] - expected[:-1])[:-1]      # survival per position
-    assert (rates[2:] > 0.9).all(), rates                     # positions 3.. borrow position 2's ~0.97
-    low = chained_rates(torch.tensor([90.0, 10.0, 0.0]), torch.tensor([100.0, 100.0, 0.0]), 3.0)
-    assert low[1] < 0.15 and low[2] == pytest.approx(PRIOR_RATE)   # measured low; unreached: never below the prior

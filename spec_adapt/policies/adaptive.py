@@ -32,9 +32,6 @@ from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo
 from .fixed import _check_int
 
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (docs/policies.md, rule 1)
-# The prior of every acceptance rate, with the weight of this many observations per row state: the first draft
-# position's is PRIOR_RATE, each deeper one's the estimate at the position before it (docs/policies.md, rule 1).
-PRIOR_RATE, PRIOR_WEIGHT = 0.5, 1.0
 
 
 # The largest batch a vLLM schedule is exported for (the schedule has one entry per power of two up to it).
@@ -98,7 +95,7 @@ class Adaptive(Policy):
         # Acceptance counts per draft position, decayed once per row-observation: pooled [S] and per row [rows, S]
         # (rows of the current call; `begin` clears them). Tensors, so a decision at B = 64 is a few vector ops.
         # The state axis: the row's last step was 0 plain (or none), 1 drafted with a rejection, 2 all accepted.
-        self.tried, self.accepted = torch.zeros(STATES, size), torch.zeros(STATES, size)
+        self.tried, self.accepted = torch.ones(STATES, size), torch.full((STATES, size), 0.5)
         self.begin(0)
         # What a step costs (verification by rows and tokens fed, the draft's time per token, its catch-up, host
         # work): the one step-cost model, which the several-source router reads too.
@@ -157,21 +154,17 @@ class Adaptive(Policy):
         """E[committed | s] for s = 0..max_gamma: [S+1] for a request not yet seen, or [B, S+1] for these rows.
         Row values are recomputed when counts change (`observe`), so a decision only gathers them."""
         if rows is None:
-            return _tokens(self.overall[None])[0]
+            return _tokens((self.accepted.sum(0) / self.tried.sum(0))[None])[0]
         self._grow(rows)
         return self.row_expected[rows]
 
     def _refresh(self) -> None:
-        """Every row's E[committed | s], shrunk all the way down: the prior -> everything seen -> the row's state ->
-        the row."""
-        self.overall = chained_rates(self.accepted.sum(0), self.tried.sum(0), STATES * PRIOR_WEIGHT)     # [S]
-        weight = self.shrink + PRIOR_WEIGHT
-        pooled = (self.accepted + weight * self.overall) / (self.tried + weight)        # [STATES, S]
+        """Every row's E[committed | s], shrunk all the way down: everything seen -> the row's state -> the row."""
+        overall = self.accepted.sum(0) / self.tried.sum(0)                               # [S]
+        pooled = (self.accepted + self.shrink * overall) / (self.tried + self.shrink)   # [STATES, S]
         index = torch.arange(self.row_state.shape[0])
         t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
-        prior = pooled[self.row_state]
-        rates = torch.where(t + self.shrink > 0, (a + self.shrink * prior) / (t + self.shrink).clamp(min=1e-12), prior)
-        self.row_expected = _tokens(rates)
+        self.row_expected = _tokens((a + self.shrink * pooled[self.row_state]) / (t + self.shrink))
 
     def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0, left: int | None = None,
                 remaining: torch.Tensor | None = None) -> list[float]:
@@ -444,8 +437,8 @@ class Adaptive(Policy):
                              f"Adaptive(max_gamma={saved}) or use Adaptive.load(path)")
         size = (STATES, self.max_gamma)
         tried, accepted = (_counts(state["pooled"][k], size, f"pooled {k}") for k in ("tried", "accepted"))
-        if bool((accepted > tried * (1 + 1e-5) + 1e-6).any()):
-            raise ValueError("pooled accepted counts must not exceed the tried ones")
+        if bool((tried <= 0).any()):
+            raise ValueError("pooled tried counts must be positive")
         row_tried, row_accepted, row_state = state["row_states"]
         row_tried = _counts(row_tried, None, "row tried").view(-1, *size)
         row_accepted = _counts(row_accepted, None, "row accepted").view(-1, *size)
@@ -560,20 +553,6 @@ def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) 
         return expected.sum(dim=0).tolist()
     budget = remaining.clamp(min=1).to(expected.dtype)[:, None]
     return (budget.sum() / (budget / expected).max(dim=0).values).tolist()
-
-
-def chained_rates(accepted: torch.Tensor, tried: torch.Tensor, weight: float) -> torch.Tensor:
-    """Acceptance rates per draft position [S] from decayed counts [S], each shrunk with `weight` observations
-    toward a prior: PRIOR_RATE at the first position, the rate just estimated at the position before it deeper on.
-    A draft given its predecessor was accepted is accepted about as often at any depth, so a position no row has
-    reached reads like the last one reached, not like a fixed guess. (A fixed 0.5 there kept a policy that had drafted
-    2-3 tokens from ever valuing 4-8 at the 0.8-0.9 they were accepted at, so it never widened to them.)"""
-    rates, prior = [], PRIOR_RATE
-    for a, t in zip(accepted.tolist(), tried.tolist()):
-        rate = (a + weight * prior) / (t + weight)
-        rates.append(rate)
-        prior = max(rate, PRIOR_RATE)
-    return torch.tensor(rates)
 
 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:
