@@ -654,3 +654,13 @@ def test_the_lab_runs_a_stop_rule_plan_at_its_widths_and_refuses_trees():
     assert ruled.history == plain.history and ruled.goodput == pytest.approx(plain.goodput, rel=0.05)
     with pytest.raises(ValueError, match="chains only"):
         simulate(_Planned(3, tree=True), requests, latency(0.15, 0.9), Static(2))
+
+
+def test_without_shrinking_a_fresh_row_reads_the_pooled_rates():
+    """shrink=0 (a row's own counts alone) is a valid setting: a row with no counts yet reads the pooled rates, not
+    0 / 0, and the policy still drafts where the pooled rates say it pays."""
+    policy = Adaptive(shrink=0.0)
+    policy.begin(2)
+    expected = policy.expected(torch.tensor([0, 1]))
+    assert bool(torch.isfinite(expected).all())
+    assert torch.allclose(expected[0], policy.expected())

@@ -164,7 +164,11 @@ class Adaptive(Policy):
         pooled = (self.accepted + self.shrink * overall) / (self.tried + self.shrink)   # [STATES, S]
         index = torch.arange(self.row_state.shape[0])
         t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
-        self.row_expected = _tokens((a + self.shrink * pooled[self.row_state]) / (t + self.shrink))
+        prior = pooled[self.row_state]
+        # A row with no counts of its own in its state reads the pooled rates (with shrink = 0 the row's own counts
+        # alone decide, and a fresh row has none: 0 / 0).
+        self.row_expected = _tokens(torch.where(t + self.shrink > 0,
+                                                (a + self.shrink * prior) / (t + self.shrink).clamp(min=1e-12), prior))
 
     def predict(self, batch: int, rows: torch.Tensor | None = None, lag: int = 0, left: int | None = None,
                 remaining: torch.Tensor | None = None) -> list[float]:
