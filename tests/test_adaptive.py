@@ -658,7 +658,7 @@ def test_the_lab_runs_a_stop_rule_plan_at_its_widths_and_refuses_trees():
 
 def test_without_shrinking_a_fresh_row_reads_the_pooled_rates():
     """shrink=0 (a row's own counts alone) is a valid setting: a row with no counts yet reads the pooled rates, not
-    0 / 0, and the policy still drafts where the pooled rates say it pays."""
+    0 / 0 (NaN expected tokens, which no width can beat)."""
     policy = Adaptive(shrink=0.0)
     policy.begin(2)
     expected = policy.expected(torch.tensor([0, 1]))

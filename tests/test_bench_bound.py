@@ -382,7 +382,7 @@ def test_a_lookups_verification_is_priced_from_the_runs_free_steps():
     flat = verify_costs(costs, draft_token=1.0, width=16)
     assert flat[:3] == [1.0, 1.0, 1.0]                          # the fragile derivation: width is free
     free = {2: [1.2, 1.2, 1.2], 8: [1.8], 12: [2.2]}            # 0.1 s per token fed
-    priced = verify_costs(costs, draft_token=1.0, width=16, free_times=free)
+    priced = free_costs(free, 1.0, 16)
     assert priced[2] == pytest.approx(1.2)                      # a width measured MIN_STEPS times: its median
     assert priced[16] == pytest.approx(2.6, rel=0.05)           # past the widest: on the line
     assert priced[0] == 1.0 and all(b >= a for a, b in zip(priced, priced[1:]))

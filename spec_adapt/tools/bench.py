@@ -454,14 +454,21 @@ def _add_bound(row: dict, model, draft, batches: list, outputs: dict, max_width:
         cell.bound = result
 
 
+def _full_chain(name: str) -> str | None:
+    """A configuration's drafter name where the bound reads its steps, else None: chains verified in full (no tree,
+    no early exit) on the float32 target (the bound prices that model's steps, not its bf16 copy's)."""
+    drafter, policy, verifier = split_config(name)
+    if verifier or policy.startswith(("tree", "adaptive-tree")) or is_twin(name):
+        return None
+    return drafter
+
+
 def _draft_token_seconds(row: dict) -> float | None:
     """Seconds per draft-model forward in the run (drafting time over the longest row's drafts, over the
     configurations `_draft_step_times` reads); None where none drafted."""
     seconds = positions = 0
     for name, cell in row.items():
-        drafter, policy, verifier = split_config(name)
-        if drafter in ("draft", "draftc") and not verifier and not policy.startswith(("tree", "adaptive-tree")) \
-                and not is_twin(name):
+        if _full_chain(name) in ("draft", "draftc"):
             seconds, positions = seconds + cell.draft_seconds, positions + cell.draft_positions
     return seconds / positions if positions else None
 
@@ -471,9 +478,7 @@ def _draft_step_times(row: dict) -> dict[int, list[float]]:
     chains drafted by the draft model itself (draft, draftc) and verified in full (no tree, no early exit)."""
     times: dict[int, list[float]] = {}
     for name, cell in row.items():
-        drafter, policy, verifier = split_config(name)
-        if drafter not in ("draft", "draftc") or verifier or policy.startswith(("tree", "adaptive-tree")) \
-                or is_twin(name):     # the bound prices the float32 target's steps
+        if _full_chain(name) not in ("draft", "draftc"):
             continue
         for step in cell.trace:
             width = max(step["drafted"], default=0)
@@ -491,8 +496,8 @@ def _free_step_times(row: dict) -> dict[int, list[float]]:
     The several-source configuration's steps count where every row that drafted took a free source."""
     times: dict[int, list[float]] = {}
     for name, cell in row.items():
-        drafter, policy, verifier = split_config(name)
-        if verifier or policy.startswith(("tree", "adaptive-tree")) or is_twin(name):
+        drafter = _full_chain(name)
+        if drafter is None:
             continue
         for step in cell.trace:
             width = max(step["drafted"], default=0)

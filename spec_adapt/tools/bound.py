@@ -130,18 +130,12 @@ def _several(runs, free_runs, costs, verify, model: bool):
     return (best[1] if n > 1 else 0.0), steps
 
 
-def verify_costs(costs: Sequence[float], draft_token: float, width: int,
-                 free_times: dict[int, list[float]] | None = None) -> list[float]:
-    """verify[g], g = 0..width: a step's seconds when its g drafts cost no draft forward (prompt lookup).
-
-    Measured where the run has them: `free_times` {g: seconds of each timed step that drafted g tokens from
-    model-free sources only}, on the step-cost model's line through them (`free_costs`). Else derived from the draft
-    model's steps, costs[g] - g x draft_token. The derivation is fragile: a drafting step's overhead (the draft's
-    catch-up, its rollback) counts into `draft_token`, and the difference then comes out flat, which would price a
-    32-token verification as a plain step."""
-    measured = free_costs(free_times or {}, costs[0], width)
-    if measured is not None:
-        return measured
+def verify_costs(costs: Sequence[float], draft_token: float, width: int) -> list[float]:
+    """verify[g], g = 0..width, derived from the draft model's steps where the run has no model-free ones to measure
+    it (`free_costs`): a step's seconds without its g draft tokens (costs[g] - g x draft_token), the widths past the
+    measured ones on the least-squares line through them (never below a plain step). Fragile: a drafting step's
+    overhead (the draft's catch-up, its rollback) counts into `draft_token`, and the difference can come out flat,
+    pricing a 32-token verification as a plain step."""
     known = [max(costs[0], c - g * draft_token) for g, c in enumerate(costs)]
     cost = StepCost()
     for g, seconds in enumerate(known):
@@ -270,12 +264,15 @@ def hindsight(model, draft, prompts: list[torch.Tensor], outputs: list[torch.Ten
         costs = step_costs(model, draft, max_width, context=max(1, context), progress=progress)
     # `draft_token`: seconds per drafted token, measured in the run; with it, the bound over several sources too.
     # `free_times`: its steps drafted by prompt lookup alone, by width, which price a lookup's verification.
-    verify = verify_costs(costs, draft_token, max_free, free_times) if draft_token is not None else None
+    measured = verify = None
+    if draft_token is not None:
+        measured = free_costs(free_times or {}, costs[0], max_free)
+        verify = measured or verify_costs(costs, draft_token, max_free)
     rows = [prompt_bound(model, draft, p, o, costs, prefill, verify)
             for p, o, prefill in tqdm(list(zip(prompts, outputs, prefills)), desc="bound", disable=not progress)]
     fixed = [sum(r["fixed_seconds"][g] for r in rows) for g in range(max_width + 1)]
     several = {"several_seconds": sum(r["several_seconds"] for r in rows), "verify_costs": verify,
-               "verify_cost_source": "free steps" if free_costs(free_times or {}, costs[0], max_free) else "derived"} \
+               "verify_cost_source": "free steps" if measured else "derived"} \
         if verify is not None else {}
     return {"seconds": sum(r["seconds"] for r in rows), "plain_seconds": sum(r["plain_seconds"] for r in rows),
             "best_fixed_width": min(range(max_width + 1), key=fixed.__getitem__), "fixed_seconds": fixed,
