@@ -555,8 +555,7 @@ def _choices(policy) -> list:
 
 @pytest.mark.parametrize("poison", ["cost key of two", "cost key of four", "span key of two",
                                     "cost key with a bool", "negative tree gap", "tree key of one",
-                                    "calibration accepting more than it reached", "calibration of 3 bins",
-                                    "pooled prior weight above the tried counts"])
+                                    "calibration accepting more than it reached", "calibration of 3 bins"])
 def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
     ruled = poison.startswith("calibration")
     source = Adaptive(seed=3, trees=True) if "tree" in poison else Adaptive(seed=3, stop_rule=True) if ruled \
@@ -575,8 +574,6 @@ def test_a_poisoned_state_is_refused_whole_and_the_policy_keeps_working(poison):
             calibration["reached"], calibration["accepted"] = [4.0] * 3, [2.0] * 3
         else:
             calibration["accepted"][0] = calibration["reached"][0] + 1
-    elif poison.startswith("pooled"):
-        state["pooled"]["prior_weight"][1][2] = state["pooled"]["tried"][1][2] + 1
     elif poison == "negative tree gap":
         state["tree_shapes"]["gaps"].append([[1, 2], [-5, 0]])
     else:
@@ -667,35 +664,3 @@ def test_without_shrinking_a_fresh_row_reads_the_pooled_rates():
     expected = policy.expected(torch.tensor([0, 1]))
     assert bool(torch.isfinite(expected).all())
     assert torch.allclose(expected[0], policy.expected())
-
-
-def test_a_draft_position_never_reached_reads_like_the_one_before_it():
-    """A policy that has drafted 2 tokens a step, each accepted, has never reached position 3. A draft given its
-    predecessor was accepted is accepted about as often at any depth, so positions 3..8 read near the measured rate
-    (not a fixed 0.5) and widths past 2 are valued for what they would commit. A position measured low stays low,
-    and an unreached one after it reads the first position's prior, not lower."""
-    from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.adaptive import PRIOR_RATE, chained_rates
-
-    policy = Adaptive(max_gamma=8)
-    policy.begin(1)
-    for _ in range(30):
-        policy._count(StepRecord(1, [0], [2], [2], [2], [3], 0.03, 0.01, 0.02))   # the counts alone
-    for expected in (policy.expected(), policy.expected(torch.tensor([0]))[0]):
-        gains = expected[1:] - expected[:-1]
-        rates = gains[1:] / gains[:-1]                        # survival per position 2..8
-        assert (rates[1:] > 0.9).all(), rates                 # positions 3.. borrow position 2's ~0.97
-    low = chained_rates(torch.tensor([[90.5, 10.5, 0.5]]), torch.tensor([[101.0, 101.0, 1.0]]),
-                        torch.tensor([[1.0, 1.0, 1.0]]))[0]
-    assert low[1] < 0.15 and low[2] == pytest.approx(PRIOR_RATE)   # measured low; unreached: never below the prior
-
-
-def test_a_state_saved_before_the_prior_was_chained_loads_with_a_fixed_prior():
-    """A file without `prior_weight` loads; its priors stay at 0.5 (the weights it never recorded are zero)."""
-    source = Adaptive(seed=3)
-    state = json.loads(json.dumps(source.state_dict()))
-    del state["pooled"]["prior_weight"]
-    loaded = Adaptive(seed=3)
-    loaded.load_state_dict(state)
-    assert bool((loaded.prior_weight == 0).all())
-    assert torch.allclose(loaded.expected(), source.expected())    # unreached positions read 0.5 in both

@@ -32,8 +32,6 @@ from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo
 from .fixed import _check_int
 
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (docs/policies.md, rule 1)
-# Every pooled count starts as one observation at this rate; the prior's weight decays with the counts (rule 1).
-PRIOR_RATE = 0.5
 
 
 # The largest batch a vLLM schedule is exported for (the schedule has one entry per power of two up to it).
@@ -97,10 +95,7 @@ class Adaptive(Policy):
         # Acceptance counts per draft position, decayed once per row-observation: pooled [S] and per row [rows, S]
         # (rows of the current call; `begin` clears them). Tensors, so a decision at B = 64 is a few vector ops.
         # The state axis: the row's last step was 0 plain (or none), 1 drafted with a rejection, 2 all accepted.
-        self.tried, self.accepted = torch.ones(STATES, size), torch.full((STATES, size), PRIOR_RATE)
-        # The part of each count that is still the prior (it decays as the counts do): the prior's rate is chained,
-        # PRIOR_RATE at the first position and the estimate at the position before it deeper on (`chained_rates`).
-        self.prior_weight = torch.ones(STATES, size)
+        self.tried, self.accepted = torch.ones(STATES, size), torch.full((STATES, size), 0.5)
         self.begin(0)
         # What a step costs (verification by rows and tokens fed, the draft's time per token, its catch-up, host
         # work): the one step-cost model, which the several-source router reads too.
@@ -159,16 +154,14 @@ class Adaptive(Policy):
         """E[committed | s] for s = 0..max_gamma: [S+1] for a request not yet seen, or [B, S+1] for these rows.
         Row values are recomputed when counts change (`observe`), so a decision only gathers them."""
         if rows is None:
-            return _tokens(self.overall[None])[0]
+            return _tokens((self.accepted.sum(0) / self.tried.sum(0))[None])[0]
         self._grow(rows)
         return self.row_expected[rows]
 
     def _refresh(self) -> None:
         """Every row's E[committed | s], shrunk all the way down: everything seen -> the row's state -> the row."""
-        self.overall = chained_rates(self.accepted.sum(0)[None], self.tried.sum(0)[None],
-                                     self.prior_weight.sum(0)[None])[0]                 # [S]
-        pooled = chained_rates(self.accepted + self.shrink * self.overall, self.tried + self.shrink,
-                               self.prior_weight)                                       # [STATES, S]
+        overall = self.accepted.sum(0) / self.tried.sum(0)                               # [S]
+        pooled = (self.accepted + self.shrink * overall) / (self.tried + self.shrink)   # [STATES, S]
         index = torch.arange(self.row_state.shape[0])
         t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
         prior = pooled[self.row_state]
@@ -389,9 +382,7 @@ class Adaptive(Policy):
         state = self.row_state[rows]                                                     # [B] as chosen
         reached, hits = reach(drafted if ruled else gammas, accepted, self.max_gamma)    # [B, S]
         pooled = torch.zeros(STATES, self.max_gamma)                                     # [STATES, S]
-        reached_pooled = pooled.index_add(0, state, reached)
-        self.prior_weight = self.prior_weight * self.decay ** reached_pooled
-        self.tried, self.accepted = decay_counts(self.tried, self.accepted, reached_pooled,
+        self.tried, self.accepted = decay_counts(self.tried, self.accepted, pooled.index_add(0, state, reached),
                                                  pooled.index_add(0, state, hits), self.decay)
         t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
         row_t, row_a = decay_counts(t, a, 1, hits, self.decay)                           # a row is one observation
@@ -415,8 +406,7 @@ class Adaptive(Policy):
                        "recheck_every": self.recheck_every, "max_recheck_gap": self.max_recheck_gap,
                        "stop_rule": self.stop_rule},
             "tree_shapes": self.tree_shapes.state_dict() if self.tree_shapes is not None else None,
-            "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist(),
-                       "prior_weight": self.prior_weight.tolist()},
+            "pooled": {"tried": self.tried.tolist(), "accepted": self.accepted.tolist()},
             "cost": self.cost.state_dict(),
             "span": [[list(k), v] for k, v in self.span.items()],
             "calibration": self.calibration.state_dict() if self.calibration is not None else None,
@@ -453,13 +443,6 @@ class Adaptive(Policy):
         tried, accepted = (_counts(state["pooled"][k], size, f"pooled {k}") for k in ("tried", "accepted"))
         if bool((tried <= 0).any()):
             raise ValueError("pooled tried counts must be positive")
-        # A file written before the prior was chained has no weights: its priors stay at PRIOR_RATE.
-        prior_weight = _counts(state["pooled"].get("prior_weight", [[0.0] * size[1]] * size[0]), size,
-                               "pooled prior_weight")
-        if bool((prior_weight > tried * (1 + 1e-5) + 1e-6).any()):
-            raise ValueError("pooled prior_weight must not exceed the tried counts (it is the prior's part of them)")
-        if bool((prior_weight * PRIOR_RATE > accepted * (1 + 1e-5) + 1e-6).any()):
-            raise ValueError("pooled accepted counts must hold the prior's part (prior_weight x 0.5)")
         row_tried, row_accepted, row_state = state["row_states"]
         row_tried = _counts(row_tried, None, "row tried").view(-1, *size)
         row_accepted = _counts(row_accepted, None, "row accepted").view(-1, *size)
@@ -479,7 +462,7 @@ class Adaptive(Policy):
             raise ValueError(f"recheck_gap {rechecks[0]} and recheck_idle {rechecks[1]} must be >= 1 and >= 0")
         rng = random.Random()
         rng.setstate(_tupled(state["rng"]))
-        return {"tried": tried, "accepted": accepted, "prior_weight": prior_weight, "cost": cost,
+        return {"tried": tried, "accepted": accepted, "cost": cost,
                 "span": {state_key(k, (int, bool, int), "span"): _finite(v, what="span")[0] for k, v in state["span"]},
                 "calibration": self._parse_calibration(state.get("calibration")),
                 "goodput": {state_key([k], (int,), "goodput")[0]: _times([v, 1], "goodput")[0]
@@ -574,24 +557,6 @@ def batch_tokens(expected: torch.Tensor, remaining: torch.Tensor | None = None) 
         return expected.sum(dim=0).tolist()
     budget = remaining.clamp(min=1).to(expected.dtype)[:, None]
     return (budget.sum() / (budget / expected).max(dim=0).values).tolist()
-
-
-def chained_rates(accepted: torch.Tensor, tried: torch.Tensor, prior_weight: torch.Tensor) -> torch.Tensor:
-    """Acceptance rates [N, S] from counts [N, S] that hold `prior_weight` observations at PRIOR_RATE each, with
-    those observations moved to a chained prior: PRIOR_RATE at the first position, and deeper on the rate just
-    estimated at the position before it, or PRIOR_RATE where that is lower. A draft whose predecessor was accepted is
-    accepted about as often at any depth, so a position no row has reached reads like the last one reached. (With a
-    fixed 0.5 there, a policy that drafted 2-3 tokens valued positions 4-8 at 0.5 for good and never widened to
-    them where they were accepted 85-90% of the time.) The floor keeps early misses from making every deeper
-    position look hopeless; the first position keeps the fixed prior, so a policy that missed there still drafts
-    again once its decayed misses fade."""
-    columns = []
-    prior = torch.full_like(accepted[:, 0], PRIOR_RATE)
-    for j in range(accepted.shape[1]):
-        rate = (accepted[:, j] + prior_weight[:, j] * (prior - PRIOR_RATE)) / tried[:, j]
-        columns.append(rate)
-        prior = rate.clamp(min=PRIOR_RATE)
-    return torch.stack(columns, dim=1)
 
 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:
