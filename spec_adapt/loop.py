@@ -232,18 +232,25 @@ class SpeculativeLoop:
         step without asking the policy when there is no drafter or it is away."""
         if self.drafter is None or not self._guard("available", self.drafter.available):
             return StepPlan(self._no_drafts(len(self.rows)), plain=True)
-        lengths = self.lengths[self.rows]
-        remaining = self.limits[self.rows] - lengths
-        lag = self._guard("lag", self.drafter.lag, lengths)
-        level_lags = self._guard("lag", self.drafter.level_lags, lengths) if self.drafter is not None else None
+        # The rows' lengths and what they may still generate, computed where something reads them: a policy that
+        # answers 0 without reading them, beside a drafter with no catch-up, costs no tensor operation here.
+        rows = self.rows
+        lengths = _Once(lambda: self.lengths[rows])
+        remaining = _Once(lambda: self._row_limits() - lengths())
+        lag = level_lags = None
+        if _overrides(self.drafter, "lag"):
+            lag = self._guard("lag", self.drafter.lag, lengths())
+        if self.drafter is not None and _overrides(self.drafter, "level_lags"):
+            level_lags = self._guard("lag", self.drafter.level_lags, lengths())
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
-            return StepPlan(self._no_drafts(len(self.rows)), plain=True)
-        info = StepInfo(len(self.rows), self.rows, lengths - self.starts[self.rows], remaining, self.stats.steps,
+            return StepPlan(self._no_drafts(len(rows)), plain=True)
+        info = StepInfo(len(rows), rows, lambda: lengths() - self.starts[rows], remaining, self.stats.steps,
                         lag, level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
         if type(answer) is int and answer == 0 and not self.drafter.max_free:   # valid as it is: a plain step
-            return StepPlan(self._no_drafts(len(self.rows)), True, plain=True)
+            return StepPlan(self._no_drafts(len(rows)), True, plain=True)
+        remaining = remaining()
         plan = check_plan(self.policy, answer, len(self.rows))
         if plan.members is not None:
             self.drafter.check_members(plan.members)
@@ -261,6 +268,14 @@ class SpeculativeLoop:
             return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
                             free=free, plain=none, most=most)
         return self._tree_plan(gammas, plan, remaining)
+
+    def _row_limits(self) -> torch.Tensor:
+        """limits[rows], made again when the rows or the limits tensor change; whoever writes limits in place
+        (`Stopper.settle` through `_commit`, a serving admission) clears it (`_limits_of = None`)."""
+        known = getattr(self, "_limits_of", None)
+        if known is None or known[0] is not self.rows or known[1] is not self.limits:
+            self._limits_of = (self.rows, self.limits, self.limits[self.rows])
+        return self._limits_of[2]
 
     def _no_drafts(self, batch: int) -> torch.Tensor:
         """[batch] zeros: the widths of a step without drafts (one tensor per batch size, never written)."""
@@ -371,9 +386,13 @@ class SpeculativeLoop:
         else:
             new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
             n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
-        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self.limits[rows])
+        every_one = plain and n_new is self.target.ones(len(rows))     # each row keeps its one token
+        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self._row_limits(),
+                                            every_one)
         n_keep, finished, taken = self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits,
                                                       self.lengths, self.pad_id)
+        if self.stopper.waits:           # settle may have written limits
+            self._limits_of = None
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
         self.finished = finished
@@ -409,6 +428,7 @@ class SpeculativeLoop:
                                             self.limits[rows])
         n_keep, finished, taken = self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits,
                                                       self.lengths, self.pad_id)
+        self._limits_of = None           # new rows' limits, or settle's
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
         self._count_first_token(rows, n_keep)
@@ -641,6 +661,26 @@ def _along_path(proposal: Proposal, path, scores, logits, hidden=None):
     return chain, scores.gather(1, index), logits.gather(1, index), hidden
 
 
+class _Once:
+    """A value computed on first call and kept."""
+
+    __slots__ = ("make", "value")
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self):
+        if self.make is not None:
+            self.value, self.make = self.make(), None
+        return self.value
+
+
+def _overrides(drafter, method: str) -> bool:
+    """Whether this drafter has its own `method` (a catch-up lag): the base one answers None without reading the
+    lengths it is given."""
+    return getattr(type(drafter), method, None) is not getattr(Drafter, method)
+
+
 def _as_float(logits: torch.Tensor) -> torch.Tensor:
     """float32 logits (no dispatch where they are already)."""
     return logits if logits.dtype == torch.float32 else logits.float()
@@ -695,11 +735,15 @@ class Stopper:
         """Whether a row a criterion stopped goes on until every row has stopped (no EOS id, as stock)."""
         return self.together and self.eos is None and bool(self.others)
 
-    def cut(self, buffer, rows, old, new, n_new, pad_id, limits):
+    def cut(self, buffer, rows, old, new, n_new, pad_id, limits, every_one: bool = False):
         """Write each row's committed tokens new[b, :n] into the buffer, row b up to its buffer length limits[b];
-        return (n [B], finished [B])."""
-        write = self._write_one if new.shape[1] == 1 else self._write
-        n, finished = write(buffer, rows, old, new, torch.minimum(n_new, limits - old), limits)
+        return (n [B], finished [B]). `every_one`: new is [B, 1] and n_new all ones (a plain step whose verifier kept
+        every row's position)."""
+        if every_one:
+            n, finished = n_new, self._write_each(buffer, rows, old, new[:, 0], limits)
+        else:
+            write = self._write_one if new.shape[1] == 1 else self._write
+            n, finished = write(buffer, rows, old, new, torch.minimum(n_new, limits - old), limits)
         if self.others:
             n, finished = self._ask_others(buffer, rows, old, n, finished, pad_id)
         return n, finished
@@ -727,6 +771,15 @@ class Stopper:
         column = old.clamp(max=buffer.shape[1] - 1)            # a row at the buffer's end keeps nothing
         buffer[rows, column] = torch.where(keeps, token, buffer[rows, column])
         return n, finished
+
+    def _write_each(self, buffer, rows, old, token, limits):
+        """`_write_one` where every row keeps its token: a row in the batch is short of its limit (one that reaches
+        it finishes and leaves), so nothing is cut or masked. Returns finished [B]."""
+        finished = old + 1 >= limits
+        if self.eos is not None:
+            finished = finished | torch.isin(token, self.eos)
+        buffer[rows, old] = token
+        return finished
 
     def _ask_others(self, buffer, rows, old, n, finished, pad_id):
         n, finished = n.clone(), finished.clone()

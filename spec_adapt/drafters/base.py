@@ -248,13 +248,13 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
     _expect(isinstance(lengths, torch.Tensor) and lengths.shape == (batch,) and not lengths.dtype.is_floating_point
             and lengths.dtype != torch.bool,
             lambda: f"lengths must be an integer tensor [B={batch}], got {_describe(lengths)}")
-    tokens, lengths = tokens.to(device).long(), lengths.to(device).long()
+    tokens, lengths = _long_on(tokens, device), _long_on(lengths, device)
     free = _checked_free(proposal.free, request, batch, device)
     given = lengths
     if request.pooled:          # one budget for the batch: a row may hold more than its share
         lengths = torch.where(request.gammas.to(device) > 0, lengths, 0)
     else:
-        bound = request.gammas.to(device)
+        bound = _long_on(request.gammas, device)
         if free is not None:    # a free row is bounded by what the loop lets it take from a model-free source
             bound = torch.where(free, request.free.to(device), bound)
         lengths = torch.minimum(lengths, bound)
@@ -282,6 +282,11 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
     return Proposal(tokens, lengths, probs, proposal.telemetry, parents, _checked_confidence(proposal.confidence,
                                                                                             batch, width, device),
                     free)
+
+
+def _long_on(values: torch.Tensor, device) -> torch.Tensor:
+    """`values` as int64 on `device`, with no dispatch where they already are (the usual case, every step)."""
+    return values if values.dtype == torch.long and values.device == device else values.to(device).long()
 
 
 def _checked_free(free, request, batch, device):

@@ -27,18 +27,41 @@ from ..estimators import StopRule
 from ..metrics import StepRecord
 
 
-@dataclass
 class StepInfo:
-    batch_size: int
-    rows: torch.Tensor        # [B] the active rows' indices in the user's batch
-    generated: torch.Tensor   # [B] tokens generated so far per row
-    remaining: torch.Tensor   # [B] tokens each row may still generate
-    step: int                 # verification steps done so far in this call
-    draft_lag: torch.Tensor | None = None   # [B] committed tokens a draft model has not cached (catch-up cost)
-    level_lags: list[int] | None = None     # multi-level drafters: each level's largest lag (index = level)
-    # A closed batch (one generate call) takes no new rows, so it ends with its slowest row: tokens a step gives the
-    # other rows do not shorten it. An open batch (serving, the lab's refilled batches) is judged by throughput.
-    closed: bool = False
+    """What a policy is told before it chooses. `generated` and `remaining` may be handed over as functions that
+    compute them: they run on first read, so a policy that never reads them costs the loop no tensor operation (on a
+    GPU or a small model a step's cost is largely such operations)."""
+
+    def __init__(self, batch_size: int, rows: torch.Tensor, generated, remaining, step: int,
+                 draft_lag: torch.Tensor | None = None, level_lags: list[int] | None = None, closed: bool = False):
+        self.batch_size = batch_size
+        self.rows = rows                    # [B] the active rows' indices in the user's batch
+        self._generated = generated         # [B] tokens generated so far per row
+        self._remaining = remaining         # [B] tokens each row may still generate
+        self.step = step                    # verification steps done so far in this call
+        self.draft_lag = draft_lag          # [B] committed tokens a draft model has not cached (catch-up cost)
+        self.level_lags = level_lags        # multi-level drafters: each level's largest lag (index = level)
+        # A closed batch (one generate call) takes no new rows, so it ends with its slowest row: tokens a step gives
+        # the other rows do not shorten it. An open batch (serving, the lab's refilled batches) is judged by
+        # throughput.
+        self.closed = closed
+
+    @property
+    def generated(self) -> torch.Tensor:
+        if callable(self._generated):
+            self._generated = self._generated()
+        return self._generated
+
+    @property
+    def remaining(self) -> torch.Tensor:
+        if callable(self._remaining):
+            self._remaining = self._remaining()
+        return self._remaining
+
+    def __repr__(self) -> str:
+        return (f"StepInfo(batch_size={self.batch_size}, rows={self.rows}, generated={self.generated}, "
+                f"remaining={self.remaining}, step={self.step}, draft_lag={self.draft_lag}, "
+                f"level_lags={self.level_lags}, closed={self.closed})")
 
 
 # A draft model normally trails the committed text by 1 or 2 tokens (the target's new token, and the last draft token
