@@ -248,6 +248,7 @@ class SpeculativeLoop:
                         lag, level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
+        info.close()
         if type(answer) is int and answer == 0 and not self.drafter.max_free:   # valid as it is: a plain step
             return StepPlan(self._no_drafts(len(rows)), True, plain=True)
         remaining = remaining()

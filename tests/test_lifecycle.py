@@ -278,3 +278,22 @@ def test_what_a_row_may_still_generate_follows_the_end_stock_sets_when_every_row
     end = out.shape[1] - start
     assert end < budget                                          # the call ended at the longest stop
     assert all(g + r <= end for generated, remaining in seen[-3:] for g, r in zip(generated, remaining))
+
+
+def test_a_policy_that_reads_the_rows_lengths_after_choosing_is_told_to_read_them_inside_choose():
+    """The lengths a StepInfo hands over lazily describe the step being chosen; read first after `choose` returned,
+    they would describe a later one, so the read raises and names the fix instead."""
+    model = cached_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    class Late(FixedLength):
+        def choose(self, info):
+            self.info = info
+            return super().choose(info)
+
+        def observe(self, record):
+            self.info.remaining
+
+    with pytest.raises(RuntimeError, match="read it inside choose"):
+        spec_generate(model, ids, torch.ones_like(ids), ScriptedDrafter(lambda row, context, gamma: [5] * gamma),
+                      Late(2), max_new_tokens=8)

@@ -30,7 +30,9 @@ from ..metrics import StepRecord
 class StepInfo:
     """What a policy is told before it chooses. `generated` and `remaining` may be handed over as functions that
     compute them: they run on first read, so a policy that never reads them costs the loop no tensor operation (on a
-    GPU or a small model a step's cost is largely such operations)."""
+    GPU or a small model a step's cost is largely such operations). They describe the step being chosen: the loop
+    closes the info when `choose` returns (`close`), and a later first read raises instead of describing another
+    step (a policy that wants them afterwards reads them in `choose`)."""
 
     def __init__(self, batch_size: int, rows: torch.Tensor, generated, remaining, step: int,
                  draft_lag: torch.Tensor | None = None, level_lags: list[int] | None = None, closed: bool = False):
@@ -58,10 +60,23 @@ class StepInfo:
             self._remaining = self._remaining()
         return self._remaining
 
+    def close(self) -> None:
+        """The step was chosen: a field not read by now can no longer be computed for it."""
+        for name in ("_generated", "_remaining"):
+            if callable(getattr(self, name)):
+                setattr(self, name, _closed(name[1:]))
+
     def __repr__(self) -> str:
         return (f"StepInfo(batch_size={self.batch_size}, rows={self.rows}, generated={self.generated}, "
                 f"remaining={self.remaining}, step={self.step}, draft_lag={self.draft_lag}, "
                 f"level_lags={self.level_lags}, closed={self.closed})")
+
+
+def _closed(name: str):
+    def read():
+        raise RuntimeError(f"StepInfo.{name} was first read after the policy's choose returned; the rows have moved "
+                           f"on since: read it inside choose and keep the value")
+    return read
 
 
 # A draft model normally trails the committed text by 1 or 2 tokens (the target's new token, and the last draft token
