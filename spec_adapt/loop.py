@@ -556,9 +556,7 @@ class SpeculativeLoop:
             self._room = (self.buffer, self.rows, known[2] - extra)
             return
         lengths = self.lengths[self.rows]
-        # Past a row's limit too: `Stopper._write` writes a step's whole block (the columns past what a row keeps
-        # get their own contents back), which needs every column of it inside the buffer.
-        need = int((lengths + extra).max())
+        need = int(torch.minimum(lengths + extra, self.limits[self.rows]).max())
         width = self.buffer.shape[1]
         if need > width:
             grown = max(need, min(2 * width, int(self.limits[self.rows].max())))
@@ -760,11 +758,8 @@ class Stopper:
             hit_eos = is_eos.any(dim=1)
             n = torch.where(hit_eos, is_eos.long().argmax(dim=1) + 1, n)
         finished = hit_eos | (old + n >= limits)
-        # The whole [B, W] block, each column past what a row keeps given its own contents back: no index list built
-        # from the mask (on a GPU, a wait). `_reserve` keeps every column of the block inside the buffer.
-        columns = old[:, None] + pos
-        at = (rows[:, None], columns)
-        buffer[at] = torch.where(pos < n[:, None], new, buffer[at])
+        b, j = (pos < n[:, None]).nonzero(as_tuple=True)
+        buffer[rows[b], old[b] + j] = new[b, j]
         return n, finished
 
     def _write_one(self, buffer, rows, old, new, n, limits):
