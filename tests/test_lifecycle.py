@@ -133,9 +133,10 @@ def test_a_drafter_that_fails_before_its_begin_falls_back():
 
 
 # The operations that copy a device value to the host (on a GPU, each waits for the device): `item()`, `int()`,
-# `bool()` of a tensor, `nonzero` and `tolist()` (which dispatches one resolve_neg per call).
+# `bool()` of a tensor, `nonzero` (`nonzero_numpy` as a tuple) and `tolist()` (which dispatches one resolve_neg per
+# call).
 HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default",
-              "aten.resolve_neg.default"}
+              "aten.nonzero_numpy.default", "aten.resolve_neg.default"}
 
 
 def _ops_outside_forward(model, run, only: set | None = None) -> int:
