@@ -270,9 +270,15 @@ class SpeculativeLoop:
                             free=free, plain=none, most=most)
         return self._tree_plan(gammas, plan, remaining)
 
+    def _settle(self, rows, old, n_keep, finished):
+        """`Stopper.settle` over the loop's own lengths and limits; the limits it may write are gathered again."""
+        if self.stopper.waits:           # only then does settle write limits
+            self._limits_of = None
+        return self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits, self.lengths, self.pad_id)
+
     def _row_limits(self) -> torch.Tensor:
         """limits[rows], made again when the rows or the limits tensor change; whoever writes limits in place
-        (`Stopper.settle` through `_commit`, a serving admission) clears it (`_limits_of = None`)."""
+        (`_settle`, a serving admission) clears it (`_limits_of = None`)."""
         known = getattr(self, "_limits_of", None)
         if known is None or known[0] is not self.rows or known[1] is not self.limits:
             self._limits_of = (self.rows, self.limits, self.limits[self.rows])
@@ -390,10 +396,7 @@ class SpeculativeLoop:
         every_one = plain and n_new is self.target.ones(len(rows))     # each row keeps its one token
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self._row_limits(),
                                             every_one)
-        n_keep, finished, taken = self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits,
-                                                      self.lengths, self.pad_id)
-        if self.stopper.waits:           # settle may have written limits
-            self._limits_of = None
+        n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
         self.finished = finished
@@ -427,9 +430,7 @@ class SpeculativeLoop:
         new = next_token[:, None]
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, torch.ones_like(old), self.pad_id,
                                             self.limits[rows])
-        n_keep, finished, taken = self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits,
-                                                      self.lengths, self.pad_id)
-        self._limits_of = None           # new rows' limits, or settle's
+        n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
         self._count_first_token(rows, n_keep)

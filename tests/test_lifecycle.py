@@ -293,6 +293,7 @@ def test_a_policy_that_reads_the_rows_lengths_after_choosing_is_told_to_read_the
             return super().choose(info)
 
         def observe(self, record):
+            assert "remaining=<not read>" in repr(self.info)     # shown without computing (or raising)
             self.info.remaining
 
     with pytest.raises(RuntimeError, match="read it inside choose"):

@@ -67,8 +67,10 @@ class StepInfo:
                 setattr(self, name, _closed(name[1:]))
 
     def __repr__(self) -> str:
-        return (f"StepInfo(batch_size={self.batch_size}, rows={self.rows}, generated={self.generated}, "
-                f"remaining={self.remaining}, step={self.step}, draft_lag={self.draft_lag}, "
+        def shown(value):        # a field not read yet stays unread (and a closed one does not raise)
+            return "<not read>" if callable(value) else value
+        return (f"StepInfo(batch_size={self.batch_size}, rows={self.rows}, generated={shown(self._generated)}, "
+                f"remaining={shown(self._remaining)}, step={self.step}, draft_lag={self.draft_lag}, "
                 f"level_lags={self.level_lags}, closed={self.closed})")
 
 
