@@ -84,6 +84,39 @@ def test_rejection_kernel_matches_reference_bit_for_bit(shape, dtype, point_mass
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
+@pytest.mark.parametrize("chunk", [64, 100, 8192])
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_rejection_kernel_splits_the_vocabulary_and_keeps_the_first_index_on_ties(chunk, point_mass):
+    """Small chunks make many partials per row; equal race scores in several chunks (and inside one block) must give
+    the first index overall, as torch.argmax, whether the row samples from the residual or from p."""
+    batch, width, vocab = 6, 3, 700
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(batch, width + 1, vocab, generator=gen).mul(3).softmax(-1)
+    q = None if point_mass else torch.randn(batch, width, vocab, generator=gen).mul(3).softmax(-1)
+    drafts = torch.randint(0, vocab, (batch, width), generator=gen)
+    lengths = torch.tensor([3, 0, 2, 3, 1, 3])
+    u, e = sample_randoms(batch, width, vocab, torch.device("cpu"), gen)
+    u[0], u[3] = 0.0, 1.0                        # row 0 accepts all where it may, row 3 rejects its first draft
+    p[3, 0] = torch.nn.functional.one_hot(drafts[3, 0], vocab).float()
+    if q is not None:
+        q[3, 0] = p[3, 0]                        # row 3: p == q, no residual mass, so the row samples from p
+    p[4], e[4] = 1.0 / vocab, 1.0                # row 4: flat p and flat race, so every index ties
+    p[5, :, [5, 64, 650]] = 0.5                  # row 5: three equal winners in three chunks
+    e[5, [5, 64, 650]] = 1e-3
+    ref = rejection_sample(p, drafts, q, lengths, u, e)
+    out = rejection_verify(p, drafts, q, lengths, u, e, block=32, chunk=chunk)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert out[1].tolist()[3:5] == [drafts[3, 0].item(), 0]
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 8192])
+def test_rank_kernel_sums_its_chunks(chunk):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 700, generator=gen).round()      # many equal values: "strictly above" must hold
+    tokens = torch.randint(0, 700, (5,), generator=gen)
+    assert torch.equal(token_rank(logits, tokens, block=32, chunk=chunk), token_rank_reference(logits, tokens))
+
+
 @pytest.mark.parametrize("n, vocab", [(1, 1000), (7, 32005), (33, 151), (4, 151936)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rank_kernel_matches_reference(n, vocab, dtype):
