@@ -435,11 +435,14 @@ class KVLedger:
         # forward keeps them in `hidden` [B, W, H] (all its columns, whatever logits it keeps); None otherwise.
         self.want_hidden = False
         self.hidden: torch.Tensor | None = None
-        # Host bookkeeping that spares a step without drafts tensor work: `_full` is the slot map last seen without
-        # a hole (every slots tensor is replaced, never written in place, so identity tells it is unchanged), and
-        # `_one_each` the [B] ones that `ones` hands out for a forward of one valid token a row.
+        # Host bookkeeping that spares a step tensor work and host reads: `_full` is the slot map last seen without
+        # a hole (every slots tensor is replaced, never written in place, so identity tells it is unchanged; a
+        # rollback that leaves every row every column sets it), and `_one_each` the [B] ones that `ones` hands out
+        # for a forward of one valid token a row.
         self._full: torch.Tensor | None = None
         self._one_each: torch.Tensor | None = None
+        self._width_each: torch.Tensor | None = None      # `filled`'s tensor, of `_width` each
+        self._width = 0
 
     def use_inputs(self, inputs) -> None:
         """Run every forward with these model inputs (spec_adapt.inputs.ModelInputs; None: tokens only). Inputs that
@@ -614,18 +617,32 @@ class KVLedger:
             self._one_each = torch.ones(batch, dtype=torch.long, device=self.device)
         return self._one_each
 
+    def filled(self, batch: int, width: int) -> torch.Tensor:
+        """[batch] of `width`, never written: `n_valid` for a forward in which every row's `width` tokens are valid
+        (a chain every row drafted to the full width, which the proposal check knows on the host). Like `ones`, the
+        ledger knows it by identity and appends its columns without checking for holes."""
+        if width == 1:
+            return self.ones(batch)
+        known = self._width_each
+        if known is None or known.shape[0] != batch or self._width != width:
+            self._width_each, self._width = torch.full((batch,), width, dtype=torch.long, device=self.device), width
+        return self._width_each
+
     def _append(self, width: int, n_valid: torch.Tensor):
         """Slots of `width` new columns (row b's first n_valid[b] valid): (new [B, W], all slots [B, P + W])."""
         every_one = n_valid is self._one_each and width == 1    # every row's one token valid: no hole opens
+        dense = every_one or (n_valid is self._width_each and width == self._width)
         if every_one:
             new = self.n_cached[:, None]
         elif width == 1:                 # a step without drafts: one column, at the row's length where it is valid
             new = torch.where(n_valid[:, None] > 0, self.n_cached[:, None], -1)
+        elif dense:
+            new = self.n_cached[:, None] + offsets(width, self.device)
         else:
             offset = offsets(width, self.device)
             new = torch.where(offset < n_valid[:, None], self.n_cached[:, None] + offset, -1)
         slots = torch.cat([self.slots, new], dim=1)
-        if every_one and self.slots is self._full:
+        if dense and self.slots is self._full:
             self._full = slots
         return new, slots
 
@@ -740,8 +757,10 @@ class KVLedger:
             self.keep_tree(torch.zeros_like(self.slots, dtype=torch.bool))
         self.slots = torch.where(self.slots < keep_len[:, None], self.slots, -1)
         self.n_cached = torch.minimum(self.n_cached, keep_len)
-        used, longest = self._extent()
+        used, longest, shortest = self._extent()
         self._trim(used)
+        if shortest == self.slots.shape[1]:      # every row holds every column: the next forward needs no hole check
+            self._full = self.slots
         self._drop_outside_windows()
         free = self.physical_length - longest       # slots compaction would free: the longest row keeps its own
         if not self.lockstep and free >= self.compact_min and free > self.compact_threshold * self.physical_length:
@@ -859,15 +878,16 @@ class KVLedger:
         for layer in self._layers():
             _map_columns(layer, lambda t, dim: _with_columns(t, extra, dim, after=True))
 
-    def _extent(self) -> tuple[int, int]:
-        """(columns in use: the last column any row holds a slot in, plus 1; the most slots one row holds), in one
-        host read: a rollback reads both every step."""
+    def _extent(self) -> tuple[int, int, int]:
+        """(columns in use: the last column any row holds a slot in, plus 1; the most slots one row holds; the fewest),
+        in one host read: a rollback reads them every step."""
         if not self.slots.numel():
-            return 0, 0
+            return 0, 0, 0
         valid = self.slots >= 0
         ends = offsets(valid.shape[1] + 1, self.device)[0, 1:]                   # column c's end: c + 1
-        used, longest = torch.stack([(valid.any(dim=0) * ends).max(), valid.sum(dim=1).max()]).tolist()
-        return used, longest
+        held = valid.sum(dim=1)
+        used, longest, shortest = torch.stack([(valid.any(dim=0) * ends).max(), held.max(), held.min()]).tolist()
+        return used, longest, shortest
 
     def compact(self) -> None:
         """Move each row's valid entries to the front of the cache (stable), then trim. Attention is unchanged."""

@@ -335,7 +335,9 @@ class SpeculativeLoop:
         chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
         if proposal.parents is not None:
             return self._verify_tree(proposal, chunk, lengths)
-        n_valid = proposal.lengths + 1
+        # Every row drafting the full width (known from the proposal check's read): the ledger knows that tensor and
+        # appends the columns without a hole check.
+        n_valid = self.target.filled(len(lengths), chunk.shape[1]) if proposal.dense else proposal.lengths + 1
         result = self.verifier.verify(self.target, chunk, n_valid)
         bonus = None                     # every position kept (a full verification): every row has its bonus
         if result.kept is not n_valid:
@@ -545,7 +547,8 @@ class SpeculativeLoop:
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _reserve(self, extra: int) -> None:
-        """Room in the token buffer for `extra` more tokens in every active row (up to its limit): the buffer grows
+        """Room in the token buffer for `extra` more tokens in every active row, past its limit too (`Stopper._write`
+        writes a step's whole block): the buffer grows
         with what is generated, doubling, never with the budget. The lengths are read once per growth, not every
         step: a row gains at most `extra` tokens a step, so after a read that found `free` columns past the longest
         row, steps whose extras add up to `free` fit. Anything that moves rows or buffer (rows that leave or join,
@@ -557,7 +560,9 @@ class SpeculativeLoop:
             self._room = (self.buffer, self.rows, known[2] - extra)
             return
         lengths = self.lengths[self.rows]
-        need = int(torch.minimum(lengths + extra, self.limits[self.rows]).max())
+        # Past a row's limit too: `Stopper._write` writes a step's whole block (the columns past what a row keeps
+        # get their own contents back), which needs every column of it inside the buffer.
+        need = int((lengths + extra).max())
         width = self.buffer.shape[1]
         if need > width:
             grown = max(need, min(2 * width, int(self.limits[self.rows].max())))
@@ -751,7 +756,8 @@ class Stopper:
         return n, finished
 
     def _write(self, buffer, rows, old, new, n, limits):
-        """Row b's first n[b] tokens of new [B, W] into the buffer, cut after an EOS: (n, finished)."""
+        """Row b's first n[b] tokens of new [B, W] into the buffer, cut after an EOS: (n, finished). The buffer holds
+        columns old[b] .. old[b] + W - 1 of every row (`SpeculativeLoop._reserve`)."""
         pos = offsets(new.shape[1], new.device)
         hit_eos = torch.zeros_like(n, dtype=torch.bool)
         if self.eos is not None:
@@ -759,8 +765,11 @@ class Stopper:
             hit_eos = is_eos.any(dim=1)
             n = torch.where(hit_eos, is_eos.long().argmax(dim=1) + 1, n)
         finished = hit_eos | (old + n >= limits)
-        b, j = (pos < n[:, None]).nonzero(as_tuple=True)
-        buffer[rows[b], old[b] + j] = new[b, j]
+        # The whole [B, W] block, each column past what a row keeps given its own contents back: no index list built
+        # from the mask (on a GPU, a wait). `_reserve` keeps every column of the block inside the buffer.
+        columns = old[:, None] + pos
+        at = (rows[:, None], columns)
+        buffer[at] = torch.where(pos < n[:, None], new, buffer[at])
         return n, finished
 
     def _write_one(self, buffer, rows, old, new, n, limits):

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import spec_adapt
@@ -319,3 +320,25 @@ def test_full_vocabulary_probability_checks_run_under_strict_only():
     unused = probs.clone()
     unused[1, 1, 3] = float("nan")                # row 1 drafts one token: its second position is never read
     assert check_proposal(Proposal(tokens, lengths, unused), req, VOCAB, strict=True).lengths.tolist() == [2, 1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_a_checked_proposal_is_dense_exactly_when_every_row_drafts_the_full_width(data):
+    """`Proposal.dense` (set by the check from its one read) tells the ledger that every row's drafts fill the
+    width, so the verification appends its columns without a hole check: it holds exactly when every row's length,
+    after the cut to its gamma, equals the cut width, and a drafter cannot set it."""
+    from spec_adapt.drafters.base import DraftRequest, check_proposal
+    from spec_adapt.processors import ScoreProcessor
+
+    batch = data.draw(st.integers(1, 4))
+    gammas = torch.tensor([data.draw(st.integers(0, 4)) for _ in range(batch)])
+    width = data.draw(st.integers(0, 5))
+    lengths = torch.tensor([data.draw(st.integers(0, width)) for _ in range(batch)])
+    req = DraftRequest(torch.zeros(batch, 8, dtype=torch.long), torch.full((batch,), 4), gammas,
+                       torch.arange(batch), False, ScoreProcessor(None))
+    checked = check_proposal(Proposal(torch.full((batch, width), 5), lengths), req, VOCAB)
+    cut = torch.minimum(lengths, gammas)
+    assert checked.dense == (int(cut.max()) > 0 and bool((cut == cut.max()).all()))
+    with pytest.raises(TypeError):
+        Proposal(torch.full((batch, width), 5), lengths, dense=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from spec_adapt import ChainDrafter, EarlyExitVerifier, FixedLength, PromptLookupDrafter, ScriptedDrafter
+from spec_adapt.drafters.base import Drafter, Proposal
 from spec_adapt.serving.engine import Engine
 
 from conftest import PAD, Breaks, cached_model, spec_generate, stock_greedy, tiny_model
@@ -299,3 +300,31 @@ def test_a_policy_that_reads_the_rows_lengths_after_choosing_is_told_to_read_the
     with pytest.raises(RuntimeError, match="read it inside choose"):
         spec_generate(model, ids, torch.ones_like(ids), ScriptedDrafter(lambda row, context, gamma: [5] * gamma),
                       Late(2), max_new_tokens=8)
+
+
+class _Reading(Drafter):
+    """Always right, width 4, without a host read of its own: the reference continuation gathered on the device."""
+
+    def __init__(self, reference: torch.Tensor):
+        self.reference = reference
+
+    def propose(self, request):
+        columns = request.lengths[:, None] + torch.arange(4)
+        return Proposal(self.reference[request.rows].gather(1, columns), request.gammas.clamp(max=4))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_drafting_step_reads_the_device_at_most_four_times(batch):
+    """On a GPU every host read is a wait. A drafting step's own reads: whether any row drafts, the proposal's bounds
+    (one copy, which also tells whether every row drafted the full width), the rollback's extent (one copy, which
+    also tells whether every row keeps every column) and the record. So a verification after a rollback that left
+    no hole needs no hole check, and the committed tokens are written without an index list built from a mask."""
+    model = cached_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]] * batch)
+    reference = stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=70)
+
+    def reads(n) -> int:
+        return _ops_outside_forward(model, lambda: spec_generate(model, ids, torch.ones_like(ids), _Reading(reference),
+                                                                 FixedLength(4), max_new_tokens=n), HOST_READS)
+
+    assert (reads(51) - reads(11)) / 8 <= 4

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter
 from spec_adapt.estimators import Calibration, StopRule
+from spec_adapt.loop import Stopper
 from spec_adapt.policies.base import Plan, StepInfo
 
 from conftest import PAD, cached_model, ragged_batch, stock_greedy
@@ -267,24 +268,53 @@ def test_a_row_the_rule_stops_proposes_its_last_token_without_another_draft_forw
     assert len(forwards) == len(drafting)
 
 
+def _write_case(data, most_width: int):
+    """Rows, lengths, limits, counts (0 where a verifier kept no position), EOS ids and a buffer as the loop hands them
+    to `Stopper`: a row's length is at most its limit, and the buffer holds the step's whole block past every row's
+    length (`SpeculativeLoop._reserve`), at its limit too."""
+    batch, length = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 6))
+    width = data.draw(st.integers(1, most_width))
+    held = data.draw(st.integers(batch, batch + 3))
+    rows = torch.tensor(data.draw(st.permutations(range(held)))[:batch])
+    old = torch.tensor([data.draw(st.integers(0, length)) for _ in range(batch)])
+    limits = torch.tensor([data.draw(st.integers(int(o), length)) for o in old])
+    new = torch.tensor([[data.draw(st.integers(0, 9)) for _ in range(width)] for _ in range(batch)])
+    n = torch.minimum(torch.tensor([data.draw(st.integers(0, width)) for _ in range(batch)]), limits - old)
+    eos = data.draw(st.sampled_from([None, [3], [3, 7]]))
+    seed = data.draw(st.integers(0, 99))
+    buffer = torch.randint(10, 20, (held, length + width), generator=torch.Generator().manual_seed(seed))
+    stopper = Stopper([], length, "cpu")
+    stopper.eos = torch.tensor(eos) if eos is not None else None
+    return stopper, buffer, rows, old, new, n, limits
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_block_write_writes_each_rows_kept_tokens_and_nothing_else(data):
+    """`Stopper._write` writes a step's tokens as one [B, W] block: row b gets new[b, :k] at old[b], k its count cut
+    after the first EOS, and every other buffer entry (columns past k, rows not in the step) is unchanged; a row
+    finishes at an EOS or at its limit. Checked against a row-by-row reference."""
+    stopper, buffer, rows, old, new, n, limits = _write_case(data, 6)
+    want = buffer.clone()
+    eos = stopper.eos.tolist() if stopper.eos is not None else []
+    kept, done = [], []
+    for b, row in enumerate(rows.tolist()):
+        hits = [j for j in range(int(n[b])) if int(new[b, j]) in eos]
+        k = hits[0] + 1 if hits else int(n[b])
+        want[row, int(old[b]): int(old[b]) + k] = new[b, :k]
+        kept.append(k)
+        done.append(bool(hits) or int(old[b]) + k >= int(limits[b]))
+    got_n, got_finished = stopper._write(buffer, rows, old, new, n.clone(), limits)
+    assert torch.equal(buffer, want)
+    assert got_n.tolist() == kept and got_finished.tolist() == done
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_the_one_token_write_is_the_general_write(data):
     """A step without drafts writes one token a row through `Stopper._write_one`; whatever the rows, lengths, limits,
     counts (0 where a verifier kept no position) and EOS ids, it writes and stops exactly as the general `_write`."""
-    from spec_adapt.loop import Stopper
-
-    batch, width = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 6))
-    held = data.draw(st.integers(batch, batch + 3))
-    rows = torch.tensor(data.draw(st.permutations(range(held)))[:batch])
-    old = torch.tensor([data.draw(st.integers(0, width)) for _ in range(batch)])
-    limits = torch.tensor([data.draw(st.integers(int(o), width)) for o in old])
-    new = torch.tensor([[data.draw(st.integers(0, 9))] for _ in range(batch)])
-    n = torch.minimum(torch.tensor([data.draw(st.integers(0, 1)) for _ in range(batch)]), limits - old)
-    eos = data.draw(st.sampled_from([None, [3], [3, 7]]))
-    buffer = torch.randint(10, 20, (held, width), generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
-    stopper = Stopper([], width, "cpu")
-    stopper.eos = torch.tensor(eos) if eos is not None else None
+    stopper, buffer, rows, old, new, n, limits = _write_case(data, 1)
     mine, theirs = buffer.clone(), buffer.clone()
     got = stopper._write_one(mine, rows, old, new, n.clone(), limits)
     want = stopper._write(theirs, rows, old, new, n.clone(), limits)

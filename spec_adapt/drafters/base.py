@@ -8,7 +8,7 @@ way for every drafter and for the target's own ledger.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +69,9 @@ class Proposal:
                                              # draft model), for the policy's calibration; None = not known
     free: torch.Tensor | None = None  # [B] bool: rows drafted by a model-free source (point masses, bounded by
                                       # DraftRequest.free rather than gammas); None = no such row
+    # Set by the loop's check (`check_proposal`), never by a drafter: every row holds all S drafts, known on the
+    # host from the check's one read, so the verification appends its columns with no hole check.
+    dense: bool = field(default=False, init=False, repr=False, compare=False)
 
     @staticmethod
     def empty(batch: int, device) -> "Proposal":
@@ -260,7 +263,7 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         lengths = torch.minimum(lengths, bound)
     # Every bound the checks read, in one host copy: the given lengths' ends, the width after the cut, the ids' ends
     # (over every column: an id out of range past the width is looked at again below, and let through).
-    low, high, width, low_id, high_id = _ends(given, lengths, tokens)
+    low, high, width, shortest, low_id, high_id = _ends(given, lengths, tokens)
     _expect(low >= 0 and high <= tokens.shape[1],
             lambda: f"lengths must be within [0, S={tokens.shape[1]}], got {given.tolist()}")
     if request.pooled:
@@ -279,9 +282,10 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         q = probs.gather(-1, tokens[..., None]).squeeze(-1)
         _expect(not bool(((q != 1) & used & free[:, None]).any()), "a model-free row's probs must be point masses "
                 "at its drafted tokens")
-    return Proposal(tokens, lengths, probs, proposal.telemetry, parents, _checked_confidence(proposal.confidence,
-                                                                                            batch, width, device),
-                    free)
+    checked = Proposal(tokens, lengths, probs, proposal.telemetry, parents,
+                       _checked_confidence(proposal.confidence, batch, width, device), free)
+    checked.dense = parents is None and shortest == width > 0
+    return checked
 
 
 def _long_on(values: torch.Tensor, device) -> torch.Tensor:
@@ -369,11 +373,11 @@ def _check_depth(deepest, request) -> None:
 
 
 def _ends(given: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor) -> list[int]:
-    """(min, max) of the given lengths, max of the cut lengths (the width), (min, max) of the token ids, read in one
-    host copy; 0 for what is empty."""
+    """(min, max) of the given lengths, (max, min) of the cut lengths (the width, and whether every row fills it),
+    (min, max) of the token ids, read in one host copy; 0 for what is empty."""
     zero = given.new_zeros(())
     parts = [*torch.aminmax(given)] if given.numel() else [zero, zero]
-    parts.append(lengths.max() if lengths.numel() else zero)
+    parts += [*reversed(torch.aminmax(lengths))] if lengths.numel() else [zero, zero]
     parts += [*torch.aminmax(tokens)] if tokens.numel() else [zero, zero]
     return torch.stack(parts).tolist()
 
