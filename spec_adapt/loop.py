@@ -47,6 +47,7 @@ class StepPlan:
     free: torch.Tensor | None = None     # [B] the most drafts a row may take from a model-free source (Drafter.max_free)
     plain: bool = False                  # known without reading a device tensor: no row drafts (every width 0)
     most: int | None = None              # known without reading a tensor: a bound on `deepest` (None: read them)
+    some: bool = False                   # known without reading a tensor: some row drafts
 
     @property
     def deepest(self) -> int:
@@ -61,7 +62,7 @@ class StepPlan:
     @property
     def drafts(self) -> bool:
         """Whether any row may draft this step (a drafter is never asked for none)."""
-        return bool((self.gammas > 0).any()) or (self.free is not None and bool((self.free > 0).any()))
+        return self.some or bool((self.gammas > 0).any()) or (self.free is not None and bool((self.free > 0).any()))
 
 
 class SpeculativeLoop:
@@ -266,23 +267,44 @@ class SpeculativeLoop:
                 most = max(most, self.drafter.max_free)
             none = free is None and (most == 0 if most is not None else not bool(plan.gammas.any()))
             room = remaining if self.drafter.fills_budget else remaining - 1   # the bonus is cut past the budget
+            # One width for every row, and room for a draft in every row: some row drafts, with no read.
+            some = most is not None and type(answer) is int and answer > 0 and self._least_left() >= 2
             return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
-                            free=free, plain=none, most=most)
+                            free=free, plain=none, most=most, some=some)
         return self._tree_plan(gammas, plan, remaining)
 
     def _settle(self, rows, old, n_keep, finished):
         """`Stopper.settle` over the loop's own lengths and limits; the limits it may write are gathered again."""
         if self.stopper.waits:           # only then does settle write limits
-            self._limits_of = None
+            self._limits_written()
         return self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits, self.lengths, self.pad_id)
 
+    def _limits_written(self) -> None:
+        """Whoever writes limits in place, or brings rows in (`_settle`, a serving admission), says so here: what
+        the loop keeps of them (`_row_limits`, `_least_left`) is made again."""
+        self._limits_of = self._left = None
+
     def _row_limits(self) -> torch.Tensor:
-        """limits[rows], made again when the rows or the limits tensor change; whoever writes limits in place
-        (`_settle`, a serving admission) clears it (`_limits_of = None`)."""
+        """limits[rows], made again when the rows or the limits tensor change (see `_limits_written`)."""
         known = getattr(self, "_limits_of", None)
         if known is None or known[0] is not self.rows or known[1] is not self.limits:
             self._limits_of = (self.rows, self.limits, self.limits[self.rows])
         return self._limits_of[2]
+
+    def _least_left(self) -> int:
+        """A bound, known on the host, below what every row in the batch may still generate: read once, then
+        lowered by each commit's width (no row gains more), so a drafting step need not read whether a row drafts.
+        Rows that leave keep it a bound; rows that join, or limits written, make it read again."""
+        known = getattr(self, "_left", None)
+        if known is None or known[0] is not self.limits:
+            least = int((self._row_limits() - self.lengths[self.rows]).min()) if len(self.rows) else 0
+            known = self._left = [self.limits, least]
+        return known[1]
+
+    def _lower_left(self, width: int) -> None:
+        """A commit of at most `width` tokens a row: what every row may still generate falls by at most that."""
+        if getattr(self, "_left", None) is not None:
+            self._left[1] -= width
 
     def _no_drafts(self, batch: int) -> torch.Tensor:
         """[batch] zeros: the widths of a step without drafts (one tensor per batch size, never written)."""
@@ -401,6 +423,7 @@ class SpeculativeLoop:
         n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
+        self._lower_left(new.shape[1])
         self.finished = finished
         for row, k in taken:     # rows that had left past where the batch ends (Stopper.settle)
             self._take_back(row, k)
@@ -435,6 +458,7 @@ class SpeculativeLoop:
         n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
         self.lengths[rows] = old + n_keep
+        self._lower_left(1)
         self._count_first_token(rows, n_keep)
         for row, k in taken:
             self._take_back(row, k)

@@ -13,7 +13,7 @@ from spec_adapt import ChainDrafter, EarlyExitVerifier, FixedLength, PromptLooku
 from spec_adapt.drafters.base import Drafter, Proposal
 from spec_adapt.serving.engine import Engine
 
-from conftest import PAD, Breaks, cached_model, spec_generate, stock_greedy, tiny_model
+from conftest import PAD, Breaks, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
 
 PROMPTS = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12], [20, 21, 22, 20, 21]]
 BUDGET = 14
@@ -314,11 +314,12 @@ class _Reading(Drafter):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_drafting_step_reads_the_device_at_most_four_times(batch):
-    """On a GPU every host read is a wait. A drafting step's own reads: whether any row drafts, the proposal's bounds
-    (one copy, which also tells whether every row drafted the full width), the rollback's extent (one copy, which
-    also tells whether every row keeps every column) and the record. So a verification after a rollback that left
-    no hole needs no hole check, and the committed tokens are written without an index list built from a mask."""
+def test_a_drafting_step_reads_the_device_at_most_three_times(batch):
+    """On a GPU every host read is a wait. A drafting step's own reads: the proposal's bounds (one copy, which also
+    tells whether every row drafted the full width), the rollback's extent (one copy, which also tells whether every
+    row keeps every column) and the record. Whether any row drafts is known on the host (one width for every row,
+    and room for it), a verification after a rollback that left no hole needs no hole check, and the committed
+    tokens are written without an index list built from a mask."""
     model = cached_model("llama")
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]] * batch)
     reference = stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=70)
@@ -327,4 +328,27 @@ def test_a_drafting_step_reads_the_device_at_most_four_times(batch):
         return _ops_outside_forward(model, lambda: spec_generate(model, ids, torch.ones_like(ids), _Reading(reference),
                                                                  FixedLength(4), max_new_tokens=n), HOST_READS)
 
-    assert (reads(51) - reads(11)) / 8 <= 4
+    assert (reads(51) - reads(11)) / 8 <= 3
+
+
+class _NeverAskedForNone(ScriptedDrafter):
+    """Fails the call if the loop asks it for no drafts in any row (the loop's contract: `StepPlan.drafts`)."""
+
+    def propose(self, request):
+        assert int(request.gammas.max()) > 0, "asked for no drafts"
+        return super().propose(request)
+
+
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("budget", [2, 3, 5, 6, 9, 12])
+def test_a_drafter_is_never_asked_for_no_drafts_when_the_loop_knows_on_the_host_that_some_row_drafts(width, budget):
+    """The loop keeps a host bound below every row's tokens left and skips the read of whether any row drafts while
+    the bound leaves room; near the end (a budget the widths do not divide, rows that finish at an EOS) it reads
+    again, so no drafter is asked for nothing, and the output is stock's."""
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=4)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=budget)
+    right = _NeverAskedForNone(lambda row, context, gamma: [5] * gamma)
+    out, stats = spec_generate(model, ids, mask, right, FixedLength(width), max_new_tokens=budget)
+    assert torch.equal(out, reference)
+    assert stats.fallback is None

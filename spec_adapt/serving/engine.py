@@ -230,7 +230,7 @@ class ServingLoop(SpeculativeLoop):
         self.buffer[slots, : ids.shape[1]] = ids
         self.lengths[slots] = self.starts[slots] = ids.shape[1]
         self.limits[slots] = limits
-        self._limits_of = None           # limits[rows] is made again (Loop._row_limits)
+        self._limits_written()
         self.pads[slots] = (mask == 0).sum(dim=1)
 
     def step(self) -> None:
