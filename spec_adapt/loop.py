@@ -583,16 +583,17 @@ class SpeculativeLoop:
         if known is not None and known[0] is self.buffer and known[1] is self.rows and known[2] >= extra:
             self._room = (self.buffer, self.rows, known[2] - extra)
             return
-        lengths = self.lengths[self.rows]
+        # The longest row and the furthest limit, in one host read.
+        longest, furthest = torch.stack([self.lengths[self.rows].max(), self._row_limits().max()]).tolist()
         # Past a row's limit too: `Stopper._write` writes a step's whole block (the columns past what a row keeps
         # get their own contents back), which needs every column of it inside the buffer.
-        need = int((lengths + extra).max())
+        need = longest + extra
         width = self.buffer.shape[1]
         if need > width:
-            grown = max(need, min(2 * width, int(self.limits[self.rows].max())))
+            grown = max(need, min(2 * width, furthest))
             more = self.buffer.new_full((self.buffer.shape[0], grown - width), self.pad_id)
             self.buffer = torch.cat([self.buffer, more], dim=1)
-        self._room = (self.buffer, self.rows, self.buffer.shape[1] - int(lengths.max()) - extra)
+        self._room = (self.buffer, self.rows, self.buffer.shape[1] - longest - extra)
 
     def _guard(self, what, fn, *args):
         """Run a drafter method; on any error (out of memory included) continue without speculation.

@@ -342,3 +342,33 @@ def test_a_checked_proposal_is_dense_exactly_when_every_row_drafts_the_full_widt
     assert checked.dense == (int(cut.max()) > 0 and bool((cut == cut.max()).all()))
     with pytest.raises(TypeError):
         Proposal(torch.full((batch, width), 5), lengths, dense=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_a_proposals_confidences_are_probabilities_where_the_kept_width_reads_them(data):
+    """Confidences are checked as probabilities in [0, 1] over the columns the proposal keeps (its longest row),
+    from the bounds the check reads with the proposal's others; a NaN or out-of-range value there is refused, one
+    past the kept width is not read and passes."""
+    from spec_adapt.drafters.base import DraftRequest, InvalidProposal, check_proposal
+    from spec_adapt.processors import ScoreProcessor
+
+    batch, columns = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))
+    lengths = torch.tensor([data.draw(st.integers(0, columns)) for _ in range(batch)])
+    req = DraftRequest(torch.zeros(batch, 8, dtype=torch.long), torch.full((batch,), 4), torch.full((batch,), 5),
+                       torch.arange(batch), False, ScoreProcessor(None))
+    confidence = torch.rand(batch, columns + data.draw(st.integers(0, 2)),
+                            generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    bad = data.draw(st.sampled_from([None, float("nan"), -0.1, 1.5]))
+    if bad is not None:
+        row, column = data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, confidence.shape[1] - 1))
+        confidence[row, column] = bad
+    width = int(lengths.max())
+    proposal = Proposal(torch.full((batch, columns), 5), lengths, confidence=confidence)
+    if bad is not None and column < width:
+        with pytest.raises(InvalidProposal, match="confidence must be probabilities"):
+            check_proposal(proposal, req, VOCAB)
+    else:
+        assert torch.equal(check_proposal(proposal, req, VOCAB).confidence, confidence[:, :width])
+    with pytest.raises(InvalidProposal, match="confidence must be a float tensor"):
+        check_proposal(Proposal(torch.full((batch, columns), 5), lengths, confidence=confidence.long()), req, VOCAB)

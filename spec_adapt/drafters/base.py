@@ -263,7 +263,8 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         lengths = torch.minimum(lengths, bound)
     # Every bound the checks read, in one host copy: the given lengths' ends, the width after the cut, the ids' ends
     # (over every column: an id out of range past the width is looked at again below, and let through).
-    low, high, width, shortest, low_id, high_id = _ends(given, lengths, tokens)
+    confidence = _shaped_confidence(proposal.confidence, batch, lengths, device)
+    low, high, width, shortest, low_id, high_id, *sure = _ends(given, lengths, tokens, confidence)
     _expect(low >= 0 and high <= tokens.shape[1],
             lambda: f"lengths must be within [0, S={tokens.shape[1]}], got {given.tolist()}")
     if request.pooled:
@@ -283,7 +284,7 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         _expect(not bool(((q != 1) & used & free[:, None]).any()), "a model-free row's probs must be point masses "
                 "at its drafted tokens")
     checked = Proposal(tokens, lengths, probs, proposal.telemetry, parents,
-                       _checked_confidence(proposal.confidence, batch, width, device), free)
+                       _checked_confidence(confidence, width, sure), free)
     checked.dense = parents is None and shortest == width > 0
     return checked
 
@@ -304,15 +305,29 @@ def _checked_free(free, request, batch, device):
     return free.to(device)
 
 
-def _checked_confidence(confidence, batch, width, device):
-    """None, or [B, >= S] probabilities (a policy's calibration reads them): cut to the kept width."""
+def _shaped_confidence(confidence, batch, lengths, device):
+    """None, or the drafter's [B, >= S] confidences on `device`, their shape checked (S: the longest row's drafts,
+    a bound read with the proposal's others, so the shape is checked against the widest a row may keep)."""
     if confidence is None:
         return None
     _expect(isinstance(confidence, torch.Tensor) and confidence.dim() == 2 and confidence.shape[0] == batch
-            and confidence.shape[1] >= width and confidence.dtype.is_floating_point,
-            f"confidence must be a float tensor [B={batch}, >= {width}], got {_describe(confidence)}")
-    confidence = confidence[:, :width].to(device)
-    _expect(bool(((confidence >= 0) & (confidence <= 1)).all()), "confidence must be probabilities in [0, 1]")
+            and confidence.dtype.is_floating_point,
+            f"confidence must be a float tensor [B={batch}, >= S], got {_describe(confidence)}")
+    return confidence.to(device)
+
+
+def _checked_confidence(confidence, width, ends):
+    """None, or [B, >= S] probabilities (a policy's calibration reads them): cut to the kept width. `ends`: the whole
+    tensor's (min, max), read with the proposal's bounds; only where they leave [0, 1] (or are NaN) is the kept part
+    read again, since values past a row's width are never read."""
+    if confidence is None:
+        return None
+    _expect(confidence.shape[1] >= width,
+            f"confidence must be a float tensor [B={confidence.shape[0]}, >= {width}], got {_describe(confidence)}")
+    confidence = confidence[:, :width]
+    low, high = ends
+    if not (low >= 0 and high <= 1):
+        _expect(bool(((confidence >= 0) & (confidence <= 1)).all()), "confidence must be probabilities in [0, 1]")
     return confidence
 
 
@@ -372,14 +387,19 @@ def _check_depth(deepest, request) -> None:
             lambda: f"tree depths {deepest.tolist()} exceed the plan's {limit.tolist()}")
 
 
-def _ends(given: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+def _ends(given: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, confidence=None) -> list:
     """(min, max) of the given lengths, (max, min) of the cut lengths (the width, and whether every row fills it),
-    (min, max) of the token ids, read in one host copy; 0 for what is empty."""
+    (min, max) of the token ids and, with `confidence`, its (min, max), read in one host copy; 0 for what is empty."""
     zero = given.new_zeros(())
     parts = [*torch.aminmax(given)] if given.numel() else [zero, zero]
     parts += [*reversed(torch.aminmax(lengths))] if lengths.numel() else [zero, zero]
     parts += [*torch.aminmax(tokens)] if tokens.numel() else [zero, zero]
-    return torch.stack(parts).tolist()
+    if confidence is None:
+        return torch.stack(parts).tolist()
+    # One copy for both: as float64, which holds every length and token id exactly.
+    parts += [*torch.aminmax(confidence)] if confidence.numel() else [zero, zero]
+    values = torch.stack([p.double() for p in parts]).tolist()
+    return [int(v) for v in values[:6]] + values[6:]
 
 
 def _expect(ok: bool, problem) -> None:

@@ -73,7 +73,19 @@ class ModelDrafter(Drafter):
         self.target_inputs = None    # the call's target inputs (share_inputs): a shared encoder's outputs
         self.unencoded = None        # an encoder-decoder draft's rows of prompt_inputs until its encoder runs
         self.vocab = None
-        self.kv_writes = 0          # draft tokens whose KV was written (all calls), to measure early exit
+        self._kv_writes = 0         # draft tokens whose KV was written (all calls), to measure early exit: an int
+                                    # and the device counts not yet read (`kv_writes` reads them)
+        self._writes: list[torch.Tensor] = []
+        self._fresh = False         # rows that joined may have nothing cached yet (until a step feeds every row)
+
+    @property
+    def kv_writes(self) -> int:
+        """Draft tokens whose KV was written, over every call. Counted on the device as the draft runs (a host read
+        per step would wait on it) and read here."""
+        if self._writes:
+            self._kv_writes += int(torch.stack([w.to(self._writes[0].device) for w in self._writes]).sum())
+            self._writes = []
+        return self._kv_writes
 
     def validate(self, target) -> None:
         if encoder_decoder(self.model):
@@ -131,6 +143,7 @@ class ModelDrafter(Drafter):
         self._learn(input_ids)
         self.ledger = KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device)
         self.ledger.lockstep = self.by_column        # never compacted: that would move tokens to other columns
+        self._fresh = True
         self.calib = torch.ones(len(input_ids), 2, device=self.ledger.device)
         if encoder_decoder(self.model):              # its own encoder's outputs, at its first forward (`_encode`)
             given = len(self.prompt_inputs[self.model.main_input_name])
@@ -175,6 +188,7 @@ class ModelDrafter(Drafter):
         # Positional: the draft's ledger follows the active rows; row numbers only matter to the processors.
         self._learn(input_ids)
         self.calib = torch.cat([self.calib, self.calib.new_ones(len(input_ids), 2)])
+        self._fresh = True
         self.ledger.add_rows(KVLedger.empty(self.runner, left_padding(input_ids, attention_mask), self.model.device))
 
     def _learn(self, tokens):
@@ -185,16 +199,19 @@ class ModelDrafter(Drafter):
         device, target_device = self.ledger.device, request.tokens.device
         tokens = request.tokens.to(device)
         lengths, gammas = request.lengths.to(device), request.gammas.to(device)
-        batch, most = tokens.shape[0], int(gammas.max())
+        batch = tokens.shape[0]
         if self.unencoded is not None:
             self._encode()
         if self.by_column:
             self._align(lengths, gammas > 0)
         # Catch up on committed tokens the draft has not cached yet (rows that draft nothing skip it).
         pending = torch.where(gammas > 0, lengths - self.ledger.n_cached, 0)             # [B]
-        last = self._catch_up(tokens, pending)                                           # [B, V']
-
-        self.kv_writes += int(pending.sum())
+        # The widths' and the catch-up's ends, in one host read.
+        least, most, even, behind = torch.stack([*torch.aminmax(gammas), *torch.aminmax(pending)]).tolist()
+        last = self._catch_up(tokens, pending, behind, even)                             # [B, V']
+        if least > 0:                 # every row was fed: none is left with nothing cached
+            self._fresh = False
+        self._writes.append(pending.sum())
         if request.depths is not None:
             from .model_tree import draft_tree
 
@@ -207,6 +224,10 @@ class ModelDrafter(Drafter):
         survival = torch.ones(batch, device=device)              # of the row's drafts so far (request.stop)
         ruled_in = torch.ones(batch, dtype=torch.bool, device=device)    # rows the plan's rule lets go on
         drafted = torch.zeros_like(gammas)            # per row: tokens drafted so far
+        # Without an early exit or a stop rule each row drafts exactly its gamma: which rows go on is known on the
+        # host, and where every row drafts as many, each forward feeds every row (the ledger's `ones`).
+        planned = self.threshold is None and request.stop is None
+        every_row = self.ledger.ones(batch) if planned and least == most else None
         for k in range(most):
             scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))
             q = scores.softmax(dim=-1)
@@ -225,13 +246,13 @@ class ModelDrafter(Drafter):
                 survival = request.stop.survival(survival, confidence[:, k])    # its last token is not fed either
                 ruled_in &= request.stop.keeps(survival, k + 1)
                 feed &= ruled_in
-            if k + 1 == most or not bool(feed.any()):
+            if k + 1 == most or not (planned or bool(feed.any())):
                 break
-            self.kv_writes += int(feed.sum())
-            last = self.ledger.forward(drafts[:, k : k + 1], feed.long())[:, 0]
+            self._writes.append(feed.sum())
+            last = self.ledger.forward(drafts[:, k : k + 1], every_row if every_row is not None else feed.long())[:, 0]
 
         out_probs = probs.to(target_device) if probs is not None else None
-        width = int(drafted.max()) if batch else 0
+        width = most if planned else int(drafted.max())
         return Proposal(drafts.to(target_device), drafted.to(target_device), out_probs,
                         confidence=confidence[:, :width].to(target_device))
 
@@ -249,7 +270,7 @@ class ModelDrafter(Drafter):
         if ledger.physical_length != start:
             ledger.rollback(ledger.pad + start)
 
-    def _catch_up(self, tokens, pending) -> torch.Tensor:
+    def _catch_up(self, tokens, pending, behind: int, even: int) -> torch.Tensor:
         """Feed each row its pending committed tokens; the logits after each row's last one [B, V'].
 
         One forward is [B, max pending] wide, holes included. When rows that joined a running batch (nothing cached
@@ -257,8 +278,10 @@ class ModelDrafter(Drafter):
         paid by every row, so the fresh rows run apart in a ledger of their own and rejoin the batch afterwards
         (at batch 4 a joiner's 147-token prompt then costs one row's forward, not four). On a CPU, a whole batch of
         fresh rows whose prompts differ enough in length (`ledger.worth_apart`) runs a row at a time, as the target's
-        prefill does."""
+        prefill does. `behind` and `even`: the most and the fewest tokens a row has pending (read by the caller)."""
         ledger = self.ledger
+        if not self._fresh:           # every row has its prompt cached: one forward
+            return _forward_pending(ledger, tokens, pending, behind, even)
         fresh = (ledger.n_cached == ledger.pad) & (pending > 0)
         some = bool(fresh.any())
         every = some and bool(fresh.all())                     # one host read on a step with no fresh row
@@ -343,12 +366,17 @@ def _rows_on(value, rows: torch.Tensor, batch: int, device, dtype):
     return value.to(device, dtype) if value.is_floating_point() else value.to(device)
 
 
-def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-    """One forward feeding row b its next pending[b] buffer tokens; the logits after the last of them [B, V']."""
-    offset = torch.arange(int(pending.max()), device=tokens.device)[None, :]
+def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tensor, behind: int | None = None,
+                     even: int = 0) -> torch.Tensor:
+    """One forward feeding row b its next pending[b] buffer tokens; the logits after the last of them [B, V'].
+    `behind`: pending's largest value, where the caller has read it; `even`: its smallest, so that where every row
+    is as far behind, the forward feeds every column of every row (the ledger's `filled`: no hole check)."""
+    behind = int(pending.max()) if behind is None else behind
+    offset = torch.arange(behind, device=tokens.device)[None, :]
     # A row's holes (past its pending tokens) take its own leading columns: in a prompt read, its left padding. So
     # every row holds the tokens of its stock prompt, and a model that counts image tokens over the whole forward
     # (LFM2-VL, DeepSeek-VL) finds as many as there are images, whatever tokens end the prompt.
     index = torch.where(offset < pending[:, None], ledger.n_cached[:, None] + offset, offset - pending[:, None])
     index = index.clamp(0, tokens.shape[1] - 1)
-    return ledger.forward(tokens.gather(1, index), pending, columns=(pending - 1).clamp(min=0)[:, None])[:, 0]
+    n_valid = ledger.filled(len(pending), behind) if behind > 0 and even == behind else pending
+    return ledger.forward(tokens.gather(1, index), n_valid, columns=(pending - 1).clamp(min=0)[:, None])[:, 0]
