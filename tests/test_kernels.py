@@ -111,6 +111,7 @@ def test_rejection_kernel_splits_the_vocabulary_and_keeps_the_first_index_on_tie
 
 @pytest.mark.parametrize("chunk", [64, 100, 8192])
 def test_rank_kernel_sums_its_chunks(chunk):
+    """Counts summed over chunks, none counted twice where the last block of a chunk reaches past its end."""
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(5, 700, generator=gen).round()      # many equal values: "strictly above" must hold
     tokens = torch.randint(0, 700, (5,), generator=gen)
@@ -171,3 +172,18 @@ def test_compaction_through_the_ledger_with_kernels():
         results.append([layer.keys.clone() for layer in ledger.cache.layers] + [ledger.slots.clone()])
         assert ledger.compact_path == ("triton" if mode == "force" else "torch")
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_chunk_that_is_no_power_of_two_scans_in_a_power_of_two_block_and_bad_sizes_are_refused():
+    """tl.arange takes powers of two: a 100-token chunk scans in blocks of 128, masked at the chunk's end."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 3, 700, generator=gen)
+    drafts, lengths = logits.argmax(-1)[:, :2], torch.tensor([2, 1, 0])
+    ref = greedy_accept(logits, drafts, lengths)
+    out = greedy_verify(logits, drafts, lengths, chunk=100)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert torch.equal(token_rank(logits[:, 0], drafts[:, 0], chunk=100),
+                       token_rank_reference(logits[:, 0], drafts[:, 0]))
+    for bad in (dict(chunk=0), dict(block=100), dict(block=0)):
+        with pytest.raises(ValueError, match="power of two"):
+            greedy_verify(logits, drafts, lengths, **bad)

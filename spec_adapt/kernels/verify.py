@@ -18,6 +18,15 @@ import triton
 import triton.language as tl
 
 
+def _block(block: int, chunk: int) -> int:
+    """The scan's block for a chunk: a power of two (what tl.arange takes), no wider than the chunk needs."""
+    if not (isinstance(chunk, int) and chunk >= 1 and isinstance(block, int) and block >= 1
+            and block & (block - 1) == 0):
+        raise ValueError(f"kernel chunk must be an int >= 1 and block a power of two, got chunk={chunk!r}, "
+                         f"block={block!r}")
+    return min(block, triton.next_power_of_2(chunk))
+
+
 @triton.jit
 def _chunk_argmax_kernel(logits, best_out, index_out, vocab, chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (row-position, vocabulary chunk): the chunk's maximum and the first index reaching it (float32
@@ -80,7 +89,7 @@ def greedy_verify(logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: tor
     accepted = torch.empty(batch, dtype=torch.long, device=logits.device)
     next_token = torch.empty_like(accepted)
     if batch:
-        block = min(block, chunk)
+        block = _block(block, chunk)
         chunks = triton.cdiv(vocab, chunk)
         positions = batch * (width + 1)
         best = torch.empty(positions * chunks, dtype=torch.float32, device=logits.device)
@@ -201,7 +210,7 @@ def rejection_verify(target_probs, draft_tokens, draft_probs, lengths, uniforms,
     accepted = torch.empty(batch, dtype=torch.long, device=device)
     next_token = torch.empty_like(accepted)
     if batch:
-        block = min(block, chunk)
+        block = _block(block, chunk)
         chunks = triton.cdiv(vocab, chunk)
         lengths = lengths.contiguous().long()
         q = draft_probs.contiguous() if draft_probs is not None else target_probs   # unused when HAS_Q is False
@@ -247,7 +256,7 @@ def token_rank(logits: torch.Tensor, tokens: torch.Tensor, block: int = 1024, ch
     n, vocab = logits.shape
     if not n:
         return torch.empty(0, dtype=torch.long, device=logits.device)
-    block = min(block, chunk)
+    block = _block(block, chunk)
     chunks = triton.cdiv(vocab, chunk)
     counts = torch.empty(n, chunks, dtype=torch.long, device=logits.device)
     _rank_kernel[(n, chunks)](logits.contiguous(), tokens.contiguous().long(), counts, vocab, chunks, CHUNK=chunk,
