@@ -572,11 +572,10 @@ class SpeculativeLoop:
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _reserve(self, extra: int) -> None:
         """Room in the token buffer for `extra` more tokens in every active row, past its limit too (`Stopper._write`
-        writes a step's whole block): the buffer grows
-        with what is generated, doubling, never with the budget. The lengths are read once per growth, not every
-        step: a row gains at most `extra` tokens a step, so after a read that found `free` columns past the longest
-        row, steps whose extras add up to `free` fit. Anything that moves rows or buffer (rows that leave or join,
-        a growth) makes the next step read again."""
+        writes a step's whole block): the buffer grows with what is generated, doubling, never with the budget. The
+        lengths are read once per growth, not every step: a row gains at most `extra` tokens a step, so after a read
+        that found `free` columns past the longest row, steps whose extras add up to `free` fit. Anything that moves
+        rows or buffer (rows that leave or join, a growth) makes the next step read again."""
         if not len(self.rows):
             return
         known = getattr(self, "_room", None)

@@ -369,3 +369,15 @@ def test_a_drafting_step_with_a_draft_model_reads_the_device_at_most_five_times(
                                                                  FixedLength(4), max_new_tokens=n), HOST_READS)
 
     assert (reads(51) - reads(11)) / 8 <= 5 + 1 / 8
+
+
+def test_a_draft_models_written_token_count_stays_on_the_device_in_a_few_tensors():
+    """`ModelDrafter.kv_writes` is counted on the device as the draft runs (no read a step) and folded into one
+    tensor now and then, so a long run keeps a few counts, not one per step; reading it gives the total, once."""
+    model = cached_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    drafter = ModelDrafter(tiny_model("llama", seed=9, layers=1))
+    spec_generate(model, ids, torch.ones_like(ids), drafter, FixedLength(1), max_new_tokens=150)
+    assert 0 < len(drafter._writes) < 64
+    total = drafter.kv_writes
+    assert total >= 150 // 2 and drafter._writes == [] and drafter.kv_writes == total

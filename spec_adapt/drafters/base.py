@@ -263,7 +263,7 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         lengths = torch.minimum(lengths, bound)
     # Every bound the checks read, in one host copy: the given lengths' ends, the width after the cut, the ids' ends
     # (over every column: an id out of range past the width is looked at again below, and let through).
-    confidence = _shaped_confidence(proposal.confidence, batch, lengths, device)
+    confidence = _shaped_confidence(proposal.confidence, batch, device)
     low, high, width, shortest, low_id, high_id, *sure = _ends(given, lengths, tokens, confidence)
     _expect(low >= 0 and high <= tokens.shape[1],
             lambda: f"lengths must be within [0, S={tokens.shape[1]}], got {given.tolist()}")
@@ -305,9 +305,9 @@ def _checked_free(free, request, batch, device):
     return free.to(device)
 
 
-def _shaped_confidence(confidence, batch, lengths, device):
-    """None, or the drafter's [B, >= S] confidences on `device`, their shape checked (S: the longest row's drafts,
-    a bound read with the proposal's others, so the shape is checked against the widest a row may keep)."""
+def _shaped_confidence(confidence, batch, device):
+    """None, or the drafter's [B, >= S] confidences on `device`, their rank, rows and dtype checked (the width S is
+    known only after the proposal's one read: `_checked_confidence` checks the columns)."""
     if confidence is None:
         return None
     _expect(isinstance(confidence, torch.Tensor) and confidence.dim() == 2 and confidence.shape[0] == batch

@@ -78,6 +78,13 @@ class ModelDrafter(Drafter):
         self._writes: list[torch.Tensor] = []
         self._fresh = False         # rows that joined may have nothing cached yet (until a step feeds every row)
 
+    def _count_writes(self, count: torch.Tensor) -> None:
+        """Add a step's written-token count, kept on the device; many are summed there into one (no host read),
+        so a long serving run holds a few tensors, not one per step."""
+        self._writes.append(count)
+        if len(self._writes) >= 64:
+            self._writes = [torch.stack(self._writes).sum()]
+
     @property
     def kv_writes(self) -> int:
         """Draft tokens whose KV was written, over every call. Counted on the device as the draft runs (a host read
@@ -211,7 +218,7 @@ class ModelDrafter(Drafter):
         last = self._catch_up(tokens, pending, behind, even)                             # [B, V']
         if least > 0:                 # every row was fed: none is left with nothing cached
             self._fresh = False
-        self._writes.append(pending.sum())
+        self._count_writes(pending.sum())
         if request.depths is not None:
             from .model_tree import draft_tree
 
@@ -248,7 +255,7 @@ class ModelDrafter(Drafter):
                 feed &= ruled_in
             if k + 1 == most or not (planned or bool(feed.any())):
                 break
-            self._writes.append(feed.sum())
+            self._count_writes(feed.sum())
             last = self.ledger.forward(drafts[:, k : k + 1], every_row if every_row is not None else feed.long())[:, 0]
 
         out_probs = probs.to(target_device) if probs is not None else None
