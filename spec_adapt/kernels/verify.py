@@ -28,6 +28,16 @@ def _block(block: int, chunk: int) -> int:
 
 
 @triton.jit
+def _running_max(score, start, best, index):
+    """A block's maximum of `score` and the first index reaching it (`start` + its offset), kept when it beats the
+    running (best, index): a strictly greater value only, so the first index overall wins ties."""
+    block_max = tl.max(score, axis=0)
+    block_arg = tl.argmax(score, axis=0).to(tl.int64) + start
+    better = block_max > best
+    return tl.where(better, block_max, best), tl.where(better, block_arg, index)
+
+
+@triton.jit
 def _chunk_argmax_kernel(logits, best_out, index_out, vocab, chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (row-position, vocabulary chunk): the chunk's maximum and the first index reaching it (float32
     comparison), written to best_out / index_out[position * chunks + chunk]."""
@@ -40,11 +50,7 @@ def _chunk_argmax_kernel(logits, best_out, index_out, vocab, chunks, CHUNK: tl.c
     for offset in range(0, CHUNK, BLOCK):
         offs = first + offset + tl.arange(0, BLOCK)
         vals = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        block_max = tl.max(vals, axis=0)
-        block_arg = tl.argmax(vals, axis=0).to(tl.int64) + first + offset
-        better = block_max > best
-        index = tl.where(better, block_arg, index)
-        best = tl.where(better, block_max, best)
+        best, index = _running_max(vals, first + offset, best, index)
     tl.store(best_out + position * chunks + chunk, best)
     tl.store(index_out + position * chunks + chunk, index)
 
@@ -150,18 +156,8 @@ def _rejection_chunk_kernel(probs, drafts, qprobs, lengths, uniforms, expo, acce
         total += tl.sum(residual, axis=0)
         p = tl.load(p_row + offs, mask=mask, other=0.0).to(tl.float32)
         e = tl.load(expo + row.to(tl.int64) * vocab + offs, mask=mask, other=1.0).to(tl.float32)
-        score = tl.where(mask, residual / e, float("-inf"))
-        block_max = tl.max(score, axis=0)
-        block_arg = tl.argmax(score, axis=0).to(tl.int64) + first + offset
-        better = block_max > best_r
-        index_r = tl.where(better, block_arg, index_r)
-        best_r = tl.where(better, block_max, best_r)
-        score = tl.where(mask, p / e, float("-inf"))
-        block_max = tl.max(score, axis=0)
-        block_arg = tl.argmax(score, axis=0).to(tl.int64) + first + offset
-        better = block_max > best_p
-        index_p = tl.where(better, block_arg, index_p)
-        best_p = tl.where(better, block_max, best_p)
+        best_r, index_r = _running_max(tl.where(mask, residual / e, float("-inf")), first + offset, best_r, index_r)
+        best_p, index_p = _running_max(tl.where(mask, p / e, float("-inf")), first + offset, best_p, index_p)
     at = row * chunks + chunk
     tl.store(part_total + at, total)
     tl.store(part_best + 2 * at, best_r)
