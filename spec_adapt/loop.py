@@ -301,8 +301,10 @@ class SpeculativeLoop:
             known = self._left = [self.limits, least]
         return known[1]
 
-    def _lower_left(self, width: int) -> None:
-        """A commit of at most `width` tokens a row: what every row may still generate falls by at most that."""
+    def _grow(self, rows, lengths, width: int) -> None:
+        """The rows' new lengths, from a commit of at most `width` tokens a row (the one writer of lengths in a step):
+        what every row may still generate falls by at most that (`_least_left`)."""
+        self.lengths[rows] = lengths
         if getattr(self, "_left", None) is not None:
             self._left[1] -= width
 
@@ -422,8 +424,7 @@ class SpeculativeLoop:
                                             every_one)
         n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
-        self.lengths[rows] = old + n_keep
-        self._lower_left(new.shape[1])
+        self._grow(rows, old + n_keep, new.shape[1])
         self.finished = finished
         for row, k in taken:     # rows that had left past where the batch ends (Stopper.settle)
             self._take_back(row, k)
@@ -457,8 +458,7 @@ class SpeculativeLoop:
                                             self.limits[rows])
         n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
-        self.lengths[rows] = old + n_keep
-        self._lower_left(1)
+        self._grow(rows, old + n_keep, 1)
         self._count_first_token(rows, n_keep)
         for row, k in taken:
             self._take_back(row, k)
