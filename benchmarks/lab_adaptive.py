@@ -2,6 +2,7 @@
 
     python benchmarks/lab_adaptive.py --cycles 5
     python benchmarks/lab_adaptive.py --synthetic --seeds 5
+    python benchmarks/lab_adaptive.py --draft-model humaneval-chat sharegpt --num-prompts 12 --new-tokens 64
 
 Traces (default): replays results/lab-suffix/<workload>/traces.json under the fp32 latency table at B = 1, 4, 16
 (closed loop); model-free drafter, so only verification costs (the lab's draft_cost=False).
@@ -10,6 +11,13 @@ Traces (default): replays results/lab-suffix/<workload>/traces.json under the fp
 across them, a draft model's cost per token in the table's slope): i.i.d. acceptance at 0.6-0.95, runs drawn from a
 good or a bad regime per position (bimodal), and regimes that persist for about ten positions (bursty). Prints
 each workload's mean and least ratio over `--seeds` draws, and the mean over all.
+
+`--draft-model WORKLOAD ...`: the bench's pair (Qwen2.5-Coder-1.5B in float32, its 0.5B in bf16) on real prompts.
+The target's greedy outputs are generated, the draft's agreement runs at every output position are read
+teacher-forced (`spec_adapt.tools.bound.agreement_runs`), and the per-position acceptance given the drafts before is
+printed. Then Adaptive is replayed beside every fixed width at batch 1 (closed calls, one policy across them), each
+step priced by the step costs of the bench run in `results/bench-qwen-sources/<workload>-b1` (its verification by
+tokens fed, and its draft time per token). Ratios are shown for the bench's first 3 prompts and for the others.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import argparse
 import json
 import random
 import statistics
+
+import torch
 
 from spec_adapt import Adaptive
 from spec_adapt.tools import lab
@@ -32,9 +42,16 @@ def main():
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--synthetic", action="store_true", help="the synthetic workloads instead of the traces")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--draft-model", nargs="+", metavar="WORKLOAD", help="the real pair's traces on these workloads")
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--runs", help="a folder: the agreement runs are read from <workload>.json there if it exists, "
+                        "else recorded and written there (a policy change is then replayed in seconds)")
     args = parser.parse_args()
     if args.synthetic:
         return synthetic(args.seeds)
+    if args.draft_model:
+        return draft_model(args.draft_model, args.num_prompts, args.new_tokens, args.runs)
     table = LatencyTable.load(args.latency)
     print(f"{'workload':<10} {'B':>3} {'best fixed':>10} {'adaptive vs best':>17}")
     for workload in args.workloads:
@@ -91,6 +108,67 @@ def synthetic(seeds: int) -> None:
         every += ratios
         print(f"{name:<26} {statistics.mean(ratios):>28.3f} {min(ratios):>7.3f}")
     print(f"{'all':<26} {statistics.mean(every):>28.3f} {min(every):>7.3f}")
+
+
+def draft_model(names: list[str], prompts: int, new_tokens: int, folder: str | None) -> None:
+    from pathlib import Path
+
+    from spec_adapt import FixedLength
+
+    for name in names:
+        saved = Path(folder) / f"{name}.json" if folder else None
+        if saved is not None and saved.exists():
+            every = json.loads(saved.read_text())
+        else:
+            every = pair_runs(name, prompts, new_tokens)
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                saved.write_text(json.dumps(every))
+        requests = [lab.Request(runs) for runs in every]
+        runs = [r for request in requests for r in request.runs]
+        rates = [sum(r > i for r in runs) / max(1, sum(r >= i for r in runs)) for i in range(8)]
+        print(f"{name}: acceptance at draft position 1..8, given the drafts before: "
+              + " ".join(f"{rate:.2f}" for rate in rates))
+        table = bench_costs(f"results/bench-qwen-sources/{name}-b1/summary.json")
+        for part, chosen in (("the bench's 3 prompts", requests[:3]), (f"the other {len(requests) - 3}", requests[3:])):
+            fixed = {g: lab.simulate(FixedLength(g), chosen, table, lab.Batches(1)).goodput for g in range(9)}
+            best = max(fixed, key=fixed.get)
+            ours = lab.simulate(Adaptive(), chosen, table, lab.Batches(1)).goodput
+            print(f"  {part:<22} best fixed width {best}; Adaptive / best fixed {ours / fixed[best]:.3f}, "
+                  f"/ plain {ours / fixed[0]:.2f}")
+
+
+def pair_runs(workload: str, prompts: int, new_tokens: int) -> list[list[int]]:
+    """Per prompt, the draft's agreement run at each position of the target's greedy output (to its EOS)."""
+    from tqdm import tqdm
+
+    from spec_adapt.recipes import workloads
+    from spec_adapt.tools.bound import agreement_runs
+    from spec_adapt.tools.models import load_model
+
+    model, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.float32)
+    draft = load_model("qwen2.5-coder-0.5b", dtype=torch.float32)[0].to(torch.bfloat16)
+
+    texts = list(workloads.with_inputs(workloads.load(workload, prompts), tok)["input_text"])
+    out = []
+    for text in tqdm(texts, desc=f"{workload}: outputs and agreement runs"):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        if tok.eos_token_id in new:
+            new = new[: new.index(tok.eos_token_id) + 1]
+        out.append(agreement_runs(draft, ids[0], torch.tensor(new), model.config.vocab_size)[:-1])
+    return out
+
+
+def bench_costs(path: str) -> LatencyTable:
+    """A batch-1 table from a bench run's bound: verification by drafts fed, and the draft's mean time per token."""
+    bound = json.load(open(path))["bound"]
+    verify, steps = bound["verify_costs"], bound["costs"]
+    widths = range(1, len(steps))
+    per_token = statistics.mean((steps[g] - verify[g]) / g for g in widths)
+    return LatencyTable(step={1: {s: verify[s] for s in range(len(steps))}}, draft_token={1: per_token})
 
 
 if __name__ == "__main__":
