@@ -729,6 +729,9 @@ def test_the_prior_is_saved_and_a_state_saved_without_it_still_loads():
     old.load_state_dict(state)
     untouched = (policy.tried == 1) & (policy.accepted == 0.5)
     assert torch.equal(old.prior, untouched.float()) and bool(untouched[:, 2:].all())
-    state["pooled"]["prior"] = [[2.0] * 8] * 3
-    with pytest.raises(ValueError, match="prior"):
-        Adaptive(seed=3).load_state_dict(state)
+    for poisoned in ([[2.0] * 8] * 3, [[1.0] * 8] * 3):     # over 1; a prior leaving negative hits (0.5 < 0.5 x 1
+        state["pooled"]["prior"] = poisoned                 # where accepted is below 0.5: rates under 0)
+        if poisoned[0][0] == 1.0:
+            state["pooled"]["accepted"] = [[0.2] * 8] * 3
+        with pytest.raises(ValueError, match="prior"):
+            Adaptive(seed=3).load_state_dict(state)

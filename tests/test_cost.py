@@ -180,3 +180,19 @@ def test_device_marks_read_the_device_timeline_waiting_once_per_step(monkeypatch
     t0, t1, t2, t3 = (loop.DeviceMark(torch.device("cuda")) for _ in range(4))
     assert (t3 - t0, t1 - t0, t2 - t1) == (0.0075, 0.0025, 0.0025)
     assert waits[0] == t3.event.at                # the first wait is on the step's last mark
+
+
+@pytest.mark.parametrize("table, entry", [("host", [0, 0.01]), ("host", [True, 0.01]), ("host", [-2, 0.01]),
+                                          ("near", [["full", 0, 2], [0.1, 3]]), ("verify", [["full", 4, 0], [0.1, 3]]),
+                                          ("draft", [["model", 0], [[1, 0.1]]])])
+def test_a_saved_bucket_or_width_below_1_is_refused(table, entry):
+    """A step-cost state whose batch size, bucket or width is 0 (or not an int) is refused where it is loaded: read,
+    the nearest bucket to 0 is log2(0), and every later decision would raise."""
+    cost = StepCost()
+    cost.observe_step(2, 3, 0.2, 0.15, {"model": (2, 0.04)})
+    state = cost.state_dict()
+    state[table] = [entry]
+    before = cost.state_dict()
+    with pytest.raises(ValueError, match="bucket|int >= 1|ints >= 1|non-negative"):
+        cost.load_state_dict(state)
+    assert cost.state_dict() == before

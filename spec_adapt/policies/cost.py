@@ -232,9 +232,14 @@ class StepCost:
         catchup = _fits(state["catchup"], lambda: LineFit(window=32, min_samples=3), {}, "catchup")
         host = {}
         for k, v in state["host"]:
-            if not (isinstance(k, int) and _time(v, zero=True)):
-                raise ValueError(f"host time {k!r}: {v!r} is not a bucket and a finite time >= 0")
+            if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1 and _time(v, zero=True)):
+                raise ValueError(f"host time {k!r}: {v!r} is not a bucket (an int >= 1) and a finite time >= 0")
             host[k] = float(v)
+        for what, table in (("verify", verify), ("near", near), ("lines", lines), ("draft", draft),
+                            ("catchup", catchup)):
+            for key in table:      # batch sizes, buckets and tokens fed: a 0 would be read as log2(0) when nearest
+                if any(isinstance(v, int) and v < 1 for v in key):
+                    raise ValueError(f"{what} key {list(key)!r}: batch sizes, buckets and widths are ints >= 1")
         self.verify, self.near, self.lines, self.draft, self.catchup, self.host = \
             verify, near, lines, draft, catchup, host
 
