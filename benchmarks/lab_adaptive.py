@@ -26,6 +26,7 @@ import argparse
 import json
 import random
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -51,6 +52,12 @@ def main():
     if args.synthetic:
         return synthetic(args.seeds)
     if args.draft_model:
+        if args.num_prompts < 1 or args.new_tokens < 1:
+            parser.error(f"--num-prompts and --new-tokens must be at least 1, got {args.num_prompts}, {args.new_tokens}")
+        missing = [w for w in args.draft_model if not Path(f"results/bench-qwen-sources/{w}-b1/summary.json").exists()]
+        if missing:
+            parser.error(f"no bench run to take step costs from for {', '.join(missing)}: "
+                         "results/bench-qwen-sources/<workload>-b1/summary.json (run from the repository root)")
         return draft_model(args.draft_model, args.num_prompts, args.new_tokens, args.runs)
     table = LatencyTable.load(args.latency)
     print(f"{'workload':<10} {'B':>3} {'best fixed':>10} {'adaptive vs best':>17}")
@@ -111,8 +118,6 @@ def synthetic(seeds: int) -> None:
 
 
 def draft_model(names: list[str], prompts: int, new_tokens: int, folder: str | None) -> None:
-    from pathlib import Path
-
     from spec_adapt import FixedLength
 
     for name in names:
@@ -131,6 +136,8 @@ def draft_model(names: list[str], prompts: int, new_tokens: int, folder: str | N
               + " ".join(f"{rate:.2f}" for rate in rates))
         table = bench_costs(f"results/bench-qwen-sources/{name}-b1/summary.json")
         for part, chosen in (("the bench's 3 prompts", requests[:3]), (f"the other {len(requests) - 3}", requests[3:])):
+            if not chosen:      # --num-prompts 3 or fewer: nothing beyond the bench's prompts
+                continue
             fixed = {g: lab.simulate(FixedLength(g), chosen, table, lab.Batches(1)).goodput for g in range(9)}
             best = max(fixed, key=fixed.get)
             ours = lab.simulate(Adaptive(), chosen, table, lab.Batches(1)).goodput
@@ -148,7 +155,6 @@ def pair_runs(workload: str, prompts: int, new_tokens: int) -> list[list[int]]:
 
     model, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.float32)
     draft = load_model("qwen2.5-coder-0.5b", dtype=torch.float32)[0].to(torch.bfloat16)
-
     texts = list(workloads.with_inputs(workloads.load(workload, prompts), tok)["input_text"])
     out = []
     for text in tqdm(texts, desc=f"{workload}: outputs and agreement runs"):
