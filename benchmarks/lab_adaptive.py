@@ -23,6 +23,7 @@ tokens fed, and its draft time per token). Ratios are shown for the bench's firs
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -151,10 +152,8 @@ def pair_runs(workload: str, prompts: int, new_tokens: int) -> list[list[int]]:
 
     from spec_adapt.recipes import workloads
     from spec_adapt.tools.bound import agreement_runs
-    from spec_adapt.tools.models import load_model
 
-    model, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.float32)
-    draft = load_model("qwen2.5-coder-0.5b", dtype=torch.float32)[0].to(torch.bfloat16)
+    model, tok, draft = the_pair()
     texts = list(workloads.with_inputs(workloads.load(workload, prompts), tok)["input_text"])
     out = []
     for text in tqdm(texts, desc=f"{workload}: outputs and agreement runs"):
@@ -168,9 +167,18 @@ def pair_runs(workload: str, prompts: int, new_tokens: int) -> list[list[int]]:
     return out
 
 
+@functools.cache
+def the_pair():
+    """(target, tokenizer, draft), loaded once for every workload of the run."""
+    from spec_adapt.tools.models import load_model
+
+    model, tok = load_model("qwen2.5-coder-1.5b", dtype=torch.float32)
+    return model, tok, load_model("qwen2.5-coder-0.5b", dtype=torch.float32)[0].to(torch.bfloat16)
+
+
 def bench_costs(path: str) -> LatencyTable:
     """A batch-1 table from a bench run's bound: verification by drafts fed, and the draft's mean time per token."""
-    bound = json.load(open(path))["bound"]
+    bound = json.loads(Path(path).read_text())["bound"]
     verify, steps = bound["verify_costs"], bound["costs"]
     widths = range(1, len(steps))
     per_token = statistics.mean((steps[g] - verify[g]) / g for g in widths)

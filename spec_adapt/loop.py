@@ -268,7 +268,7 @@ class SpeculativeLoop:
             none = free is None and (most == 0 if most is not None else not bool(plan.gammas.any()))
             room = remaining if self.drafter.fills_budget else remaining - 1   # the bonus is cut past the budget
             # One width for every row, and room for a draft in every row: some row drafts, with no read.
-            some = most is not None and type(answer) is int and answer > 0 and self._least_left() >= 2
+            some = type(answer) is int and answer > 0 and self._least_left() >= 2
             return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
                             free=free, plain=none, most=most, some=some)
         return self._tree_plan(gammas, plan, remaining)

@@ -90,7 +90,7 @@ class ModelDrafter(Drafter):
         """Draft tokens whose KV was written, over every call. Counted on the device as the draft runs (a host read
         per step would wait on it) and read here."""
         if self._writes:
-            self._kv_writes += int(torch.stack([w.to(self._writes[0].device) for w in self._writes]).sum())
+            self._kv_writes += int(torch.stack(self._writes).sum())
             self._writes = []
         return self._kv_writes
 
