@@ -750,14 +750,28 @@ class KVLedger:
         return tokens, mask, position_ids
 
     # -- commit / rollback -----------------------------------------------------------------------------------------
-    def rollback(self, keep_len: torch.Tensor) -> None:
-        """Keep only buffer tokens [0, keep_len[b]) of each row: later slots become holes; then trim the tail."""
+    def rollback(self, keep_len: torch.Tensor, dropped: list[int] | None = None) -> None:
+        """Keep only buffer tokens [0, keep_len[b]) of each row: later slots become holes; then trim the tail.
+
+        `dropped`: where the caller knows it on the host, how many of the last forward's columns each row gives back
+        (a chain verification's drafts past what the row accepted). Over a cache without holes whose last forward
+        appended every row's columns, the extents then follow without a read of the slots, and a rollback that gives
+        nothing back changes no slot (on a GPU, a wait less each step)."""
         keep_len = keep_len.to(self.device)
         if self.tree is not None:   # a pending tree nobody kept: none of it stays
             self.keep_tree(torch.zeros_like(self.slots, dtype=torch.bool))
+        known = dropped is not None and self.slots is self._full and len(dropped) == self.slots.shape[0]
+        if known and max(dropped, default=0) == 0:
+            self._drop_outside_windows()
+            return
         self.slots = torch.where(self.slots < keep_len[:, None], self.slots, -1)
         self.n_cached = torch.minimum(self.n_cached, keep_len)
-        used, longest, shortest = self._extent()
+        if known:                # row b holds every column but its last dropped[b]
+            width = self.slots.shape[1]
+            used = longest = width - min(dropped)
+            shortest = width - max(dropped)
+        else:
+            used, longest, shortest = self._extent()
         self._trim(used)
         if shortest == self.slots.shape[1]:      # every row holds every column: the next forward needs no hole check
             self._full = self.slots

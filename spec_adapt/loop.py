@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from .compat import EosTokenCriteria, MaxLengthCriteria, pad_token_tensor
@@ -220,9 +221,10 @@ class SpeculativeLoop:
         proposal, bonus, scores, logits, hidden = self._verify(proposal)   # 2. verify: [B, S+1, V]
         t2 = self._now()
         accepted, next_token, path = self._accept(scores, proposal)        # 3. accept (a tree: along `path`)
-        committed = self._commit(proposal, accepted, next_token, scores, logits, bonus, path, hidden=hidden)  # 4.
+        _, counts = self._commit(proposal, accepted, next_token, scores, logits, bonus, path, hidden=hidden,  # 4.
+                                 gammas=plan.gammas)
         t3 = self._now()
-        finished = self._observe(plan, proposal, accepted, committed, t3 - t0, t1 - t0, t2 - t1)    # 5. observe
+        finished = self._observe(proposal, counts, plan, t3 - t0, t1 - t0, t2 - t1)                 # 5. observe
         self._retire(finished)
 
     # -- phases --------------------------------------------------------------------------------------------------------
@@ -397,7 +399,7 @@ class SpeculativeLoop:
         return accepted, next_token, None
 
     def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path, plain=False,
-                hidden=None, old=None) -> torch.Tensor:
+                hidden=None, old=None, gammas=None):
         """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one).
         A tree commits its accepted path as a chain: the ledgers keep the path's slots and the rest become holes.
         `plain`: a step without drafts (`_plain_step`; proposal and accepted None): `bonus` is then each row's count
@@ -405,8 +407,11 @@ class SpeculativeLoop:
         a rollback to them changes no slot, adds no hole and frees nothing to compact: it runs only for a ledger
         that drops what left a sliding window. `hidden`: the target's last hidden states of the forward, whose
         committed positions go to a feature drafter after its rollback. `old`: the rows' lengths, where the caller
-        has read them."""
-        drafted = 0 if plain else proposal.tokens.shape[1]
+        has read them. `gammas`: the plan's widths (a drafting step).
+
+        Returns (tokens committed [B], counts): a drafting step's `StepCounts`, the step's one host copy, made before
+        the rollback, which reads from it what each row gives back; None for a plain step (`_plain_step` copies)."""
+        drafted, given = (0 if plain else proposal.tokens.shape[1]), proposal    # a tree's record counts its nodes
         if path is not None:
             self.target.keep_tree(torch.cat([torch.ones_like(path[:, :1]), path], dim=1))   # the root stays
             if self.drafter is not None:
@@ -428,9 +433,13 @@ class SpeculativeLoop:
         self.finished = finished
         for row, k in taken:     # rows that had left past where the batch ends (Stopper.settle)
             self._take_back(row, k)
+        committed = n_keep.clamp(min=0) if self.stopper.waits else n_keep    # tokens taken back are not counted
+        counts = None if plain else StepCounts.read(rows, gammas, given, accepted, committed, finished)
         # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
         keep = old if plain else old + accepted
-        if not plain or self.target.rewind is not None:
+        if not plain:
+            self.target.rollback(keep, counts.dropped(proposal, bonus))
+        elif self.target.rewind is not None:
             self.target.rollback(keep)
         if self.drafter is not None and drafted and len(rows):
             self._guard("rollback", self.drafter.rollback, keep)
@@ -439,12 +448,11 @@ class SpeculativeLoop:
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : max(int(n_keep[0]), 0)].cpu())
-        if not self.stopper.waits:       # only Stopper.settle takes back tokens of earlier steps
-            return n_keep
-        taken = n_keep < 0               # they are not counted
-        if bool(taken.any()):
-            self._count_first_token(rows[taken], n_keep[taken])
-        return n_keep.clamp(min=0)
+        if self.stopper.waits:           # only Stopper.settle takes back tokens of earlier steps
+            taken = n_keep < 0           # they are not counted
+            if bool(taken.any()):
+                self._count_first_token(rows[taken], n_keep[taken])
+        return committed, counts
 
     def _commit_first(self, rows, logits):
         """The first token of freshly prefilled rows (`logits` [n, 1, V] after each prompt), as a step without drafts:
@@ -498,8 +506,8 @@ class SpeculativeLoop:
             _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device))
         else:                            # greedy without drafts: the argmax (what greedy_accept answers then)
             next_token = self.ranks.decide(_first_argmax, scores)
-        n_keep = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True,     # 4. commit
-                              hidden=result.hidden, old=old)
+        n_keep, _ = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True,  # 4. commit
+                                 hidden=result.hidden, old=old)
         t3 = self._now()
         # The step's one host copy: the record's per-row counts and which rows finished.
         row_ids, kept, finished = torch.stack([rows, n_keep, self.finished.long()]).tolist()
@@ -509,22 +517,17 @@ class SpeculativeLoop:
         self._tell(plan, record, plain=True)
         self._retire(finished)
 
-    def _observe(self, plan: StepPlan, proposal, accepted, committed, step_time, draft_time,
+    def _observe(self, proposal, counts: "StepCounts", plan: StepPlan, step_time, draft_time,
                  verify_time) -> list[int]:
         """The step's record to whoever learns from it; returns which rows finished (host ints, for `_retire`)."""
-        # The per-row fields and the rows that finished in one host copy (each `tolist` of a device tensor is a copy
-        # and a wait of its own).
-        per_row = torch.stack([self.rows, plan.gammas, proposal.lengths, accepted, committed,
-                               self.finished.long()]).tolist()
-        rows, gammas, drafted, accepted, committed, finished = per_row
         record = StepRecord(
-            batch_size=len(self.rows), rows=rows, gammas=gammas, drafted=drafted, accepted=accepted,
-            committed=committed, step_time=step_time, draft_time=draft_time, verify_time=verify_time,
-            telemetry=proposal.telemetry, held=self.target.held_rows, confidence=proposal.confidence,
-            free=proposal.free.tolist() if proposal.free is not None else None,
+            batch_size=len(counts.rows), rows=counts.rows, gammas=counts.gammas, drafted=counts.drafted,
+            accepted=counts.accepted, committed=counts.committed, step_time=step_time, draft_time=draft_time,
+            verify_time=verify_time, telemetry=proposal.telemetry, held=self.target.held_rows,
+            confidence=proposal.confidence, free=proposal.free.tolist() if proposal.free is not None else None,
         )
         self._tell(plan, record)
-        return finished
+        return counts.finished
 
     def _tell(self, plan: StepPlan, record: StepRecord, plain: bool = False) -> None:
         """The step's record to the statistics, the policy (if it planned the step), the verifier and the drafter."""
@@ -661,6 +664,30 @@ class SpeculativeLoop:
         # event), so the phases' times are the device's without a sync per phase. Otherwise host time (approximate
         # on a GPU, where the host runs ahead of the device).
         return DeviceMark(self.device) if self.device_timing else time.perf_counter()
+
+
+class StepCounts(NamedTuple):
+    """A drafting step's per-row counts as host ints, in one copy: each `tolist` of a device tensor is a copy and,
+    on a GPU, a wait of its own. The rollback reads what rows give back from them, the record everything."""
+
+    rows: list
+    gammas: list
+    drafted: list
+    accepted: list
+    committed: list
+    finished: list
+
+    @classmethod
+    def read(cls, rows, gammas, proposal, accepted, committed, finished) -> "StepCounts":
+        return cls(*torch.stack([rows, gammas, proposal.lengths, accepted, committed, finished.long()]).tolist())
+
+    def dropped(self, proposal, bonus) -> list | None:
+        """How many of the verification's columns each row gives back, where every row verified all its drafts
+        (`Proposal.dense`, every position kept: `bonus` None): the drafts past those it accepted; else None."""
+        if not proposal.dense or bonus is not None:
+            return None
+        width = proposal.tokens.shape[1]
+        return [width - a for a in self.accepted]
 
 
 class DeviceMark:

@@ -298,8 +298,8 @@ def test_compaction_keeps_identity(llama, monkeypatch):
 
     original = ledger.KVLedger.rollback
 
-    def rollback_then_compact(self, keep_len):
-        original(self, keep_len)
+    def rollback_then_compact(self, keep_len, dropped=None):
+        original(self, keep_len, dropped)
         self.compact()
 
     monkeypatch.setattr(ledger.KVLedger, "rollback", rollback_then_compact)

@@ -108,6 +108,40 @@ def test_rollback_is_only_a_mask_and_trim():
     assert ledger.slots.tolist() == [[1, 2, 3, 4], [0, 1, 2, 3]]
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 4), padded=st.booleans(),
+       steps=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 2**31 - 1)), min_size=1, max_size=6))
+def test_a_rollback_told_what_rows_give_back_ends_as_one_that_reads(batch, padded, steps):
+    """The loop tells the rollback how many of a dense verification's columns each row gives back (`dropped`): the
+    ledger must end exactly as one that reads its slots (slots, counts, length, whether it knows itself without
+    holes, compactions), and attend alike. A padded prompt has holes: the hint is not enough there, and is ignored."""
+    model = cached_model("llama")
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, VOCAB, (batch, 4), generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :2] = 0
+    told, read = KVLedger(model), KVLedger(model)
+    with torch.no_grad():
+        for ledger in (told, read):
+            ledger.prefill(ids, mask)
+        for width, seed in steps:
+            g = torch.Generator().manual_seed(seed)
+            tokens = torch.randint(3, VOCAB, (batch, width), generator=g)
+            dropped = torch.randint(0, width + 1, (batch,), generator=g)
+            for ledger in (told, read):
+                ledger.forward(tokens, ledger.filled(batch, width))
+            told.rollback(told.n_cached - dropped, dropped.tolist())
+            read.rollback(read.n_cached - dropped)
+            assert torch.equal(told.slots, read.slots) and torch.equal(told.n_cached, read.n_cached)
+            assert (told.slots is told._full) == (read.slots is read._full)
+            assert told.compactions == read.compactions
+            assert all(a.keys.shape == b.keys.shape for a, b in zip(told._layers(), read._layers()))
+        probe = torch.randint(3, VOCAB, (batch, 1), generator=gen)
+        ones = torch.ones(batch, dtype=torch.long)
+        torch.testing.assert_close(told.forward(probe, ones), read.forward(probe, ones))
+
+
 def test_spare_rows_keep_the_batch_shape_and_leave_with_added_rows():
     """A row that leaves can stay in the cache as a spare: the model still runs 3 rows, the ledger describes 2;
     adding rows releases it first."""

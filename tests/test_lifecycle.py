@@ -70,8 +70,8 @@ def compact_every_rollback(monkeypatch):
 
     original = ledger.KVLedger.rollback
 
-    def rollback_then_compact(self, keep_len):
-        original(self, keep_len)
+    def rollback_then_compact(self, keep_len, dropped=None):
+        original(self, keep_len, dropped)
         self.compact()
 
     monkeypatch.setattr(ledger.KVLedger, "rollback", rollback_then_compact)
