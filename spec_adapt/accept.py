@@ -28,7 +28,7 @@ def greedy_accept(
     lengths: torch.Tensor,         # [B] long, 0 <= lengths[b] <= S
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification. Returns (accepted [B], next_token [B]): next_token is recovered or bonus."""
-    batch, width = draft_tokens.shape
+    width = draft_tokens.shape[1]
     target_tokens = target_logits.argmax(dim=-1)                     # [B, S+1]
     matches = target_tokens[:, :width] == draft_tokens                 # [B, S]
     matches &= torch.arange(width, device=matches.device)[None, :] < lengths[:, None]
@@ -100,12 +100,9 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def committed_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor, fill: int = -1):
     """[B, S+1] tokens each row commits: d_1..d_a, then next_token, then `fill`."""
-    batch, width = draft_tokens.shape
-    out = torch.full((batch, width + 1), fill, dtype=torch.long, device=draft_tokens.device)
-    pos = torch.arange(width + 1, device=draft_tokens.device)[None, :]
-    out[:, :width] = torch.where(pos[:, :width] < accepted[:, None], draft_tokens, fill)
+    out = torch.cat([draft_tokens, next_token[:, None]], dim=1)
     out.scatter_(1, accepted[:, None], next_token[:, None])
-    return out
+    return out.masked_fill_(torch.arange(out.shape[1], device=out.device)[None, :] > accepted[:, None], fill)
 
 
 def lockstep(accepted: torch.Tensor, next_token: torch.Tensor, draft_tokens: torch.Tensor):

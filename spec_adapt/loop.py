@@ -26,7 +26,7 @@ from .acceptor import Acceptor
 from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
-from .policies.base import Policy, StepInfo, check_plan, check_rows, policy_lock
+from .policies.base import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, policy_lock
 from .policies.cost import CostReader, StepCost
 from .positions import offsets
 from .processors import ScoreProcessor, tree_positions
@@ -254,6 +254,10 @@ class SpeculativeLoop:
         info.close()
         if type(answer) is int and answer == 0 and not self.drafter.max_free:   # valid as it is: a plain step
             return StepPlan(self._no_drafts(len(rows)), True, plain=True)
+        if type(answer) is int and 0 < answer <= MAX_WIDTH and not self.drafter.max_free \
+                and self._least_left() > answer:
+            # One width for every row, and every row has room for it and the bonus: nothing to cap, nothing to read.
+            return StepPlan(self._widths(len(rows), answer), True, most=answer, some=True)
         remaining = remaining()
         plan = check_plan(self.policy, answer, len(self.rows))
         if plan.members is not None:
@@ -316,6 +320,13 @@ class SpeculativeLoop:
         if zeros is None or zeros.shape[0] != batch:
             zeros = self._zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
         return zeros
+
+    def _widths(self, batch: int, width: int) -> torch.Tensor:
+        """[batch] of `width`: one width for every row (one tensor per batch size and width, never written)."""
+        known = getattr(self, "_width_each", None)
+        if known is None or known[:2] != (batch, width):
+            known = self._width_each = (batch, width, torch.full((batch,), width, dtype=torch.long, device=self.device))
+        return known[2]
 
     def _allows_free(self) -> bool:
         with self.policy_lock:
@@ -810,12 +821,13 @@ class Stopper:
         """Row b's first n[b] tokens of new [B, W] into the buffer, cut after an EOS: (n, finished). The buffer holds
         columns old[b] .. old[b] + W - 1 of every row (`SpeculativeLoop._reserve`)."""
         pos = offsets(new.shape[1], new.device)
-        hit_eos = torch.zeros_like(n, dtype=torch.bool)
+        finished = None
         if self.eos is not None:
             is_eos = torch.isin(new, self.eos) & (pos < n[:, None])
-            hit_eos = is_eos.any(dim=1)
-            n = torch.where(hit_eos, is_eos.long().argmax(dim=1) + 1, n)
-        finished = hit_eos | (old + n >= limits)
+            finished = is_eos.any(dim=1)
+            n = torch.where(finished, is_eos.long().argmax(dim=1) + 1, n)
+        at_limit = old + n >= limits
+        finished = at_limit if finished is None else finished | at_limit
         # The whole [B, W] block, each column past what a row keeps given its own contents back: no index list built
         # from the mask (on a GPU, a wait). `_reserve` keeps every column of the block inside the buffer.
         columns = old[:, None] + pos

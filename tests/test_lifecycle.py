@@ -202,7 +202,7 @@ def test_a_step_without_drafts_reads_the_device_once_as_stocks_decode_step_does(
     assert per_token(spec(ScriptedDrafter(lambda row, context, gamma: [5] * gamma))) == 1
 
 
-def test_a_drafting_step_dispatches_at_most_1_3_times_stocks_per_generated_token():
+def test_a_drafting_step_dispatches_no_more_than_stocks_decode_step_per_generated_token():
     """The loop's own work when every draft is right (width 4: five tokens a forward), counted per generated token
     beyond the first 10, against stock's decode step: proposal checks, acceptance, commit and rollback included."""
     model = cached_model("llama")
@@ -216,8 +216,8 @@ def test_a_drafting_step_dispatches_at_most_1_3_times_stocks_per_generated_token
     stock = per_token(lambda n: stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=n))
     spec = per_token(lambda n: spec_generate(model, ids, torch.ones_like(ids), right, FixedLength(4),
                                              max_new_tokens=n))
-    # Measured with transformers 5.24: stock 23 a token, the always-right width-4 loop 25.5 (128 a step).
-    assert spec <= 1.3 * stock, (spec, stock)
+    # Measured with transformers 5.20 and 5.24: stock 23 a token, the always-right width-4 loop 18.9-19.3 (97 a step).
+    assert spec <= stock, (spec, stock)
 
 
 def test_a_policy_that_reads_the_rows_lengths_gets_them_and_one_that_does_not_costs_none():
@@ -314,12 +314,13 @@ class _Reading(Drafter):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_drafting_step_reads_the_device_at_most_three_times(batch):
+def test_a_drafting_step_reads_the_device_at_most_twice(batch):
     """On a GPU every host read is a wait. A drafting step's own reads: the proposal's bounds (one copy, which also
-    tells whether every row drafted the full width), the rollback's extent (one copy, which also tells whether every
-    row keeps every column) and the record. Whether any row drafts is known on the host (one width for every row,
-    and room for it), a verification after a rollback that left no hole needs no hole check, and the committed
-    tokens are written without an index list built from a mask."""
+    tells whether every row drafted the full width) and the step's counts (one copy, made before the rollback: over a
+    cache without holes, what each row gives back gives the extent without a read of the slots). Whether any row
+    drafts is known on the host (one width for every row, and room for it), a verification after a rollback that
+    left no hole needs no hole check, and the committed tokens are written without an index list built from a
+    mask."""
     model = cached_model("llama")
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]] * batch)
     reference = stock_greedy(model, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=70)
@@ -328,8 +329,8 @@ def test_a_drafting_step_reads_the_device_at_most_three_times(batch):
         return _ops_outside_forward(model, lambda: spec_generate(model, ids, torch.ones_like(ids), _Reading(reference),
                                                                  FixedLength(4), max_new_tokens=n), HOST_READS)
 
-    # Three a step, and the buffer's room (`_reserve`), read once when it runs out: once in these 8 steps.
-    assert (reads(51) - reads(11)) / 8 <= 3 + 1 / 8
+    # Two a step, and the buffer's room (`_reserve`), read once when it runs out: once in these 8 steps.
+    assert (reads(51) - reads(11)) / 8 <= 2 + 1 / 8
 
 
 class _NeverAskedForNone(ScriptedDrafter):
@@ -356,8 +357,8 @@ def test_a_drafter_is_never_asked_for_no_drafts_when_the_loop_knows_on_the_host_
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_drafting_step_with_a_draft_model_reads_the_device_at_most_five_times(batch):
-    """The draft model's own reads, on top of the loop's three: the widths' and the catch-up's ends (one copy) and
+def test_a_drafting_step_with_a_draft_model_reads_the_device_at_most_four_times(batch):
+    """The draft model's own reads, on top of the loop's two: the widths' and the catch-up's ends (one copy) and
     its rollback's extent. Without an early exit or a stop rule, which rows go on drafting is known from the widths,
     its forwards where every row feeds (equal widths, rows as far behind) need no hole check, and the tokens whose
     KV it writes are counted on the device (`kv_writes` reads them)."""
@@ -368,7 +369,7 @@ def test_a_drafting_step_with_a_draft_model_reads_the_device_at_most_five_times(
         return _ops_outside_forward(model, lambda: spec_generate(model, ids, torch.ones_like(ids), ModelDrafter(model),
                                                                  FixedLength(4), max_new_tokens=n), HOST_READS)
 
-    assert (reads(51) - reads(11)) / 8 <= 5 + 1 / 8
+    assert (reads(51) - reads(11)) / 8 <= 4 + 1 / 8
 
 
 def test_a_draft_models_written_token_count_stays_on_the_device_in_a_few_tensors():

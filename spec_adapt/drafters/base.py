@@ -136,9 +136,17 @@ def branches_proposal(branches: list[list[list[int]]], request):
     gamma."""
     gammas, device = request.gammas.tolist(), request.tokens.device
     if request.depths is None:
-        return Proposal.pack([torch.tensor([int(t) for t in (row[0] if row else [])][:g], dtype=torch.long)
-                              for row, g in zip(branches, gammas)], device)
+        return pack_lists([[int(t) for t in (row[0] if row else [])][:g] for row, g in zip(branches, gammas)], device)
     return pack_trees(from_branches(branches, gammas, request.depths.tolist()), device)
+
+
+def pack_lists(drafts: list[list[int]], device) -> Proposal:
+    """Per-row token lists of different lengths -> a point-mass Proposal (rows padded with 0), in one tensor made
+    from the lists (no per-row tensor or copy)."""
+    width = max(map(len, drafts), default=0)
+    tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long).reshape(len(drafts), width)
+    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    return Proposal(tokens.to(device), lengths.to(device))
 
 
 class Drafter:
