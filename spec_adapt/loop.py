@@ -161,7 +161,10 @@ class SpeculativeLoop:
         each prompt [n, 1, V]. Its time counts as prefill."""
         began = self._now()
         logits = ledger.prefill(ids, mask).float()[:, None]
-        self.stats.time_prefill += self._now() - began
+        seconds = self._now() - began
+        self.stats.time_prefill += seconds
+        with self.policy_lock:
+            self.policy.prefilled(ids.numel(), seconds)
         return logits
 
     def _first_tokens(self, rows, logits) -> torch.Tensor:

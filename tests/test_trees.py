@@ -509,24 +509,31 @@ def test_calibration_ranks_rows_by_what_they_really_accept(llama):
 # -- the default policy with trees ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 4])
 def test_adaptive_with_trees_stays_identical_and_measures_every_shape(batch, monkeypatch):
-    """On a virtual clock (a forward costs 10 ms plus 1 ms per token fed), so what the policy measures, and so what
-    it tries, does not move with the machine's load."""
+    """On a virtual clock (a target forward costs 10 ms plus 1 ms per token fed, a draft forward a tenth of that),
+    so what the policy measures, and so what it tries, does not move with the machine's load. The strong draft is
+    the target's twin (every draft right, at a draft's price): a draft that pays at both batch sizes."""
+    import copy
+
     from spec_adapt.loop import SpeculativeLoop
 
     model, weak = cached_model("llama"), tiny_model("llama", seed=1, layers=1)
+    strong = copy.deepcopy(model)
     ids, mask = ragged_batch(batch)
     ref = stock_greedy(model, ids, mask, eos_token_id=None)
     clock = [0.0]
     monkeypatch.setattr(SpeculativeLoop, "_now", lambda self: clock[0])
 
-    def tick(module, args, kwargs, out):
-        clock[0] += 0.01 + 0.001 * kwargs["input_ids"].numel()
+    def tick(scale):
+        def hook(module, args, kwargs, out):
+            clock[0] += scale * (0.01 + 0.001 * kwargs["input_ids"].numel())
+        return hook
 
-    hooks = [m.register_forward_hook(tick, with_kwargs=True) for m in (model, weak)]
+    hooks = [m.register_forward_hook(tick(scale), with_kwargs=True)
+             for m, scale in ((model, 1.0), (strong, 0.1), (weak, 0.1))]
     policy = spec_adapt.Adaptive(trees=True)
     try:
         for _ in range(3):
-            out, stats = spec_generate(model, ids, mask, ModelDrafter(model), policy)     # a draft that always pays
+            out, stats = spec_generate(model, ids, mask, ModelDrafter(strong), policy)    # a draft that always pays
             assert torch.equal(out, ref) and stats.fallback is None
             out, stats = spec_generate(model, ids, mask, ModelDrafter(weak), policy)
             assert torch.equal(out, ref) and stats.fallback is None

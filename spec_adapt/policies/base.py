@@ -120,6 +120,10 @@ class Policy:
     def observe(self, record: StepRecord) -> None:
         pass
 
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """The target's forward over prompts of `tokens` tokens in all (rows x padded length) took `seconds`: a call's
+        batch before its first step, or requests joining a running batch."""
+
     def reset(self) -> None:
         pass
 
@@ -230,8 +234,8 @@ class PolicyAdapter(Policy):
 
     def __init__(self, policy):
         self.policy = policy
-        for name in ("begin", "choose", "observe", "admit", "reset", "state_dict", "load_state_dict", "batch_rows",
-                     "allows_free"):
+        for name in ("begin", "choose", "observe", "admit", "prefilled", "reset", "state_dict", "load_state_dict",
+                     "batch_rows", "allows_free"):
             method = getattr(policy, name, None)
             if callable(method):
                 setattr(self, name, method)

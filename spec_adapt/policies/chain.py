@@ -131,6 +131,11 @@ class ChainScheduler(Policy):
         self.history.append((info.batch_size, levels, width if isinstance(width, int) else max(width)))
         return Plan(width, levels or None)          # target-only steps leave the chain as it is
 
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        self.cost.observe_prefill(tokens, seconds)        # bounds each level's catch-up before one is measured
+        if self.length_policy is not None:
+            self.length_policy.prefilled(tokens, seconds)
+
     def observe(self, record: StepRecord):
         if self.length_policy is not None:
             self.length_policy.observe(record)

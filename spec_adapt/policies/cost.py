@@ -45,6 +45,7 @@ class StepCost:
         self.draft: dict[tuple, LineFit] = {}     # (source, bucket) -> seconds of a step drafting k tokens
         self.catchup: dict[tuple, LineFit] = {}   # (source, bucket) -> seconds a catch-up of `lag` tokens adds
         self.host: dict[int, float] = {}          # bucket -> EMA seconds of a step beyond its forward and drafts
+        self.prefill: list | None = None          # [mean seconds, samples] per token of the target's prompt forwards
 
     # -- observing ---------------------------------------------------------------------------------------------------
     def observe_verify(self, batch: int, fed: int, seconds: float, path: str = FULL) -> None:
@@ -58,6 +59,11 @@ class StepCost:
             table[at] = mean_then_ema(table.get(at), seconds, self.weight)
         if fed > 1:     # drafting steps only: a long plain run would push every drafting width out of the window
             self.lines.setdefault((path, key), LineFit()).add(fed, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The target's forward over `tokens` prompt tokens (rows x padded length) took `seconds`."""
+        if tokens >= 1 and _time(seconds):
+            self.prefill = mean_then_ema(self.prefill, seconds / tokens, self.weight)
 
     def observe_draft(self, source: str, batch: int, tokens: int, seconds: float) -> None:
         if tokens > 0 and _time(seconds, zero=True):
@@ -180,11 +186,15 @@ class StepCost:
 
     def catchup_time(self, source: str, batch: int, lag: int, unknown: float = 0.0) -> float:
         """Seconds a catch-up of `lag` tokens adds to a step: measured; the profile's c_prefill(L, B) for the draft
-        model before that; else `unknown`."""
+        model before that; else what the target's own prompt forwards took for `batch` x `lag` tokens (a draft no
+        larger than its target catches up no slower: a bound from above, so a short call does not start a draft
+        whose catch-up it never pays back); else `unknown`."""
         fit = self._nearest(self.catchup, source, bucket(batch))
         if fit is None:
             if source == "model" and self.table is not None and self.table.prefill:
                 return self.table.switch_cost(lag, batch)
+            if self.prefill is not None:
+                return lag * batch * self.prefill[0]
             return unknown
         return fit(lag) if fit.ready() else fit.proportional(lag)
 
@@ -220,7 +230,7 @@ class StepCost:
         return {"verify": [[list(k), v] for k, v in self.verify.items()],
                 "near": [[list(k), v] for k, v in self.near.items()],
                 "lines": fits(self.lines), "draft": fits(self.draft), "catchup": fits(self.catchup),
-                "host": [[k, v] for k, v in self.host.items()]}
+                "host": [[k, v] for k, v in self.host.items()], "prefill": self.prefill}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` saved; the whole state is checked first (a ValueError names the problem), and a
@@ -235,13 +245,15 @@ class StepCost:
             if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1 and _time(v, zero=True)):
                 raise ValueError(f"host time {k!r}: {v!r} is not a bucket (an int >= 1) and a finite time >= 0")
             host[k] = float(v)
+        prefill = state.get("prefill")       # absent from states saved before prompt forwards were timed
+        prefill = _entry(prefill, "prefill") if prefill is not None else None
         for what, table in (("verify", verify), ("near", near), ("lines", lines), ("draft", draft),
                             ("catchup", catchup)):
             for key in table:      # batch sizes, buckets and tokens fed: a 0 would be read as log2(0) when nearest
                 if any(isinstance(v, int) and v < 1 for v in key):
                     raise ValueError(f"{what} key {list(key)!r}: batch sizes, buckets and widths are ints >= 1")
-        self.verify, self.near, self.lines, self.draft, self.catchup, self.host = \
-            verify, near, lines, draft, catchup, host
+        self.verify, self.near, self.lines, self.draft, self.catchup, self.host, self.prefill = \
+            verify, near, lines, draft, catchup, host, prefill
 
 
 def _table_draft(table: LatencyTable, batch: int) -> float:
@@ -254,8 +266,10 @@ def _time(seconds, zero: bool = False) -> bool:
 
 
 def _entry(value, what: str) -> list:
+    if not (isinstance(value, (list, tuple)) and len(value) == 2):
+        raise ValueError(f"{what} holds {value!r}: expected [mean seconds, samples]")
     seconds, samples = value
-    if not (_time(seconds) and isinstance(samples, int) and samples >= 1):
+    if not (_time(seconds) and isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
         raise ValueError(f"{what} holds {value!r}: a time that is not positive or a count below 1")
     return [float(seconds), samples]
 
