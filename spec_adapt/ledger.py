@@ -760,7 +760,9 @@ class KVLedger:
         keep_len = keep_len.to(self.device)
         if self.tree is not None:   # a pending tree nobody kept: none of it stays
             self.keep_tree(torch.zeros_like(self.slots, dtype=torch.bool))
-        known = dropped is not None and self.slots is self._full and len(dropped) == self.slots.shape[0]
+        # The hint holds only over a cache without holes, and only as counts of this ledger's rows and columns.
+        known = (dropped is not None and self.slots is self._full and len(dropped) == self.slots.shape[0]
+                 and all(type(d) is int and 0 <= d <= self.slots.shape[1] for d in dropped))
         if known and max(dropped, default=0) == 0:
             self._drop_outside_windows()
             return

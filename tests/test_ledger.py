@@ -3,6 +3,7 @@ rows or not) leaves attention over the valid entries identical to a cache built 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -140,6 +141,23 @@ def test_a_rollback_told_what_rows_give_back_ends_as_one_that_reads(batch, padde
         probe = torch.randint(3, VOCAB, (batch, 1), generator=gen)
         ones = torch.ones(batch, dtype=torch.long)
         torch.testing.assert_close(told.forward(probe, ones), read.forward(probe, ones))
+
+
+@pytest.mark.parametrize("dropped", [[-1, 0], [0, 9], [0], [0.5, 0], [True, 0]])
+def test_a_rollback_hint_that_is_not_counts_of_the_ledgers_columns_is_ignored(dropped):
+    """A hint of the wrong length, a negative count, one past the ledger's columns or a non-int: the rollback reads
+    its slots instead, and ends where the keep lengths say."""
+    model = cached_model("llama")
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    told, read = KVLedger(model), KVLedger(model)
+    with torch.no_grad():
+        for ledger in (told, read):
+            ledger.prefill(ids, torch.ones_like(ids))
+            ledger.forward(torch.tensor([[11, 12], [13, 14]]), ledger.filled(2, 2))
+        told.rollback(told.n_cached - 1, dropped)      # each row gives back its last column: the cache is trimmed
+        read.rollback(read.n_cached - 1)
+    assert torch.equal(told.slots, read.slots) and torch.equal(told.n_cached, read.n_cached)
+    assert (told.slots is told._full) == (read.slots is read._full)
 
 
 def test_spare_rows_keep_the_batch_shape_and_leave_with_added_rows():
