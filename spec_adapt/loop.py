@@ -237,7 +237,7 @@ class SpeculativeLoop:
         """This step's plan: the policy's answer, validated and capped by what each row may still generate; a plain
         step without asking the policy when there is no drafter or it is away."""
         if self.drafter is None or not self._guard("available", self.drafter.available):
-            return StepPlan(self._no_drafts(len(self.rows)), plain=True)
+            return StepPlan(self._widths(len(self.rows), 0), plain=True)
         # The rows' lengths and what they may still generate, computed where something reads them: a policy that
         # answers 0 without reading them, beside a drafter with no catch-up, costs no tensor operation here.
         rows = self.rows
@@ -249,14 +249,14 @@ class SpeculativeLoop:
         if self.drafter is not None and _overrides(self.drafter, "level_lags"):
             level_lags = self._guard("lag", self.drafter.level_lags, lengths())
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
-            return StepPlan(self._no_drafts(len(rows)), plain=True)
+            return StepPlan(self._widths(len(rows), 0), plain=True)
         info = StepInfo(len(rows), rows, lambda: lengths() - self.starts[rows], remaining, self.stats.steps,
                         lag, level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
         info.close()
         if type(answer) is int and answer == 0 and not self.drafter.max_free:   # valid as it is: a plain step
-            return StepPlan(self._no_drafts(len(rows)), True, plain=True)
+            return StepPlan(self._widths(len(rows), 0), True, plain=True)
         if type(answer) is int and 0 < answer <= MAX_WIDTH and not self.drafter.max_free \
                 and self._least_left() > answer:
             # One width for every row, and every row has room for it and the bonus: nothing to cap, nothing to read.
@@ -317,19 +317,16 @@ class SpeculativeLoop:
         if getattr(self, "_left", None) is not None:
             self._left[1] -= width
 
-    def _no_drafts(self, batch: int) -> torch.Tensor:
-        """[batch] zeros: the widths of a step without drafts (one tensor per batch size, never written)."""
-        zeros = getattr(self, "_zeros", None)
-        if zeros is None or zeros.shape[0] != batch:
-            zeros = self._zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
-        return zeros
-
     def _widths(self, batch: int, width: int) -> torch.Tensor:
-        """[batch] of `width`: one width for every row (one tensor per batch size and width, never written)."""
-        known = getattr(self, "_width_each", None)
-        if known is None or known[:2] != (batch, width):
-            known = self._width_each = (batch, width, torch.full((batch,), width, dtype=torch.long, device=self.device))
-        return known[2]
+        """[batch] of `width`: one width for every row, 0 for a step without drafts. One tensor per batch size and
+        width, kept (a step plain and the next drafting reuse theirs) and never written."""
+        kept = getattr(self, "_kept_widths", None)
+        if kept is None or len(kept) >= 64:       # batch sizes and widths are few; a long-running engine stays bounded
+            kept = self._kept_widths = {}
+        tensor = kept.get((batch, width))
+        if tensor is None:
+            tensor = kept[(batch, width)] = torch.full((batch,), width, dtype=torch.long, device=self.device)
+        return tensor
 
     def _allows_free(self) -> bool:
         with self.policy_lock:
