@@ -17,6 +17,10 @@ import spec_adapt
 from spec_adapt import FixedLength, MTPDrafter
 
 
+# The checkpoint's folder lives as long as the model (stock's MTP loader reads it again); removed at exit.
+SCRATCH = tempfile.TemporaryDirectory()
+
+
 def tiny_checkpoint_with_mtp(layers: int = 2):
     """A tiny random GLM-4 MoE saved with `layers` MTP layers (the decoder block laid out as the model's last layer
     is saved, under mtp.layers.{k}.mtp_block.), loaded back as a checkpoint with MTP weights is."""
@@ -28,7 +32,7 @@ def tiny_checkpoint_with_mtp(layers: int = 2):
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)      # clear-cut greedy choices, like a trained model's
-    folder = tempfile.mkdtemp()
+    folder = tempfile.mkdtemp(dir=SCRATCH.name)
     model.save_pretrained(folder)
     path = os.path.join(folder, "model.safetensors")
     weights = load_file(path)

@@ -12,6 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+# Checkpoints stay on disk while their models live (stock's MTP loader reads the checkpoint's folder again); one
+# folder for the process, removed when it exits.
+_FOLDERS = tempfile.TemporaryDirectory(prefix="mtp-")
+
 COMMON = dict(vocab_size=16, hidden_size=32, intermediate_size=37, moe_intermediate_size=16, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts_per_tok=2,
               max_position_embeddings=128, bos_token_id=1, eos_token_id=None, pad_token_id=0)
@@ -68,7 +72,7 @@ def mtp_model(family: str, mtp_layers: int = 1, seed: int = 0, vocab: int = 16, 
     model = auto.from_config(cfg).eval()
     with torch.no_grad():          # clear-cut greedy choices, like a trained LM (tests/conftest.py)
         model.get_output_embeddings().weight.mul_(head_scale)
-    folder = tempfile.mkdtemp(prefix="mtp-")
+    folder = tempfile.mkdtemp(dir=_FOLDERS.name)
     model.save_pretrained(folder)
     path = os.path.join(folder, "model.safetensors")
     weights = load_file(path)

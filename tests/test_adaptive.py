@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import spec_adapt
@@ -723,3 +725,90 @@ def test_without_shrinking_a_fresh_row_reads_the_pooled_rates():
     expected = policy.expected(torch.tensor([0, 1]))
     assert bool(torch.isfinite(expected).all())
     assert torch.allclose(expected[0], policy.expected())
+
+
+def _observe_widths(policy, width: int, steps: int, accepted: int | None = None) -> None:
+    """`steps` batch-1 steps that each draft `width` tokens and have `accepted` of them accepted (all by default),
+    whatever the policy chose."""
+    from spec_adapt.metrics import StepRecord
+    from spec_adapt.policies.base import StepInfo
+
+    accepted = width if accepted is None else accepted
+    policy.begin(1)
+    for step in range(steps):
+        policy.choose(StepInfo(1, torch.arange(1), torch.full((1,), step), torch.full((1,), 10**6), step))
+        policy.observe(StepRecord(1, [0], [width], [width], [accepted], [accepted + 1], 0.3, 0.1, 0.2))
+
+
+def test_a_width_no_row_has_reached_reads_as_good_as_the_last_measured():
+    """Rows that always accept their 2 drafts: position 3 was never reached, and its rate is read from position 2's
+    (which is near 1), not from the 0.5 the counts start at. At 0.5 each width past the measured ones looks worse
+    than it is, and the policy kept drafting 2 through a hundred steps of full acceptance."""
+    policy = Adaptive()
+    _observe_widths(policy, 2, 200)
+    expected = policy.expected()
+    gains = expected[1:] - expected[:-1]                 # prod_{j <= s} p_j: the s-th draft's expected token
+    assert float(gains[1]) > 0.9 and float(gains[2]) > 0.9 * float(gains[1])
+    assert float(gains[7]) > 0.6 * float(gains[1])
+    burst = 2      # the prior's weight decays with the rows that reach a position, as the counts do
+    assert float(policy.prior[burst, 1]) < 0.05 and float(policy.prior[burst, 2]) == 1.0
+
+
+def test_a_position_read_low_does_not_pull_the_next_below_one_half():
+    """Rows that always reject their first draft: the first position reads near 0, and the second, never reached,
+    still reads 0.5 (a low rate before is no evidence that the next position is worse still)."""
+    policy = Adaptive(shrink=0.0)
+    _observe_widths(policy, 1, 200, accepted=0)
+    rates = policy.accepted / policy.tried
+    from spec_adapt.policies.adaptive import prior_rates
+
+    read = prior_rates(policy.tried, policy.accepted, policy.prior)
+    missed = 1
+    assert float(read[missed, 0]) < 0.05 and float(read[missed, 1]) == pytest.approx(0.5)
+    assert torch.allclose(read[:, 1:], torch.maximum(rates[:, 1:], read[:, 1:]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(0, 50)), min_size=1, max_size=8))
+def test_prior_rates_move_only_the_prior(positions):
+    """prior_rates: a count of n rows (h hits) beside a prior of weight m reads (m x max(0.5, rate before) + h) /
+    (m + n): in [0, 1]; the counts alone where no prior is left; max(0.5, the rate before) where no row reached the
+    position."""
+    from spec_adapt.policies.adaptive import prior_rates
+
+    prior = torch.tensor([m for m, _, _ in positions])
+    reached = torch.tensor([float(n) for _, _, n in positions])
+    hits = torch.tensor([min(f, 1.0) * n for _, f, n in positions]).floor()
+    tried, accepted = prior + reached, 0.5 * prior + hits
+    if not bool((tried > 0).all()):
+        return
+    rates = prior_rates(tried, accepted, prior)
+    before = 0.5
+    for i in range(len(positions)):
+        want = (float(prior[i]) * max(before, 0.5) + float(hits[i])) / float(tried[i])
+        assert abs(float(rates[i]) - want) < 1e-5 and -1e-6 <= float(rates[i]) <= 1 + 1e-6
+        before = float(rates[i])
+
+
+def test_the_prior_is_saved_and_a_state_saved_without_it_still_loads():
+    """The prior's weight left per position is part of the state; a state written before it was kept apart loads
+    with the untouched first observation where no row reached the position and none elsewhere; counts the prior
+    cannot have come from are refused."""
+    policy = Adaptive(seed=3)
+    _observe_widths(policy, 2, 30)
+    state = json.loads(json.dumps(policy.state_dict()))
+    loaded = Adaptive(seed=3)
+    loaded.load_state_dict(state)
+    assert torch.equal(loaded.prior, policy.prior) and torch.allclose(loaded.expected(), policy.expected())
+    del state["pooled"]["prior"]
+    old = Adaptive(seed=3)
+    old.load_state_dict(state)
+    untouched = (policy.tried == 1) & (policy.accepted == 0.5)
+    assert torch.equal(old.prior, untouched.float()) and bool(untouched[:, 2:].all())
+    for bad in ([[2.0] * 8] * 3, [[0.0] * 7 + [1.0]] * 3):
+        broken = json.loads(json.dumps(policy.state_dict()))
+        broken["pooled"]["prior"] = bad
+        if bad[0][0] == 0.0:        # a prior of 1 beside accepted counts below its 0.5
+            broken["pooled"]["accepted"] = [[0.0] * 8] * 3
+        with pytest.raises(ValueError, match="prior"):
+            Adaptive(seed=3).load_state_dict(broken)

@@ -170,9 +170,14 @@ def _offload(args) -> dict:
     stream from the offload folder at every forward)."""
     if args.target_memory is None:
         return {}
+    import atexit
     import tempfile
 
-    folder = args.offload_folder or tempfile.mkdtemp(prefix="spec_adapt-offload-")
+    folder = args.offload_folder
+    if folder is None:      # weights streamed from disk for the run's whole life; removed when it ends
+        scratch = tempfile.TemporaryDirectory(prefix="spec_adapt-offload-")
+        atexit.register(scratch.cleanup)
+        folder = scratch.name
     return {"device_map": "auto", "max_memory": {"cpu": f"{args.target_memory}MiB"}, "offload_folder": folder}
 
 
