@@ -47,6 +47,9 @@ def main():
     parser.add_argument("--draft-model", nargs="+", metavar="WORKLOAD", help="the real pair's traces on these workloads")
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-ms", type=float, default=None,
+                        help="with --draft-model: tell the policy the target's prompt forward took this many ms a "
+                             "token (as a call's loop does, Policy.prefilled), which bounds an unmeasured catch-up")
     parser.add_argument("--runs", help="a folder: the agreement runs are read from <workload>.json there if it exists, "
                         "else recorded and written there (a policy change is then replayed in seconds)")
     args = parser.parse_args()
@@ -59,7 +62,7 @@ def main():
         if missing:
             parser.error(f"no bench run to take step costs from for {', '.join(missing)}: "
                          "results/bench-qwen-sources/<workload>-b1/summary.json (run from the repository root)")
-        return draft_model(args.draft_model, args.num_prompts, args.new_tokens, args.runs)
+        return draft_model(args.draft_model, args.num_prompts, args.new_tokens, args.runs, args.prefill_ms)
     table = LatencyTable.load(args.latency)
     print(f"{'workload':<10} {'B':>3} {'best fixed':>10} {'adaptive vs best':>17}")
     for workload in args.workloads:
@@ -118,7 +121,8 @@ def synthetic(seeds: int) -> None:
     print(f"{'all':<26} {statistics.mean(every):>28.3f} {min(every):>7.3f}")
 
 
-def draft_model(names: list[str], prompts: int, new_tokens: int, folder: str | None) -> None:
+def draft_model(names: list[str], prompts: int, new_tokens: int, folder: str | None,
+                prefill_ms: float | None = None) -> None:
     from spec_adapt import FixedLength
 
     for name in names:
@@ -141,7 +145,10 @@ def draft_model(names: list[str], prompts: int, new_tokens: int, folder: str | N
                 continue
             fixed = {g: lab.simulate(FixedLength(g), chosen, table, lab.Batches(1)).goodput for g in range(9)}
             best = max(fixed, key=fixed.get)
-            ours = lab.simulate(Adaptive(), chosen, table, lab.Batches(1)).goodput
+            policy = Adaptive()
+            if prefill_ms is not None:
+                policy.prefilled(1000, prefill_ms)       # 1000 tokens in prefill_ms x 1000 ms
+            ours = lab.simulate(policy, chosen, table, lab.Batches(1)).goodput
             print(f"  {part:<22} best fixed width {best}; Adaptive / best fixed {ours / fixed[best]:.3f}, "
                   f"/ plain {ours / fixed[0]:.2f}")
 

@@ -429,6 +429,28 @@ def test_a_cold_policy_does_not_probe_through_a_whole_prompt():
     assert policy._probe_due(32, 500)
 
 
+def test_a_probe_comes_back_when_waiting_cannot_make_its_catch_up_cheaper():
+    """After plain steps the draft's lag grows a token a step, so its catch-up's share of the plain time since the last
+    probe never falls below what one lag token costs over a plain step. Here that floor (4 ms a token at 0.26 s
+    plain steps: 0.015) is above the 1% budget; the probe is due once the share is within twice the floor, not never
+    (one rejected step kept the draft off for the rest of the call). A whole prompt's catch-up is still not probed,
+    nor is a draft that catches up as slowly as its target decodes."""
+    policy = Adaptive(probe_every=16)
+    for _ in range(4):
+        policy.cost.observe_verify(1, 1, 0.26)
+    policy.prefilled(150, 0.6)                   # the target's prompt forward: 4 ms a token bounds the catch-up
+    policy.probes.idle = 16
+    assert policy.catchup_time(1, 17) > policy.probe_budget * 16 * 0.26     # over the budget itself
+    assert policy._probe_due(1, 17)
+    assert not policy._probe_due(1, 500)         # a prompt behind: its share is far above the floor
+    slow = Adaptive(probe_every=16)
+    for _ in range(4):
+        slow.cost.observe_verify(1, 1, 0.26)
+    slow.prefilled(150, 150 * 0.26)              # a floor of one plain step per token: never
+    slow.probes.idle = 10_000
+    assert not slow._probe_due(1, 10_001)
+
+
 @pytest.mark.parametrize("kwargs", [dict(explore=1.5), dict(probe_every=0), dict(max_probe_gap=2), dict(horizon=0),
                                     dict(probe_budget=-0.1), dict(max_gamma=0), dict(shape_margin=-1),
                                     dict(closed_batches="yes")])

@@ -34,6 +34,10 @@ from .fixed import _check_int
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (docs/policies.md, rule 1)
 
 
+# A probe whose catch-up's share of plain time cannot fall to the budget is due near its floor when that floor is at
+# most this many budgets (`Adaptive._probe_due`).
+FLOOR_BUDGETS = 5
+
 # The largest batch a vLLM schedule is exported for (the schedule has one entry per power of two up to it).
 MAX_EXPORT_BATCH = 1 << 16
 
@@ -200,8 +204,19 @@ class Adaptive(Policy):
         # worst a draft smaller than the target can cost, one plain step per lag token (a cold probe at a large batch
         # catches every row's prompt up at once, a cost a short call never earns back).
         plain = self.step_time(batch, 0)
-        budget = self.probe_budget * self.probes.idle * plain
-        return self.catchup_time(batch, lag, unknown=lag * plain) <= budget
+        catchup = self.catchup_time(batch, lag, unknown=lag * plain)
+        spent = self.probes.idle * plain
+        if catchup <= self.probe_budget * spent:
+            return True
+        # The lag grows by a token per plain step, so the catch-up's share of the plain time since the last probe
+        # falls towards what one more lag token adds over a plain step (its floor), never lower: where that floor is
+        # above the budget, waiting never brings a probe within it, and one unlucky drafting step kept a draft model
+        # off for the rest of the call (the pair's 0.5B catches up at about 0.02 of a plain step per token; the budget
+        # is 0.01). Such a probe is due once its share is within twice that floor, while the floor is a small part of a
+        # plain step (at most FLOOR_BUDGETS x probe_budget): a draft that catches up as slowly as its target decodes
+        # is still never probed through a whole prompt.
+        floor = (self.catchup_time(batch, lag + 1, unknown=(lag + 1) * plain) - catchup) / plain
+        return floor <= FLOOR_BUDGETS * self.probe_budget and catchup <= 2 * floor * spent
 
     def _burst(self, rows) -> bool:
         return bool((self.row_state[rows] == BURST).any()) if rows is not None else False
