@@ -215,7 +215,7 @@ class Adaptive(Policy):
         # is 0.01). Such a probe is due once its share is within twice that floor, while the floor is a small part of a
         # plain step (at most FLOOR_BUDGETS x probe_budget): a draft that catches up as slowly as its target decodes
         # is still never probed through a whole prompt.
-        floor = (self.catchup_time(batch, lag + 1, unknown=(lag + 1) * plain) - catchup) / plain
+        floor = (self.catchup_time(batch, lag + 1, unknown=(lag + 1) * plain) - catchup) / max(plain, 1e-12)
         return floor <= FLOOR_BUDGETS * self.probe_budget and catchup <= 2 * floor * spent
 
     def _burst(self, rows) -> bool:
