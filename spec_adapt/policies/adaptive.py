@@ -167,8 +167,9 @@ class Adaptive(Policy):
 
     def _refresh(self) -> None:
         """Every row's E[committed | s], shrunk all the way down: everything seen -> the row's state -> the row."""
-        overall = prior_rates(self.tried.sum(0), self.accepted.sum(0), self.prior.sum(0))             # [S]
-        pooled = prior_rates(self.tried, self.accepted, self.prior)                                  # [STATES, S]
+        # One scan over every state's counts and their sum: [STATES + 1, S], the last row everything seen.
+        rates = prior_rates(*(torch.cat([x, x.sum(0, keepdim=True)]) for x in (self.tried, self.accepted, self.prior)))
+        pooled, overall = rates[:STATES], rates[STATES]
         pooled = (pooled * self.tried + self.shrink * overall) / (self.tried + self.shrink)
         index = torch.arange(self.row_state.shape[0])
         t, a = self.row_tried[index, self.row_state], self.row_accepted[index, self.row_state]   # [R, S]
@@ -609,11 +610,17 @@ def prior_rates(tried: torch.Tensor, accepted: torch.Tensor, prior: torch.Tensor
     read low (right after a rejection, say) is no evidence that the next position is worse still, and reading it
     lower locked a policy at width 1 on ShareGPT. Counts of rows that reached the position outweigh the prior as
     they come (its weight decays with them), so an optimistic guess costs the few steps that measure it."""
-    rates, before = [], torch.full(tried.shape[:-1], 0.5)
-    for i in range(tried.shape[-1]):
-        before = (accepted[..., i] + prior[..., i] * (before.clamp(min=0.5) - 0.5)) / tried[..., i]
-        rates.append(before)
-    return torch.stack(rates, dim=-1)
+    # Each position reads the one before it: a scan over a few dozen numbers, cheaper in Python floats than as a
+    # tensor operation per position (this runs after every step).
+    size = tried.shape[-1]
+    rows = zip(*(x.reshape(-1, size).tolist() for x in (tried, accepted, prior)))
+    out = []
+    for row_tried, row_accepted, row_prior in rows:
+        before = 0.5
+        for t, a, p in zip(row_tried, row_accepted, row_prior):
+            before = (a + p * (max(before, 0.5) - 0.5)) / t
+            out.append(before)
+    return torch.tensor(out, dtype=tried.dtype).reshape(tried.shape)
 
 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:
