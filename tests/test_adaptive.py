@@ -834,3 +834,71 @@ def test_the_prior_is_saved_and_a_state_saved_without_it_still_loads():
             broken["pooled"]["accepted"] = [[0.0] * 8] * 3
         with pytest.raises(ValueError, match="prior"):
             Adaptive(seed=3).load_state_dict(broken)
+
+
+def _hindsight_steps(policy, steps: list[tuple[int, int, int]]) -> None:
+    """Batch-1 steps (width asked and drafted, accepted, the hindsight the drafter reports with that step)."""
+    from spec_adapt.metrics import StepRecord
+    from spec_adapt.policies.base import StepInfo
+
+    for step, (width, accepted, seen) in enumerate(steps):
+        policy.choose(StepInfo(1, torch.arange(1), torch.full((1,), step), torch.full((1,), 10**6), step))
+        policy.observe(StepRecord(1, [0], [width], [width], [accepted], [accepted + 1], 0.3, 0.1, 0.2,
+                                  telemetry={"hindsight": [seen]}))
+
+
+def test_hindsight_measures_the_position_past_a_fully_accepted_width():
+    """A state whose second position once read low: width-1 steps accepted in full never reach that position, so
+    without hindsight it stays low through any run of them. The drafter's hindsight (would a second draft have been
+    accepted) counts there, in the state the accepted step was chosen in, at the position after its width."""
+    burst, missed = 2, 1
+    # Width 1 accepted (now BURST), then width 2 chosen in BURST with its second draft rejected (now MISSED): BURST's
+    # second position reads low.
+    warm = [(1, 1, -1), (2, 1, -1)] * 15
+    run = [(1, 1, -1)] * 60
+    from spec_adapt.policies.adaptive import prior_rates
+
+    reads, tried = {}, {}
+    for seen in (1, 0, None):
+        policy = Adaptive(shrink=0.0, explore=0.0)
+        policy.begin(1)
+        _hindsight_steps(policy, warm + [(w, a, -1 if seen is None else seen) for w, a, _ in run])
+        reads[seen], tried[seen] = prior_rates(policy.tried, policy.accepted, policy.prior), policy.tried
+    assert float(reads[None][burst, 1]) < 0.3                   # nothing measured it again
+    assert float(reads[1][burst, 1]) > 0.85 and float(reads[0][burst, 1]) < 0.1
+    # Hindsight after a step chosen in BURST counts in BURST; the first step of the run was chosen in MISSED.
+    assert float(reads[1][missed, 1]) > float(reads[None][missed, 1])
+    assert torch.equal(tried[1][:, 2:], tried[None][:, 2:])     # no other position was counted
+
+
+def test_hindsight_counts_only_after_a_full_acceptance_of_the_width_asked():
+    """A step with a rejection, or whose drafter filled less than the width asked (the rest counted as misses
+    already), gives the next step's hindsight nothing to judge; a step the model did not draft reports -1."""
+    from spec_adapt.metrics import StepRecord
+    from spec_adapt.policies.base import StepInfo
+
+    def counts(steps):
+        policy = Adaptive(shrink=0.0, explore=0.0)
+        policy.begin(1)
+        for step, (gamma, drafted, accepted, seen) in enumerate(steps):
+            policy.choose(StepInfo(1, torch.arange(1), torch.full((1,), step), torch.full((1,), 10**6), step))
+            policy.observe(StepRecord(1, [0], [gamma], [drafted], [accepted], [accepted + 1], 0.3, 0.1, 0.2,
+                                      telemetry={"hindsight": [seen]}))
+        return policy.tried.clone(), policy.accepted.clone()
+
+    for first in ((2, 2, 1, -1), (3, 2, 2, -1)):         # a rejection; a short fill
+        assert all(torch.equal(x, y) for x, y in zip(counts([first, (2, 2, 2, 1)]), counts([first, (2, 2, 2, -1)])))
+    full = counts([(2, 2, 2, -1), (2, 2, 2, 1)])
+    assert not torch.equal(full[0], counts([(2, 2, 2, -1), (2, 2, 2, -1)])[0])
+
+
+@pytest.mark.parametrize("seen", [[2], [-2], [1, 1], ["x"], [0.5], [True], [float("nan")], None.__class__, []])
+def test_malformed_hindsight_is_refused(seen):
+    from spec_adapt.metrics import StepRecord
+    from spec_adapt.policies.base import StepInfo
+
+    policy = Adaptive()
+    policy.begin(1)
+    policy.choose(StepInfo(1, torch.arange(1), torch.zeros(1, dtype=torch.long), torch.full((1,), 100), 0))
+    with pytest.raises(ValueError, match="telemetry 'hindsight' must hold one of -1, 0, 1 per row"):
+        policy.observe(StepRecord(1, [0], [1], [1], [1], [2], 0.3, 0.1, 0.2, telemetry={"hindsight": seen}))

@@ -767,3 +767,54 @@ def test_route_pays_the_draft_models_first_token_overhead_once():
 
     choice, cut = drafter.route(1, [4], [[4]], [[1]], None, Line())
     assert choice == [MODEL] and cut == [4]
+
+
+class Recorded(FixedLength):
+    """FixedLength that keeps every step's record (the drafter's telemetry with it)."""
+
+    def __init__(self, k):
+        super().__init__(k)
+        self.records = []
+
+    def observe(self, record):
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("multi,batch", [(False, 1), (True, 1), (False, 3)])
+def test_the_draft_models_hindsight_is_its_own_next_token_against_the_targets(multi, batch):
+    """After a step whose drafts were all accepted, the draft model reports whether its own greedy token after the
+    last of them is the target's token there (a draft one longer would have been accepted): checked against a
+    separate forward of the draft over each output row; after a rejection it reports nothing (-1). Through the
+    several-source drafter too, on the rows it drafted; and per row of a ragged batch."""
+    draft = perturbed_copy(TARGET, 0.1, seed=5)        # right often enough for full acceptances, wrong at times
+    ids, mask = ragged_batch(batch, seed=3)
+    policy = Recorded(2)
+    drafter = MultiSourceDrafter(draft, free=[PromptLookupDrafter()]) if multi else ModelDrafter(draft)
+    out, _ = run(TARGET, ids, mask, drafter, policy, max_new_tokens=40)
+    assert torch.equal(out, stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=40))
+    pads = (mask == 0).sum(1).tolist()
+    with torch.no_grad():
+        guesses = [draft(input_ids=out[b:b + 1, pads[b]:]).logits[0].argmax(-1) for b in range(batch)]   # [L_b]
+    length = [ids.shape[1] - pads[b] + 1 for b in range(batch)]     # the prompt and the token its prefill chose
+    last: dict = {}                                                 # row -> (its last step's record, index in it)
+    judged = []
+    for record in policy.records:
+        seen = (record.telemetry or {}).get("hindsight")
+        sources = (record.telemetry or {}).get("source") or ["model"] * len(record.rows)
+        for i, row in enumerate(record.rows):
+            before = last.get(row)
+            value = -1 if seen is None else int(seen[i])
+            if before is not None:
+                prev, j = before
+                full = prev.drafted[j] == prev.accepted[j] == prev.gammas[j] > 0
+                from_model = ((prev.telemetry or {}).get("source") or ["model"] * len(prev.rows))[j] == "model"
+                if full and from_model and sources[i] == "model" and record.gammas[i] > 0:
+                    # The row's last draft sits at length - 2, the target's token after it at length - 1.
+                    n = length[row]
+                    assert value == int(guesses[row][n - 2] == out[row, pads[row] + n - 1])
+                    judged.append(value)
+                elif not full:
+                    assert value == -1
+            length[row] += record.committed[i]
+            last[row] = (record, i)
+    assert 0 in judged and 1 in judged

@@ -215,7 +215,11 @@ class ModelDrafter(Drafter):
         pending = torch.where(gammas > 0, lengths - self.ledger.n_cached, 0)             # [B]
         # The widths' and the catch-up's ends, in one host read.
         least, most, even, behind = torch.stack([*torch.aminmax(gammas), *torch.aminmax(pending)]).tolist()
-        last = self._catch_up(tokens, pending, behind, even)                             # [B, V']
+        # Greedy chains read one column more where a row has two or more tokens pending: the hindsight below.
+        back = 2 if behind >= 2 and not (request.sampling or self._fresh or request.depths is not None) else 1
+        last = self._catch_up(tokens, pending, behind, even, back)                       # [B, back, V']
+        hindsight = self._hindsight(request, tokens, lengths, pending, last[:, 0]) if back == 2 else None
+        last = last[:, -1]
         if least > 0:                 # every row was fed: none is left with nothing cached
             self._fresh = False
         self._count_writes(pending.sum())
@@ -261,7 +265,18 @@ class ModelDrafter(Drafter):
         out_probs = probs.to(target_device) if probs is not None else None
         width = most if planned else int(drafted.max())
         return Proposal(drafts.to(target_device), drafted.to(target_device), out_probs,
+                        {"hindsight": hindsight} if hindsight is not None else None,
                         confidence=confidence[:, :width].to(target_device))
+
+    def _hindsight(self, request: DraftRequest, tokens, lengths, pending, before) -> torch.Tensor:
+        """[B] per row with two or more tokens pending: 1 where the draft's own greedy token after the second-last of
+        them is the last one, else 0; -1 for the other rows. After a step whose drafts were all accepted, the pending
+        tokens are the last draft and the target's token after it, so this says whether one more draft would have
+        been accepted: the policy measures the position past the width it asked, for free (`Adaptive._hindsight`)."""
+        scores = request.process(before[:, : self.vocab].float(), tokens, lengths - 1, request.rows.to(tokens.device))
+        last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        agree = (scores.argmax(dim=-1) == last).long()
+        return torch.where(pending >= 2, agree, -1).to(request.tokens.device)
 
     def _align(self, lengths, fed) -> None:
         """Keep each row's token i at cache column i, the position a draft that numbers tokens by cache column
@@ -277,8 +292,9 @@ class ModelDrafter(Drafter):
         if ledger.physical_length != start:
             ledger.rollback(ledger.pad + start)
 
-    def _catch_up(self, tokens, pending, behind: int, even: int) -> torch.Tensor:
-        """Feed each row its pending committed tokens; the logits after each row's last one [B, V'].
+    def _catch_up(self, tokens, pending, behind: int, even: int, back: int = 1) -> torch.Tensor:
+        """Feed each row its pending committed tokens; the logits after each row's last `back` of them [B, back, V']
+        (`back` > 1 only once every row has its prompt cached).
 
         One forward is [B, max pending] wide, holes included. When rows that joined a running batch (nothing cached
         yet: a whole prompt pending) catch up next to rows that are one or two tokens behind, that width would be
@@ -288,7 +304,7 @@ class ModelDrafter(Drafter):
         prefill does. `behind` and `even`: the most and the fewest tokens a row has pending (read by the caller)."""
         ledger = self.ledger
         if not self._fresh:           # every row has its prompt cached: one forward
-            return _forward_pending(ledger, tokens, pending, behind, even)
+            return _forward_pending(ledger, tokens, pending, behind, even, back)
         fresh = (ledger.n_cached == ledger.pad) & (pending > 0)
         some = bool(fresh.any())
         every = some and bool(fresh.all())                     # one host read on a step with no fresh row
@@ -302,7 +318,7 @@ class ModelDrafter(Drafter):
         apart = KVLedger.empty(self.runner, ledger.pad[joined], ledger.device)
         ledger.select_rows(others)
         first = _forward_pending(apart, tokens[joined], pending[joined])
-        last = first.new_zeros(len(pending), first.shape[1])       # rows drafting nothing: never read
+        last = first.new_zeros(len(pending), *first.shape[1:])     # rows drafting nothing: never read
         last[joined] = first
         if bool((pending[others] > 0).any()):
             last[others] = _forward_pending(ledger, tokens[others], pending[others])
@@ -374,8 +390,9 @@ def _rows_on(value, rows: torch.Tensor, batch: int, device, dtype):
 
 
 def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tensor, behind: int | None = None,
-                     even: int = 0) -> torch.Tensor:
-    """One forward feeding row b its next pending[b] buffer tokens; the logits after the last of them [B, V'].
+                     even: int = 0, back: int = 1) -> torch.Tensor:
+    """One forward feeding row b its next pending[b] buffer tokens; the logits after the last `back` of them
+    [B, back, V'] (columns before a row's first pending token read its first).
     `behind`: pending's largest value, where the caller has read it; `even`: its smallest, so that where every row
     is as far behind, the forward feeds every column of every row (the ledger's `filled`: no hole check)."""
     behind = int(pending.max()) if behind is None else behind
@@ -386,4 +403,5 @@ def _forward_pending(ledger: KVLedger, tokens: torch.Tensor, pending: torch.Tens
     index = torch.where(offset < pending[:, None], ledger.n_cached[:, None] + offset, offset - pending[:, None])
     index = index.clamp(0, tokens.shape[1] - 1)
     n_valid = ledger.filled(len(pending), behind) if behind > 0 and even == behind else pending
-    return ledger.forward(tokens.gather(1, index), n_valid, columns=(pending - 1).clamp(min=0)[:, None])[:, 0]
+    columns = (pending[:, None] - back + torch.arange(back, device=pending.device)[None, :]).clamp(min=0)
+    return ledger.forward(tokens.gather(1, index), n_valid, columns=columns)

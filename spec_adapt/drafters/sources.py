@@ -320,7 +320,11 @@ class MultiSourceDrafter(Drafter):
             span = min(width, model.confidence.shape[1])
             confidence[:, :span] = torch.where(free[:, None], 0.0, model.confidence[:, :span].to(device))
         names = ["model" if c == MODEL else self.names[c - 1] if c > 0 else None for c in choice]
-        return Proposal(tokens, lengths, probs, {"source": names}, None, confidence, free)
+        telemetry = {"source": names}
+        seen = (model.telemetry or {}).get("hindsight") if model is not None else None
+        if seen is not None:      # the draft model's, on its rows (the others read -1: it did not catch up there)
+            telemetry["hindsight"] = seen
+        return Proposal(tokens, lengths, probs, telemetry, None, confidence, free)
 
     # -- learning -------------------------------------------------------------------------------------------------
     def observe(self, record) -> None:

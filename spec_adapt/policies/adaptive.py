@@ -122,6 +122,10 @@ class Adaptive(Policy):
         self.row_tried = torch.zeros(batch_size, STATES, self.max_gamma)      # [rows, state, S]
         self.row_accepted = torch.zeros(batch_size, STATES, self.max_gamma)
         self.row_state = torch.zeros(batch_size, dtype=torch.long)
+        # A row's last step, where the draft model's drafts were all accepted: their number (else 0) and the state it
+        # was chosen in, so the next step's hindsight on the position after them counts there (`_hindsight`).
+        self.row_full = torch.zeros(batch_size, dtype=torch.long)
+        self.row_chosen = torch.zeros(batch_size, dtype=torch.long)
         self._refresh()
 
     def admit(self, rows) -> None:
@@ -129,6 +133,7 @@ class Adaptive(Policy):
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         self._grow(rows)
         self.row_tried[rows], self.row_accepted[rows], self.row_state[rows] = 0.0, 0.0, PLAIN
+        self.row_full[rows] = 0
         self._refresh()
 
     def _grow(self, rows: torch.Tensor) -> None:
@@ -140,6 +145,10 @@ class Adaptive(Policy):
             self.row_accepted = torch.cat([self.row_accepted, torch.zeros(more, STATES, self.max_gamma)])
             self.row_state = torch.cat([self.row_state, torch.zeros(more, dtype=torch.long)])
             self._refresh()
+        for name in ("row_full", "row_chosen"):      # after a loaded state, which does not carry them
+            have = getattr(self, name)
+            if have.shape[0] < self.row_state.shape[0]:
+                setattr(self, name, torch.cat([have, have.new_zeros(self.row_state.shape[0] - have.shape[0])]))
 
     # -- the model ---------------------------------------------------------------------------------------------------
     def step_time(self, batch: int, width: int, burst: bool = False) -> float:
@@ -308,6 +317,7 @@ class Adaptive(Policy):
             # A verification is a verification whoever drafted; the rest of the step is the chain model's only when
             # the policy's own width drafted it (not a free source's rows, not a tree).
             self.cost.observe_verify(record.held or record.batch_size, widest + 1, record.verify_time)
+        self._hindsight(record)
         if pending is None:
             return
         if free:
@@ -419,6 +429,40 @@ class Adaptive(Policy):
         self.row_accepted[rows, state] = torch.where(own, row_a, a)
         full = (accepted == drafted) & (drafted > 0)
         self.row_state[rows] = torch.where(gammas > 0, torch.where(full, BURST, MISSED), PLAIN)
+        # Hindsight can judge the next position only where no asked position is left unjudged (a drafter's fill
+        # short of the width asked has counted the rest as misses already).
+        self.row_full[rows] = torch.where(full & (drafted == (drafted if ruled else gammas)), drafted, 0)
+        self.row_chosen[rows] = state
+        self._refresh()
+
+    def _hindsight(self, record: StepRecord) -> None:
+        """The draft model's hindsight on the position after a fully accepted chain: drafting this step, it first reads
+        the last token it drafted and the target's token after it, and its own next token there says whether a draft
+        one longer would have been accepted (telemetry "hindsight", per row 1 or 0; -1 not known). One observation
+        at that position, in the state the accepted step was chosen in. A width the policy keeps is otherwise never
+        measured one position further: a state whose next position once read low stayed at its width through long
+        runs of full acceptance (width 1 for thirty steps on ShareGPT)."""
+        rows = torch.tensor(record.rows, dtype=torch.long)
+        self._grow(rows)
+        seen = (record.telemetry or {}).get("hindsight")
+        width, chosen = self.row_full[rows], self.row_chosen[rows]
+        self.row_full[rows] = 0              # the next step's hindsight is about this step's drafts, if any
+        if seen is None:
+            return
+        seen = _hindsight_values(seen, rows.shape[0])
+        known = (seen >= 0) & (width > 0) & (width < self.max_gamma)
+        if not bool(known.any()):
+            return
+        rows, state, hit = rows[known], chosen[known], seen[known].float()
+        reached = torch.nn.functional.one_hot(width[known], self.max_gamma).float()      # [n, S]: position width + 1
+        hits = reached * hit[:, None]
+        pooled = torch.zeros(STATES, self.max_gamma)
+        reached_by_state = pooled.index_add(0, state, reached)
+        self.tried, self.accepted = decay_counts(self.tried, self.accepted, reached_by_state,
+                                                 pooled.index_add(0, state, hits), self.decay)
+        self.prior = self.prior * self.decay ** reached_by_state
+        t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
+        self.row_tried[rows, state], self.row_accepted[rows, state] = decay_counts(t, a, reached, hits, self.decay)
         self._refresh()
 
     # -- carrying what was learned over ------------------------------------------------------------------------------
@@ -621,6 +665,20 @@ def prior_rates(tried: torch.Tensor, accepted: torch.Tensor, prior: torch.Tensor
             before = (a + p * (max(before, 0.5) - 0.5)) / t
             out.append(before)
     return torch.tensor(out, dtype=tried.dtype).reshape(tried.shape)
+
+
+def _hindsight_values(seen, rows: int) -> torch.Tensor:
+    """A drafter's telemetry "hindsight" as a [rows] long tensor of -1, 0 and 1, or a ValueError naming the problem."""
+    try:
+        values = torch.as_tensor(seen).reshape(-1).cpu()
+    except (TypeError, ValueError, RuntimeError):
+        values = None
+    if values is None or values.dtype == torch.bool or values.is_complex() or values.shape[0] != rows \
+            or not bool(((values == -1) | (values == 0) | (values == 1)).all()):
+        raise ValueError(f"A drafter's telemetry 'hindsight' must hold one of -1, 0, 1 per row of the step ({rows} "
+                         f"rows: 1 a draft past the accepted ones would have been accepted, 0 not, -1 not known); "
+                         f"got {seen!r}.")
+    return values.long()
 
 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:

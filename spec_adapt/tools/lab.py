@@ -145,7 +145,7 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
             arrival, index = pending.pop(0)
             active.append({"id": index, "pos": 0, "lag": requests[index].prompt, "arrival": max(arrival, 0.0) if not
                            queued else now, "runs": requests[index].runs,
-                           "lengths": requests[index].lengths})
+                           "lengths": requests[index].lengths, "seen": -1})
         if not active:
             now = pending[0][0]
             continue
@@ -167,7 +167,11 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
         verify = clock.verify_time(batch, top + 1)
         drafting = clock.draft_time("model", batch, top) + clock.catchup_time("model", batch, lag) if draft_cost else 0.0
         seconds = verify + drafting
-        record = StepRecord(batch, info.rows.tolist(), gammas, drafted, accepted, committed, seconds, drafting, verify)
+        # A draft model's hindsight (`Adaptive._hindsight`): drafting this step, it reads whether one more draft after
+        # its last fully accepted chain would have been accepted.
+        seen = [r["seen"] if g > 0 and draft_cost else -1 for r, g in zip(active, gammas)]
+        record = StepRecord(batch, info.rows.tolist(), gammas, drafted, accepted, committed, seconds, drafting, verify,
+                            telemetry={"hindsight": seen} if draft_cost else None)
         start = time.perf_counter()
         policy.observe(record)
         result.decision_seconds += time.perf_counter() - start
@@ -180,7 +184,8 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
         if reference_goodput:
             extra += seconds - sum(committed) / reference_goodput
             result.regret_curve.append((result.steps, extra))
-        for r, g, c in zip(active, gammas, committed):
+        for r, g, d, a, c in zip(active, gammas, drafted, accepted, committed):
+            r["seen"] = int(r["runs"][r["pos"]] > d) if 0 < d == a and r["lengths"] is None else -1
             r["pos"] += c
             r["lag"] = 0 if g > 0 else r["lag"] + c
         done = [r for r in active if r["pos"] >= len(r["runs"])]
