@@ -891,6 +891,15 @@ def test_hindsight_counts_only_after_a_full_acceptance_of_the_width_asked():
     full = counts([(2, 2, 2, -1), (2, 2, 2, 1)])
     assert not torch.equal(full[0], counts([(2, 2, 2, -1), (2, 2, 2, -1)])[0])
 
+    # A stop rule cut the chain at 2 of 8 where the draft's confidence fell: the position it declined is not read.
+    for ruled, moved in ((True, False), (False, True)):
+        policy = Adaptive(shrink=0.0)
+        policy.begin(1)
+        policy._count(StepRecord(1, [0], [8 if ruled else 2], [2], [2], [3], 0.3, 0.1, 0.2), ruled=ruled)
+        before = policy.tried.clone()
+        policy.observe(StepRecord(1, [0], [2], [2], [0], [1], 0.3, 0.1, 0.2, telemetry={"hindsight": [1]}))
+        assert torch.equal(before, policy.tried) is not moved
+
 
 @pytest.mark.parametrize("seen", [[2], [-2], [1, 1], ["x"], [0.5], [True], [float("nan")], None.__class__, []])
 def test_malformed_hindsight_is_refused(seen):

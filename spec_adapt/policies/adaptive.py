@@ -430,8 +430,10 @@ class Adaptive(Policy):
         full = (accepted == drafted) & (drafted > 0)
         self.row_state[rows] = torch.where(gammas > 0, torch.where(full, BURST, MISSED), PLAIN)
         # Hindsight can judge the next position only where no asked position is left unjudged (a drafter's fill
-        # short of the width asked has counted the rest as misses already).
-        self.row_full[rows] = torch.where(full & (drafted == (drafted if ruled else gammas)), drafted, 0)
+        # short of the width asked has counted the rest as misses already), and not past a stop rule's cut: the rule
+        # stopped the row where the draft's confidence fell, and counting the position it declined would read the
+        # rule's own selection as the draft's acceptance there.
+        self.row_full[rows] = torch.where(full & (drafted == gammas), drafted, 0) if not ruled else 0
         self.row_chosen[rows] = state
         self._refresh()
 
