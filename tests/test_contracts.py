@@ -66,6 +66,11 @@ MALFORMED = {
     "zero probs": lambda r, p: Proposal(p.tokens, p.lengths, torch.zeros(_batch(r), p.tokens.shape[1], VOCAB)),
     "probs of other tokens": lambda r, p: Proposal(
         p.tokens, p.lengths, torch.nn.functional.one_hot((p.tokens + 1) % VOCAB, VOCAB).float()),
+    "telemetry not a dict": lambda r, p: Proposal(p.tokens, p.lengths, telemetry=["hindsight"]),
+    "hindsight out of range": lambda r, p: Proposal(p.tokens, p.lengths,
+                                                    telemetry={"hindsight": torch.full((_batch(r),), 2)}),
+    "hindsight of another batch": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": [1]}),
+    "float hindsight": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": [0.5] * _batch(r)}),
 }
 
 

@@ -291,7 +291,7 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         q = probs.gather(-1, tokens[..., None]).squeeze(-1)
         _expect(not bool(((q != 1) & used & free[:, None]).any()), "a model-free row's probs must be point masses "
                 "at its drafted tokens")
-    checked = Proposal(tokens, lengths, probs, proposal.telemetry, parents,
+    checked = Proposal(tokens, lengths, probs, _checked_telemetry(proposal.telemetry, batch), parents,
                        _checked_confidence(confidence, width, sure), free)
     checked.dense = parents is None and shortest == width > 0
     return checked
@@ -311,6 +311,25 @@ def _checked_free(free, request, batch, device):
     _expect(request.free is not None and not request.pooled, "free rows proposed, but the request allows none "
             "(DraftRequest.free is None or the plan is a pooled tree)")
     return free.to(device)
+
+
+def _checked_telemetry(telemetry, batch: int):
+    """None or a dict; its "hindsight" (a draft model's verdict on the position past a fully accepted chain, read by
+    `Adaptive`), where given, one of -1, 0 and 1 per row, handed on as a list (the policy's one host read)."""
+    if telemetry is None:
+        return None
+    _expect(isinstance(telemetry, dict), f"telemetry must be a dict or None, got {type(telemetry).__name__}")
+    seen = telemetry.get("hindsight")
+    if seen is None:
+        return telemetry
+    ok = isinstance(seen, (torch.Tensor, list, tuple)) and len(seen) == batch and (
+        not isinstance(seen, torch.Tensor) or (seen.dim() == 1 and not seen.dtype.is_floating_point
+                                               and seen.dtype != torch.bool and not seen.dtype.is_complex))
+    values = seen.tolist() if ok and isinstance(seen, torch.Tensor) else list(seen) if ok else []
+    ok = ok and all(type(v) is int and v in (-1, 0, 1) for v in values)
+    _expect(ok, lambda: f"telemetry['hindsight'] must hold one of -1, 0, 1 per row (B={batch}: 1 a draft past the "
+            f"accepted ones would have been accepted, 0 not, -1 not known), got {seen!r}")
+    return {**telemetry, "hindsight": values}
 
 
 def _shaped_confidence(confidence, batch, device):
