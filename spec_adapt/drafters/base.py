@@ -8,6 +8,8 @@ way for every drafter and for the target's own ledger.
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -272,7 +274,13 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
     # Every bound the checks read, in one host copy: the given lengths' ends, the width after the cut, the ids' ends
     # (over every column: an id out of range past the width is looked at again below, and let through).
     confidence = _shaped_confidence(proposal.confidence, batch, device)
-    low, high, width, shortest, low_id, high_id, *sure = _ends(given, lengths, tokens, confidence)
+    telemetry, seen = _shaped_telemetry(proposal.telemetry, batch)
+    low, high, width, shortest, low_id, high_id, *extremes = _ends(given, lengths, tokens, confidence, seen)
+    sure = extremes[:2] if confidence is not None else []
+    if seen is not None:            # integers: within [-1, 1] is one of -1, 0, 1
+        _expect(-1 <= extremes[-2] and extremes[-1] <= 1, lambda: f"telemetry['hindsight'] must hold one of -1, 0, 1 "
+                f"per row (1: a draft past the accepted ones would have been accepted, 0 not, -1 not known), got "
+                f"{seen.tolist()}")
     _expect(low >= 0 and high <= tokens.shape[1],
             lambda: f"lengths must be within [0, S={tokens.shape[1]}], got {given.tolist()}")
     if request.pooled:
@@ -291,7 +299,7 @@ def check_proposal(proposal, request: DraftRequest, vocab: int, strict: bool = F
         q = probs.gather(-1, tokens[..., None]).squeeze(-1)
         _expect(not bool(((q != 1) & used & free[:, None]).any()), "a model-free row's probs must be point masses "
                 "at its drafted tokens")
-    checked = Proposal(tokens, lengths, probs, _checked_telemetry(proposal.telemetry, batch), parents,
+    checked = Proposal(tokens, lengths, probs, telemetry, parents,
                        _checked_confidence(confidence, width, sure), free)
     checked.dense = parents is None and shortest == width > 0
     return checked
@@ -313,23 +321,24 @@ def _checked_free(free, request, batch, device):
     return free.to(device)
 
 
-def _checked_telemetry(telemetry, batch: int):
-    """None or a dict; its "hindsight" (a draft model's verdict on the position past a fully accepted chain, read by
-    `Adaptive`), where given, one of -1, 0 and 1 per row, handed on as a list (the policy's one host read)."""
+def _shaped_telemetry(telemetry, batch: int):
+    """(telemetry, hindsight): None or a dict, and its "hindsight" (a draft model's verdict on the position past a
+    fully accepted chain, read by `Adaptive`) as a [B] integer tensor where given, its shape and dtype checked (its
+    values are checked with the proposal's one host read)."""
     if telemetry is None:
-        return None
+        return None, None
     _expect(isinstance(telemetry, dict), f"telemetry must be a dict or None, got {type(telemetry).__name__}")
     seen = telemetry.get("hindsight")
     if seen is None:
-        return telemetry
-    ok = isinstance(seen, (torch.Tensor, list, tuple)) and len(seen) == batch and (
-        not isinstance(seen, torch.Tensor) or (seen.dim() == 1 and not seen.dtype.is_floating_point
-                                               and seen.dtype != torch.bool and not seen.dtype.is_complex))
-    values = seen.tolist() if ok and isinstance(seen, torch.Tensor) else list(seen) if ok else []
-    ok = ok and all(type(v) is int and v in (-1, 0, 1) for v in values)
-    _expect(ok, lambda: f"telemetry['hindsight'] must hold one of -1, 0, 1 per row (B={batch}: 1 a draft past the "
-            f"accepted ones would have been accepted, 0 not, -1 not known), got {seen!r}")
-    return {**telemetry, "hindsight": values}
+        return telemetry, None
+    if isinstance(seen, (list, tuple)):
+        _expect(all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in seen),
+                lambda: f"telemetry['hindsight'] must hold integers, got {seen!r}")
+        seen = torch.tensor([int(v) for v in seen], dtype=torch.long)
+    _expect(isinstance(seen, torch.Tensor) and seen.shape == (batch,) and not seen.dtype.is_floating_point
+            and not seen.dtype.is_complex and seen.dtype != torch.bool,
+            lambda: f"telemetry['hindsight'] must be an integer tensor or list [B={batch}], got {_describe(seen)}")
+    return {**telemetry, "hindsight": seen}, seen
 
 
 def _shaped_confidence(confidence, batch, device):
@@ -414,17 +423,20 @@ def _check_depth(deepest, request) -> None:
             lambda: f"tree depths {deepest.tolist()} exceed the plan's {limit.tolist()}")
 
 
-def _ends(given: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, confidence=None) -> list:
+def _ends(given: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, *extra) -> list:
     """(min, max) of the given lengths, (max, min) of the cut lengths (the width, and whether every row fills it),
-    (min, max) of the token ids and, with `confidence`, its (min, max), read in one host copy; 0 for what is empty."""
+    (min, max) of the token ids and of each tensor in `extra` that is not None (the confidence, the hindsight), read
+    in one host copy; 0 for what is empty."""
     zero = given.new_zeros(())
     parts = [*torch.aminmax(given)] if given.numel() else [zero, zero]
     parts += [*reversed(torch.aminmax(lengths))] if lengths.numel() else [zero, zero]
     parts += [*torch.aminmax(tokens)] if tokens.numel() else [zero, zero]
-    if confidence is None:
+    extra = [x for x in extra if x is not None]
+    if not extra:
         return torch.stack(parts).tolist()
-    # One copy for both: as float64, which holds every length and token id exactly.
-    parts += [*torch.aminmax(confidence)] if confidence.numel() else [zero, zero]
+    # One copy for all: as float64, which holds every length and token id exactly.
+    for x in extra:
+        parts += [*torch.aminmax(x.to(given.device))] if x.numel() else [zero, zero]
     values = torch.stack([p.double() for p in parts]).tolist()
     return [int(v) for v in values[:6]] + values[6:]
 
