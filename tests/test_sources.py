@@ -780,18 +780,11 @@ class Recorded(FixedLength):
         self.records.append(record)
 
 
-@pytest.mark.parametrize("multi,batch", [(False, 1), (True, 1), (False, 3)])
-def test_the_draft_models_hindsight_is_its_own_next_token_against_the_targets(multi, batch):
-    """After a step whose drafts were all accepted, the draft model reports whether its own greedy token after the
-    last of them is the target's token there (a draft one longer would have been accepted): checked against a
-    separate forward of the draft over each output row; after a rejection it reports nothing (-1). Through the
-    several-source drafter too, on the rows it drafted; and per row of a ragged batch."""
-    draft = perturbed_copy(TARGET, 0.1, seed=5)        # right often enough for full acceptances, wrong at times
-    ids, mask = ragged_batch(batch, seed=3)
-    policy = Recorded(2)
-    drafter = MultiSourceDrafter(draft, free=[PromptLookupDrafter()]) if multi else ModelDrafter(draft)
-    out, _ = run(TARGET, ids, mask, drafter, policy, max_new_tokens=40)
-    assert torch.equal(out, stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=40))
+def _judged_hindsight(policy, draft, ids, mask, out) -> list[int]:
+    """Every hindsight value reported after a row's fully accepted model step, each checked against a separate
+    forward of the draft over the output row (the row's last draft at length - 2, the target's token after it at
+    length - 1); -1 asserted after a rejection."""
+    batch = ids.shape[0]
     pads = (mask == 0).sum(1).tolist()
     with torch.no_grad():
         guesses = [draft(input_ids=out[b:b + 1, pads[b]:]).logits[0].argmax(-1) for b in range(batch)]   # [L_b]
@@ -817,4 +810,63 @@ def test_the_draft_models_hindsight_is_its_own_next_token_against_the_targets(mu
                     assert value == -1
             length[row] += record.committed[i]
             last[row] = (record, i)
+    return judged
+
+
+@pytest.mark.parametrize("multi,batch", [(False, 1), (True, 1), (False, 3)])
+def test_the_draft_models_hindsight_is_its_own_next_token_against_the_targets(multi, batch):
+    """After a step whose drafts were all accepted, the draft model reports whether its own greedy token after the
+    last of them is the target's token there (a draft one longer would have been accepted): checked against a
+    separate forward of the draft over each output row; after a rejection it reports nothing (-1). Through the
+    several-source drafter too, on the rows it drafted; and per row of a ragged batch."""
+    draft = perturbed_copy(TARGET, 0.1, seed=5)        # right often enough for full acceptances, wrong at times
+    ids, mask = ragged_batch(batch, seed=3)
+    policy = Recorded(2)
+    drafter = MultiSourceDrafter(draft, free=[PromptLookupDrafter()]) if multi else ModelDrafter(draft)
+    out, _ = run(TARGET, ids, mask, drafter, policy, max_new_tokens=40)
+    assert torch.equal(out, stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=40))
+    judged = _judged_hindsight(policy, draft, ids, mask, out)
     assert 0 in judged and 1 in judged
+
+
+class OneRowPlain(Recorded):
+    """Width 2 for every row but row 2, which never drafts (the draft model then never has every row fed)."""
+
+    def choose(self, info):
+        return torch.where(info.rows.cpu() == 2, 0, 2)
+
+
+def test_the_draft_models_hindsight_is_reported_while_a_row_never_drafts():
+    """A batch where one row stays plain (a policy's hopeless row): the draft model never feeds every row in one
+    step, and still reports its hindsight on the rows that draft."""
+    draft = perturbed_copy(TARGET, 0.1, seed=5)
+    ids, mask = ragged_batch(3, seed=3)
+    policy = OneRowPlain(2)
+    out, _ = run(TARGET, ids, mask, ModelDrafter(draft), policy, max_new_tokens=30)
+    assert torch.equal(out, stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30))
+    judged = _judged_hindsight(policy, draft, ids, mask, out)
+    assert len(judged) >= 5 and 0 in judged and 1 in judged
+
+
+def test_the_draft_models_hindsight_reaches_the_policy_while_requests_join_the_engine():
+    """Serving: rows join a running batch (their prompts caught up beside rows a token or two behind), and the draft
+    model still reports its hindsight on the running rows; every answer is stock's."""
+    from spec_adapt.serving.engine import Engine
+
+    from conftest import drive_engine
+
+    draft = perturbed_copy(TARGET, 0.1, seed=5)
+    ids, mask = ragged_batch(6, seed=3)
+    prompts = [ids[b][mask[b].bool()].tolist() for b in range(6)]
+    budgets = [20, 7, 30, 12, 25, 9]
+    policy = Recorded(2)
+    engine = Engine(TARGET, drafter=ModelDrafter(draft), assistant_policy=policy, max_batch=3, eos_token_id=None,
+                    pad_token_id=PAD)
+    handles = drive_engine(engine, prompts, budgets, [0, 0, 1, 3, 5, 8])
+    for prompt, budget, handle in zip(prompts, budgets, handles):
+        x = torch.tensor([prompt])
+        stock = stock_greedy(TARGET, x, torch.ones_like(x), eos_token_id=None, max_new_tokens=budget)
+        assert torch.as_tensor(handle.result()).tolist() == stock[0, len(prompt):].tolist()
+    seen = [(r.telemetry or {}).get("hindsight") for r in policy.records]
+    known = [v for s in seen if s is not None for v in torch.as_tensor(s).tolist() if v >= 0]
+    assert len(known) >= 8 and 0 in known and 1 in known

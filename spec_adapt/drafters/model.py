@@ -216,9 +216,9 @@ class ModelDrafter(Drafter):
         # The widths' and the catch-up's ends, in one host read.
         least, most, even, behind = torch.stack([*torch.aminmax(gammas), *torch.aminmax(pending)]).tolist()
         # Greedy chains read one column more where a row has two or more tokens pending: the hindsight below.
-        back = 2 if behind >= 2 and not (request.sampling or self._fresh or request.depths is not None) else 1
-        last = self._catch_up(tokens, pending, behind, even, back)                       # [B, back, V']
-        hindsight = self._hindsight(request, tokens, lengths, pending, last[:, 0]) if back == 2 else None
+        back = 2 if behind >= 2 and not (request.sampling or request.depths is not None) else 1
+        last = self._catch_up(tokens, pending, behind, even, back)          # [B, back or 1, V']
+        hindsight = self._hindsight(request, tokens, lengths, pending, last[:, 0]) if last.shape[1] == 2 else None
         last = last[:, -1]
         if least > 0:                 # every row was fed: none is left with nothing cached
             self._fresh = False
@@ -294,7 +294,7 @@ class ModelDrafter(Drafter):
 
     def _catch_up(self, tokens, pending, behind: int, even: int, back: int = 1) -> torch.Tensor:
         """Feed each row its pending committed tokens; the logits after each row's last `back` of them [B, back, V']
-        (`back` > 1 only once every row has its prompt cached).
+        where every row runs in one forward, else after the last alone [B, 1, V'].
 
         One forward is [B, max pending] wide, holes included. When rows that joined a running batch (nothing cached
         yet: a whole prompt pending) catch up next to rows that are one or two tokens behind, that width would be
@@ -313,7 +313,7 @@ class ModelDrafter(Drafter):
             return self._catch_up_apart(tokens, pending)
         together = ledger.inputs is not None or every or not some
         if together or int(pending[~fresh].max()) >= int(pending[fresh].max()):
-            return _forward_pending(ledger, tokens, pending)
+            return _forward_pending(ledger, tokens, pending, back=back)
         joined, others = fresh.nonzero().squeeze(1), (~fresh).nonzero().squeeze(1)
         apart = KVLedger.empty(self.runner, ledger.pad[joined], ledger.device)
         ledger.select_rows(others)
