@@ -71,6 +71,12 @@ MALFORMED = {
                                                     telemetry={"hindsight": torch.full((_batch(r),), 2)}),
     "hindsight of another batch": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": [1]}),
     "float hindsight": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": [0.5] * _batch(r)}),
+    "negative hindsight": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": [-2] * _batch(r)}),
+    "NaN hindsight": lambda r, p: Proposal(p.tokens, p.lengths,
+                                           telemetry={"hindsight": torch.full((_batch(r),), float("nan"))}),
+    "bool hindsight": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": [True] * _batch(r)}),
+    "text hindsight": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": ["x"] * _batch(r)}),
+    "hindsight not a sequence": lambda r, p: Proposal(p.tokens, p.lengths, telemetry={"hindsight": int}),
 }
 
 

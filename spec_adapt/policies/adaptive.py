@@ -144,11 +144,9 @@ class Adaptive(Policy):
             self.row_tried = torch.cat([self.row_tried, torch.zeros(more, STATES, self.max_gamma)])
             self.row_accepted = torch.cat([self.row_accepted, torch.zeros(more, STATES, self.max_gamma)])
             self.row_state = torch.cat([self.row_state, torch.zeros(more, dtype=torch.long)])
+            self.row_full = torch.cat([self.row_full, torch.zeros(more, dtype=torch.long)])
+            self.row_chosen = torch.cat([self.row_chosen, torch.zeros(more, dtype=torch.long)])
             self._refresh()
-        for name in ("row_full", "row_chosen"):      # after a loaded state, which does not carry them
-            have = getattr(self, name)
-            if have.shape[0] < self.row_state.shape[0]:
-                setattr(self, name, torch.cat([have, have.new_zeros(self.row_state.shape[0] - have.shape[0])]))
 
     # -- the model ---------------------------------------------------------------------------------------------------
     def step_time(self, batch: int, width: int, burst: bool = False) -> float:
@@ -176,6 +174,7 @@ class Adaptive(Policy):
 
     def _refresh(self) -> None:
         """Every row's E[committed | s], shrunk all the way down: everything seen -> the row's state -> the row."""
+        self._stale = False
         # One scan over every state's counts and their sum: [STATES + 1, S], the last row everything seen.
         rates = prior_rates(*(torch.cat([x, x.sum(0, keepdim=True)]) for x in (self.tried, self.accepted, self.prior)))
         pooled, overall = rates[:STATES], rates[STATES]
@@ -308,6 +307,12 @@ class Adaptive(Policy):
         return Plan(gammas * factor, depth=pending["width"], pooled=batch > 1)
 
     def observe(self, record: StepRecord):
+        self._hindsight(record)
+        self._observe(record)
+        if self._stale:           # hindsight counted and the step itself did not refresh
+            self._refresh()
+
+    def _observe(self, record: StepRecord):
         pending, self._pending = self._pending, None
         self.steps += 1
         widest = max(record.drafted, default=0)
@@ -317,7 +322,6 @@ class Adaptive(Policy):
             # A verification is a verification whoever drafted; the rest of the step is the chain model's only when
             # the policy's own width drafted it (not a free source's rows, not a tree).
             self.cost.observe_verify(record.held or record.batch_size, widest + 1, record.verify_time)
-        self._hindsight(record)
         if pending is None:
             return
         if free:
@@ -417,16 +421,7 @@ class Adaptive(Policy):
         self._grow(rows)
         state = self.row_state[rows]                                                     # [B] as chosen
         reached, hits = reach(drafted if ruled else gammas, accepted, self.max_gamma)    # [B, S]
-        pooled = torch.zeros(STATES, self.max_gamma)                                     # [STATES, S]
-        reached_by_state = pooled.index_add(0, state, reached)
-        self.tried, self.accepted = decay_counts(self.tried, self.accepted, reached_by_state,
-                                                 pooled.index_add(0, state, hits), self.decay)
-        self.prior = self.prior * self.decay ** reached_by_state
-        t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
-        row_t, row_a = decay_counts(t, a, 1, hits, self.decay)                           # a row is one observation
-        own = reached > 0
-        self.row_tried[rows, state] = torch.where(own, row_t, t)
-        self.row_accepted[rows, state] = torch.where(own, row_a, a)
+        self._add_counts(rows, state, reached, hits)
         full = (accepted == drafted) & (drafted > 0)
         self.row_state[rows] = torch.where(gammas > 0, torch.where(full, BURST, MISSED), PLAIN)
         # Hindsight can judge the next position only where no asked position is left unjudged (a drafter's fill
@@ -436,6 +431,20 @@ class Adaptive(Policy):
         self.row_full[rows] = torch.where(full & (drafted == gammas), drafted, 0) if not ruled else 0
         self.row_chosen[rows] = state
         self._refresh()
+
+    def _add_counts(self, rows, state, reached, hits) -> None:
+        """Rows' observations [n, S] (positions reached, hits there), each in its state [n]: into the pooled counts
+        (decayed once per row that reached a position) and the rows' own (a row is one observation)."""
+        pooled = torch.zeros(STATES, self.max_gamma)                                     # [STATES, S]
+        reached_by_state = pooled.index_add(0, state, reached)
+        self.tried, self.accepted = decay_counts(self.tried, self.accepted, reached_by_state,
+                                                 pooled.index_add(0, state, hits), self.decay)
+        self.prior = self.prior * self.decay ** reached_by_state
+        t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
+        row_t, row_a = decay_counts(t, a, 1, hits, self.decay)
+        own = reached > 0
+        self.row_tried[rows, state] = torch.where(own, row_t, t)
+        self.row_accepted[rows, state] = torch.where(own, row_a, a)
 
     def _hindsight(self, record: StepRecord) -> None:
         """The draft model's hindsight on the position after a fully accepted chain: drafting this step, it first reads
@@ -451,21 +460,13 @@ class Adaptive(Policy):
         self.row_full[rows] = 0              # the next step's hindsight is about this step's drafts, if any
         if seen is None:
             return
-        seen = _hindsight_values(seen, rows.shape[0])
+        seen = torch.as_tensor(seen).cpu().long()      # checked where the proposal entered (`check_proposal`)
         known = (seen >= 0) & (width > 0) & (width < self.max_gamma)
         if not bool(known.any()):
             return
-        rows, state, hit = rows[known], chosen[known], seen[known].float()
         reached = torch.nn.functional.one_hot(width[known], self.max_gamma).float()      # [n, S]: position width + 1
-        hits = reached * hit[:, None]
-        pooled = torch.zeros(STATES, self.max_gamma)
-        reached_by_state = pooled.index_add(0, state, reached)
-        self.tried, self.accepted = decay_counts(self.tried, self.accepted, reached_by_state,
-                                                 pooled.index_add(0, state, hits), self.decay)
-        self.prior = self.prior * self.decay ** reached_by_state
-        t, a = self.row_tried[rows, state], self.row_accepted[rows, state]
-        self.row_tried[rows, state], self.row_accepted[rows, state] = decay_counts(t, a, reached, hits, self.decay)
-        self._refresh()
+        self._add_counts(rows[known], chosen[known], reached, reached * seen[known, None].float())
+        self._stale = True      # `observe` refreshes the rates once, after the step's own counts
 
     # -- carrying what was learned over ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -504,6 +505,8 @@ class Adaptive(Policy):
         self.reset()
         for name, value in parsed.items():
             setattr(self, name, value)
+        # Call-local, not saved: no loaded row's last step is known.
+        self.row_full, self.row_chosen = torch.zeros_like(self.row_state), torch.zeros_like(self.row_state)
         self.probes.gap, self.probes.idle, self.steps = probes
         self.rechecks.gap, self.rechecks.idle = rechecks
         self._refresh()
@@ -667,20 +670,6 @@ def prior_rates(tried: torch.Tensor, accepted: torch.Tensor, prior: torch.Tensor
             before = (a + p * (max(before, 0.5) - 0.5)) / t
             out.append(before)
     return torch.tensor(out, dtype=tried.dtype).reshape(tried.shape)
-
-
-def _hindsight_values(seen, rows: int) -> torch.Tensor:
-    """A drafter's telemetry "hindsight" as a [rows] long tensor of -1, 0 and 1, or a ValueError naming the problem."""
-    try:
-        values = torch.as_tensor(seen).reshape(-1).cpu()
-    except (TypeError, ValueError, RuntimeError):
-        values = None
-    if values is None or values.dtype == torch.bool or values.is_complex() or values.shape[0] != rows \
-            or not bool(((values == -1) | (values == 0) | (values == 1)).all()):
-        raise ValueError(f"A drafter's telemetry 'hindsight' must hold one of -1, 0, 1 per row of the step ({rows} "
-                         f"rows: 1 a draft past the accepted ones would have been accepted, 0 not, -1 not known); "
-                         f"got {seen!r}.")
-    return values.long()
 
 
 def _tokens(rates: torch.Tensor) -> torch.Tensor:
