@@ -41,7 +41,7 @@ import torch
 
 from ..policies.base import USUAL_LAG
 from ..policies.cost import CostReader, StepCost
-from ..policies.estimators import SourceAcceptance
+from ..policies.estimators import SourceAcceptance, widened
 from .base import Drafter, DraftRequest, Proposal, place
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
@@ -89,6 +89,8 @@ class MultiSourceDrafter(Drafter):
         self.model_drafter, self.free, self.max_free = model, free, max_free
         self.names = [_name(s) for s in free]
         self.state = state if state is not None else SourceState(max_free)
+        with self.state.lock:       # a state kept across calls serves this drafter's width too, wider or not
+            self.state.acceptance.grow(max_free)
         self.trees = model.trees if model is not None else all(s.trees for s in free)
         self._offers = None      # the last step's model-free offers, judged at the next step against what committed
         self._chosen = None      # the last step's choice per row and the model's time
@@ -386,7 +388,7 @@ class MultiSourceDrafter(Drafter):
         acceptance.observe(source, feature, drafted, accepted)
         old = self.row_counts.get((source, row))
         step = acceptance.step_counts(drafted, accepted)
-        self.row_counts[(source, row)] = step if old is None else old * acceptance.decay + step
+        self.row_counts[(source, row)] = step if old is None else widened(old, step.shape[-1]) * acceptance.decay + step
 
 
 def _name(source: Drafter) -> str:

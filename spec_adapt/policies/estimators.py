@@ -437,19 +437,21 @@ class SourceAcceptance:
 
     def expected_rows(self, source: str, features: list[int], most: int, rows: list, shrink: float = 4.0,
                       optimism: float = 0.0) -> torch.Tensor:
-        """[B, most + 1]: `expected` for B rows at once (row b: its feature, its own counts rows[b] or None).
+        """[B, most + 1]: `expected` for B rows at once (row b: its feature, its own counts rows[b] or None), at any
+        `most`: the estimate grows to it (`grow`), and a row's counts shorter than that read unreached beyond.
 
         `optimism` > 0 is for a source judged only on the steps it drafts (a draft model: what it would have drafted
         is unknown where another source drafted). Each rate r is raised by optimism x sqrt(r (1 - r) / (n + 1)), n
         the position's observations (the feature's and the row's): an upper confidence bound, as a bandit explores.
         Without it such a source, rated low from a few early steps, loses every comparison to a source judged in
         hindsight on every offer, and never drafts again to show it has become right."""
+        self.grow(most)
         by_feature = {f: self.rates(source, f) for f in set(features)}
         rates = torch.stack([by_feature[f] for f in features])[:, :most]
         seen = torch.stack([self._reached(source, f, most) for f in features]) if optimism else None
         own = [b for b, counts in enumerate(rows) if counts is not None]
         if own:
-            counts = torch.stack([rows[b] for b in own])[:, :, :most]
+            counts = torch.stack([widened(rows[b], self.positions) for b in own])[:, :, :most]
             rates[own] = _row_rates(counts, rates[own], shrink)
             if optimism:
                 seen[own] += counts[:, 0]
@@ -462,6 +464,16 @@ class SourceAcceptance:
         """[most]: the feature's decayed count of drafts that reached each position (0 where none were seen)."""
         counts = self.counts.get((source, int(feature)))
         return counts[0, :most].clone() if counts is not None else torch.zeros(min(most, self.positions))
+
+    def grow(self, positions: int) -> None:
+        """Serve drafts up to `positions` tokens long. The new positions start unreached (a position never reached
+        reads the rate of the one before it), so the rates are those of an estimate made that wide from the start
+        with the same observations: a state shared by drafters and calls of different widths serves the widest."""
+        if positions <= self.positions:
+            return
+        self.counts = {key: widened(counts, positions) for key, counts in self.counts.items()}
+        self._rates.clear()
+        self.positions = positions
 
     def step_counts(self, drafted: int, accepted: int) -> torch.Tensor:
         """[2, positions]: the positions one step reached (it drafted `drafted`, `accepted` of them were accepted)
@@ -477,6 +489,13 @@ class SourceAcceptance:
         counts = counts * self.decay if counts is not None else torch.zeros(2, self.positions)
         self.counts[key] = counts + self.step_counts(drafted, accepted)
         self._rates.pop(key, None)
+
+
+def widened(counts: torch.Tensor, positions: int) -> torch.Tensor:
+    """[2, positions] counts: those given, the positions they lack unreached (a row's counts kept from before its
+    state grew, `SourceAcceptance.grow`)."""
+    missing = positions - counts.shape[-1]
+    return torch.nn.functional.pad(counts, (0, missing)) if missing > 0 else counts
 
 
 def _row_rates(counts: torch.Tensor, feature: torch.Tensor, shrink: float) -> torch.Tensor:
