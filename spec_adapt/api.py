@@ -255,13 +255,16 @@ def _drafter_key(drafter) -> tuple:
 
 
 def reset_default_policies(model=None) -> None:
-    """Forget what the default policies learned, in this process and on disk (`spec_adapt.policies.saved`): for
-    `model`, or for every model (the next call starts cold)."""
+    """Forget what the defaults learned, in this process and on disk (`spec_adapt.policies.saved`): the default
+    policies and the default several-source drafter's state (its router's estimates and the suffix index of the
+    target's calls, `with_sources`), for `model`, or for every model. The next call starts cold, as a first one."""
     with _DEFAULTS_LOCK:
         if model is None:
             _DEFAULTS.clear()
+            _SOURCES.clear()
             saved.forget()
             return
+        _SOURCES.pop(model, None)
         for policy in _DEFAULTS.pop(model, {}).values():
             saved.forget(_SAVED_AS.get(policy))
 

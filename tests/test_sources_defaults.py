@@ -1,5 +1,5 @@
 """The default several-source drafter of a (target, draft) pair: what it keeps for the process serves every later
-call, whatever width bound that call sets."""
+call, whatever width bound that call sets, and `reset_default_policies` makes the next call a cold one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import pytest
 import torch
 
 import spec_adapt
+from spec_adapt import FixedLength
+from spec_adapt.drafters import sources
 from spec_adapt.drafters.sources import MultiSourceDrafter, SourceState
+from spec_adapt.policies.cost import StepCost
 from spec_adapt.policies.estimators import SourceAcceptance
 from spec_adapt.tools.synthetic import perturbed_copy
 
@@ -87,3 +90,49 @@ def test_a_grown_state_reads_as_one_made_that_wide():
     assert expected.shape == (2, 41)
     assert torch.allclose(expected, wide.expected_rows("suffix", [1, 1], 40, [wide.step_counts(6, 4), None],
                                                        optimism=2.0))
+
+
+class ClockFreeCost(StepCost):
+    """The router's step costs without the clock: its choices then depend on the tokens and on what it learned."""
+
+    def observe_verify(self, batch, fed, seconds, path="full"):
+        pass
+
+    def observe_draft(self, source, batch, tokens, seconds):
+        pass
+
+    def verify_time(self, batch, fed, path="full"):
+        return 1.0 + 0.1 * (fed - 1)
+
+    def draft_time(self, source, batch, tokens, unknown=None):
+        return 0.05 * tokens
+
+
+def summary(out, stats):
+    sources_per_step = [tuple((r.telemetry or {}).get("source") or ()) for r in stats.trace]
+    return (out.tolist(), stats.steps, stats.drafted, stats.accepted, stats.per_source, sources_per_step)
+
+
+def test_after_reset_a_call_is_a_cold_first_call(monkeypatch):
+    """The default drafter of a pair learns across calls (its router's rates, the suffix index of the outputs); after
+    `reset_default_policies()` or `reset_default_policies(target)` the same call behaves exactly as the first did."""
+    monkeypatch.setattr(sources, "StepCost", ClockFreeCost)
+    draft = perturbed_copy(TARGET, 0.3, seed=131)           # a pair of its own, often wrong
+    ids, mask = ragged_batch(2, seed=11)
+
+    def call():
+        return summary(*enabled_call(ids, mask, draft, assistant_policy=FixedLength(3), max_new_tokens=36))
+
+    spec_adapt.enable(TARGET)
+    try:
+        first = call()
+        warm = call()
+        assert warm[0] == first[0]
+        assert warm[1:] != first[1:]       # learned: the second call is not a first one (the check below can fail)
+        spec_adapt.reset_default_policies(TARGET)
+        assert call() == first
+        call()
+        spec_adapt.reset_default_policies()
+        assert call() == first
+    finally:
+        spec_adapt.disable(TARGET)
