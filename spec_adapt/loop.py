@@ -255,7 +255,9 @@ class SpeculativeLoop:
         with self.policy_lock:
             answer = self.policy.choose(info)
         info.close()
-        if type(answer) is int and answer == 0 and not self.drafter.max_free:   # valid as it is: a plain step
+        # Whether the policy's widths bound the model-free sources too (`Policy.width_binds_free`).
+        binds = bool(getattr(self.policy, "width_binds_free", False))
+        if type(answer) is int and answer == 0 and (binds or not self.drafter.max_free):   # valid: a plain step
             return StepPlan(self._widths(len(rows), 0), True, plain=True)
         if type(answer) is int and 0 < answer <= MAX_WIDTH and not self.drafter.max_free \
                 and self._least_left() > answer:
@@ -270,11 +272,13 @@ class SpeculativeLoop:
             free = None
             if self.drafter.max_free and self._allows_free():
                 free = (remaining - 1).clamp(0, self.drafter.max_free)
+                if binds:           # a row takes at most its width from a model-free source too
+                    free = torch.minimum(free, gammas)
             # The policy's answer, read on the host: one width for every row needs no tensor read.
             most = answer if type(answer) is int else None
-            if most is not None and free is not None:
+            if most is not None and free is not None and not binds:
                 most = max(most, self.drafter.max_free)
-            none = free is None and (most == 0 if most is not None else not bool(plan.gammas.any()))
+            none = (free is None or binds) and (most == 0 if most is not None else not bool(plan.gammas.any()))
             room = remaining if self.drafter.fills_budget else remaining - 1   # the bonus is cut past the budget
             # One width for every row, and room for a draft in every row: some row drafts, with no read.
             some = type(answer) is int and answer > 0 and self._least_left() >= 2

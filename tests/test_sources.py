@@ -108,6 +108,13 @@ def drafted(stats, name) -> int:
     return stats.per_source.get(name, {}).get("drafted", 0)
 
 
+class Unbound(FixedLength):
+    """A fixed width for the draft model only: model-free sources may draft beyond it, up to the drafter's
+    `max_free` (`Policy.width_binds_free` False, the contract's default; FixedLength binds every source)."""
+
+    width_binds_free = False
+
+
 # -- 1. greedy identity ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 3, 5])
 def test_greedy_identity_with_several_sources(batch):
@@ -119,7 +126,8 @@ def test_greedy_identity_with_several_sources(batch):
     references = {end: stock_greedy(TARGET, ids, mask, eos_token_id=end, max_new_tokens=30) for end in (None, eos)}
     state = fixed_state()
     totals = {}
-    for name, policy in (("adaptive", Adaptive), ("fixed0", lambda: FixedLength(0)), ("fixed3", lambda: FixedLength(3))):
+    for name, policy in (("adaptive", Adaptive), ("fixed0", lambda: FixedLength(0)), ("free0", lambda: Unbound(0)),
+                         ("fixed3", lambda: FixedLength(3))):
         for end in (None, eos):
             drafter = MultiSourceDrafter(GOOD_DRAFT, state=state)
             out, stats = run(TARGET, ids, mask, drafter, policy(), eos=end)
@@ -133,16 +141,19 @@ def test_greedy_identity_with_several_sources(batch):
                     assert d == 0 or (source in ("lookup", "suffix")) == bool(free), (name, record)
             if end is not None:                 # row 0 stopped at the EOS, as stock stopped it
                 assert eos in out[0, ids.shape[1]:].tolist()
-            if name == "fixed0":                # the policy planned no draft-model tokens
+            if name in ("fixed0", "free0"):     # the policy planned no draft-model tokens
                 assert "model" not in stats.per_source
+            if name == "fixed0":                # and its width binds every source: nothing drafted
+                assert stats.drafted == 0 and not stats.per_source
             if name == "fixed3":                # the draft model, right most of the time, keeps drafting
                 assert drafted(stats, "model") > 0
             for source, entry in stats.per_source.items():
                 key = (name, source)
                 totals[key] = totals.get(key, 0) + entry["drafted"]
-    # Every policy drafted; with none planned (FixedLength(0)) the rows still drafted from the model-free sources.
+    # Every policy but FixedLength(0) drafted; with none planned by a width that does not bind the model-free sources
+    # (Unbound(0)) the rows still drafted from them.
     assert totals.get(("adaptive", "model"), 0) > 0
-    assert totals.get(("fixed0", "lookup"), 0) + totals.get(("fixed0", "suffix"), 0) > 0
+    assert totals.get(("free0", "lookup"), 0) + totals.get(("free0", "suffix"), 0) > 0
     assert sum(n for (_, source), n in totals.items() if source == "lookup") > 0
 
 
@@ -157,6 +168,46 @@ def test_fixed_length_three_drafts_from_the_model_and_lookup():
     assert stats.per_source["model"]["accepted"] > 0 and stats.per_source["lookup"]["accepted"] > 0
 
 
+def widest_drafts(stats) -> tuple[int, int]:
+    """(the most tokens a row drafted in one step from a model-free source, from the draft model)."""
+    free = model = 0
+    for record in stats.trace:
+        for d, f in zip(record.drafted, record.free or [False] * record.batch_size):
+            free, model = (max(free, d), model) if f else (free, max(model, d))
+    return free, model
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_a_fixed_width_binds_every_source(k):
+    """FixedLength(k) bounds every source: with the default drafter of a bare draft model, and with a router that
+    knows prompt lookup always right, on prompts whose copies run long (prompt lookup offers up to `max_free` = 32
+    tokens), no row drafts more than k tokens in a step from any source; k = 0 drafts nothing. Output is stock's."""
+    ids, mask = looping_batch(3, seed=9)
+    reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
+    default_draft = perturbed_copy(TARGET, 0.05, seed=70 + k)          # a pair of its own: a cold default state
+    for drafter in (default_draft, MultiSourceDrafter(GOOD_DRAFT, state=known_state("lookup"))):
+        out, stats = run(TARGET, ids, mask, drafter, FixedLength(k))
+        assert torch.equal(out, reference) and stats.fallback is None
+        free, model = widest_drafts(stats)
+        assert free <= k and model <= k, (k, free, model)
+        if k == 0:
+            assert stats.drafted == 0 and not stats.per_source
+        elif isinstance(drafter, MultiSourceDrafter):          # the router still takes lookup, within the width
+            assert drafted(stats, "lookup") > 0 and free == k
+
+
+def test_free_sources_draft_beyond_the_width_of_a_policy_that_allows_it():
+    """A policy whose widths do not bind the model-free sources (the contract's default, `width_binds_free`
+    False) lets a row take a long copy on a step it planned at width 1, or plain: prompt lookup drafts past it."""
+    ids, mask = looping_batch(3, seed=9)
+    reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
+    for k in (0, 1):
+        out, stats = run(TARGET, ids, mask, MultiSourceDrafter(GOOD_DRAFT, state=known_state("lookup")), Unbound(k))
+        assert torch.equal(out, reference) and stats.fallback is None
+        free, model = widest_drafts(stats)
+        assert free > 1 and model <= k, (k, free, model)
+
+
 # -- 2. the default drafter of a bare draft model --------------------------------------------------------------------
 def test_default_for_a_bare_draft_model_uses_several_sources(monkeypatch):
     """`drafter=<a bare model>` and `assistant_model=` after enable draft from several sources (the router runs),
@@ -169,10 +220,10 @@ def test_default_for_a_bare_draft_model_uses_several_sources(monkeypatch):
     reference = stock_greedy(target, ids, mask, eos_token_id=None, max_new_tokens=30)
 
     # A fresh draft model has a cold default state. Row 1, offered nothing by prompt lookup, drafts from the model
-    # (and the suffix index); the repetitive rows take prompt lookup's offers on some steps: several sources,
-    # whatever the clock says.
+    # (and the suffix index); the repetitive rows take prompt lookup's long offers on some steps: several sources,
+    # whatever the clock says (the model at width 1, the free sources beyond it).
     draft = perturbed_copy(target, 0.05, seed=11)
-    out, stats = run(target, ids, mask, draft, FixedLength(1))
+    out, stats = run(target, ids, mask, draft, Unbound(1))
     assert torch.equal(out, reference) and stats.fallback is None and routed
     sources = [set() for _ in range(3)]
     for record in stats.trace:
@@ -203,7 +254,7 @@ def test_default_for_a_bare_draft_model_uses_several_sources(monkeypatch):
         stats = spec_adapt.SpecStats()
         out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
                               eos_token_id=None, max_new_tokens=30, assistant_model=fresh,
-                              prompt_lookup_num_tokens=5, assistant_policy=FixedLength(1), spec_stats=stats)
+                              prompt_lookup_num_tokens=5, assistant_policy=Unbound(1), spec_stats=stats)
         assert torch.equal(out, reference) and stats.fallback is None and routed
         assert drafted(stats, "lookup") > 0
         assert all(d <= 5 for r in stats.trace for d, f in zip(r.drafted, r.free or [False] * r.batch_size) if f)

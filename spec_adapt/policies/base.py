@@ -107,6 +107,11 @@ class Policy:
     # once per step for the last (a policy that only counts tokens sets it False and saves that wait).
     needs_timing = True
     trees = False        # True: `choose` may answer with tree plans (the call then checks the target can verify them)
+    # What a row's width bounds, with a drafter that has model-free sources (`Drafter.max_free`: the default
+    # several-source drafter). True: every source, so a row drafts at most its width from any of them (0: nothing).
+    # False: the widths bound the draft model; `allows_free` may let model-free sources draft up to `max_free`
+    # tokens beyond them (they cost no forward, and the router takes them only where they pay).
+    width_binds_free = False
 
     def begin(self, batch_size: int) -> None:
         pass
@@ -137,9 +142,9 @@ class Policy:
         return live
 
     def allows_free(self, batch_size: int) -> bool:
-        """Whether rows may draft from model-free sources this step beyond the widths `choose` answers (a drafter
-        with `max_free`, such as MultiSourceDrafter). A policy that must measure plain steps first says no until
-        it has."""
+        """Whether rows may draft from model-free sources this step (a drafter with `max_free`, such as
+        MultiSourceDrafter): beyond the widths `choose` answers, or within them where `width_binds_free`. A policy
+        that must measure plain steps first says no until it has."""
         return True
 
 
@@ -241,6 +246,7 @@ class PolicyAdapter(Policy):
                 setattr(self, name, method)
         self.needs_timing = bool(getattr(policy, "needs_timing", True))
         self.trees = bool(getattr(policy, "trees", False))
+        self.width_binds_free = bool(getattr(policy, "width_binds_free", False))
 
     def __repr__(self) -> str:
         return repr(self.policy)

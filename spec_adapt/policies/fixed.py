@@ -15,9 +15,11 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> int:
 
 
 class FixedLength(Policy):
-    """Always draft k tokens per row (k = 0: plain decoding through the speculative loop)."""
+    """Always draft k tokens per row (k = 0: plain decoding through the speculative loop), from whichever source:
+    with the several-source drafter, prompt lookup and the suffix index draft at most k tokens a row too."""
 
     needs_timing = False
+    width_binds_free = True
 
     def __init__(self, k: int):
         self.k = _check_int("FixedLength(k)", k, 0, MAX_WIDTH)
