@@ -179,3 +179,36 @@ def test_engine_admits_rows_while_the_draft_is_away(tmp_path):
 def test_offload_arguments_are_checked():
     with pytest.raises(ValueError, match="persist"):
         DraftOffload(draft_model(), persist=0)
+
+
+def test_offload_refuses_a_drafter_whose_model_it_cannot_move():
+    """DraftOffload moves one draft model's weights: the several-source drafter is refused with the form that offloads
+    its draft model, a drafter with no model at all as having nothing to offload, both before anything is copied."""
+    from spec_adapt import MultiSourceDrafter, PromptLookupDrafter, SuffixDrafter
+
+    draft = draft_model()
+    storage = [p.data_ptr() for p in draft.parameters()]
+    with pytest.raises(ValueError, match=r"MultiSourceDrafter\(DraftOffload\(ModelDrafter\(draft\)\)"):
+        DraftOffload(MultiSourceDrafter(draft))
+    assert [p.data_ptr() for p in draft.parameters()] == storage           # nothing was copied
+    for model_free in (PromptLookupDrafter(), SuffixDrafter(), MultiSourceDrafter(None)):
+        with pytest.raises(ValueError, match="nothing to offload"):
+            DraftOffload(model_free)
+
+
+def test_the_several_source_drafter_offloads_its_draft_model(tmp_path):
+    """The form the refusal names, MultiSourceDrafter(DraftOffload(ModelDrafter(draft))): the draft model leaves and
+    comes back inside the several-source drafter, the output is stock's, and the draft drafts again after."""
+    from spec_adapt import MultiSourceDrafter
+
+    model = cached_model("llama")
+    ids, mask = ragged_batch(3, seed=3)
+    reference = stock_greedy(model, ids, mask, eos_token_id=None, max_new_tokens=40)
+    offload = DraftOffload(ModelDrafter(draft_model()), low=1, persist=2, folder=tmp_path / "multi")
+    offload.free_memory = Pressure(offload, (3, 7))
+    out, stats = run(model, ids, mask, MultiSourceDrafter(offload), Script(3, plain=range(1, 5)))
+    assert torch.equal(out, reference) and stats.fallback is None
+    assert [e["event"] for e in offload.events] == ["offload", "reload"]
+    on = offload.events[1]["step"]
+    model_rows = [d for r in stats.trace[on:] for d, f in zip(r.drafted, r.free or [False] * r.batch_size) if not f]
+    assert max(model_rows, default=0) > 0

@@ -45,6 +45,7 @@ class DraftOffload(Drafter):
     trees = True          # the draft model's trees (ModelDrafter)
 
     def __init__(self, drafter, low: int = 1 << 30, persist: int = 8, free_memory=None, folder=None):
+        _check_movable(drafter)
         self.inner = drafter if isinstance(drafter, ModelDrafter) else ModelDrafter(drafter)
 
         if is_quantized(self.inner.model):
@@ -198,6 +199,29 @@ class DraftOffload(Drafter):
 
     def end(self, tokens=None, lengths=None):
         self.inner.end(tokens, lengths)
+
+
+def _check_movable(drafter) -> None:
+    """Refuse, before anything is copied, a Drafter that is not one draft model's `ModelDrafter`: the weights moved
+    are that model's, and the drafter's KV dropped on offload is that drafter's."""
+    if not isinstance(drafter, Drafter) or isinstance(drafter, ModelDrafter):
+        return
+    from .lookup import PromptLookupDrafter
+    from .scripted import ScriptedDrafter
+    from .sources import MultiSourceDrafter
+    from .suffix import SuffixDrafter
+
+    name = type(drafter).__name__
+    if isinstance(drafter, MultiSourceDrafter) and drafter.model_drafter is not None:
+        raise ValueError(f"DraftOffload moves a draft model's weights, and a {name} drafts with its draft model beside "
+                         "model-free sources: offload its draft model instead, "
+                         "MultiSourceDrafter(DraftOffload(ModelDrafter(draft))) (with the same free= and max_free=). "
+                         "While the draft is away its rows may still draft from the model-free sources.")
+    if isinstance(drafter, (MultiSourceDrafter, PromptLookupDrafter, SuffixDrafter, ScriptedDrafter)):
+        raise ValueError(f"DraftOffload({name}): nothing to offload, {name} drafts without a model (it holds no "
+                         "weights). Use it as it is.")
+    raise ValueError(f"DraftOffload wraps a draft model or its ModelDrafter, got a {name}: pass "
+                     "DraftOffload(ModelDrafter(draft)) where the draft model is a causal LM.")
 
 
 def _own_storage(model) -> None:
