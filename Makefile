@@ -3,8 +3,13 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
 PIN := -c constraints.txt
-# The oldest transformers the declared range allows (pyproject.toml); `make test` runs the compatibility subset on it.
+# The ends of the declared ranges (pyproject.toml; spec_adapt.compat.TESTED_ENDS names the same). `make test` runs the
+# compatibility subset on the oldest transformers; `make test-ends` on the newest torch with the newest transformers
+# and on the oldest torch with the oldest transformers.
 TRANSFORMERS_OLDEST := 5.20.0
+TRANSFORMERS_NEWEST := 5.25.0
+TORCH_OLDEST := 2.6.0
+TORCH_NEWEST := 2.15.0
 # The suites that decide whether a transformers release works: greedy identity (the families and the processors
 # included), contracts, entry points, compat.
 COMPAT_SUITE := tests/test_identity.py tests/test_families.py tests/test_processors.py tests/test_contracts.py \

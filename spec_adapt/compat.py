@@ -45,7 +45,27 @@ except ImportError:
     class DummyLayer:                                                                   # noqa: D101 (never built)
         pass
 
-TESTED_TEXT = "transformers 5.20 to 5.24"     # the declared range (pyproject.toml): both ends run the identity suites
+# Private torch operations `spec_adapt.prepare` (execution.py) calls, the ones Inductor's CPU weight prepacking
+# emits. Present in every torch of the declared range (2.6 to 2.15); a build without oneDNN lacks them, and prepare
+# then leaves the model as it is and says why.
+@functools.cache
+def mkldnn_op(name: str):
+    """torch.ops.mkldnn.<name> (`_reorder_linear_weight`, `_linear_pointwise`, `_is_mkldnn_bf16_supported`), or None
+    where this torch build has no such op."""
+    return getattr(torch.ops.mkldnn, name, None) if torch.backends.mkldnn.is_available() else None
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many references hold `tensor`'s storage (torch's private `_storage_Use_Count`, which prepare reads to know
+    whether moving a weight would cut an alias off). Raises AttributeError where torch no longer has it."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+# The ends of the declared ranges (pyproject.toml) the compatibility subset ran on (docs/compatibility.md records
+# each run); the Makefile installs the same versions (TORCH_OLDEST, TORCH_NEWEST, TRANSFORMERS_OLDEST,
+# TRANSFORMERS_NEWEST; tests/test_install.py checks they agree).
+TESTED_ENDS = {"torch": ("2.6.0", "2.15.0"), "transformers": ("5.20.0", "5.25.0")}
+TESTED_TEXT = "transformers 5.20 to 5.25, torch 2.6 to 2.15"    # the declared ranges, both ends tested
 VERSION = transformers.__version__
 
 # The names generate hands a custom_generate function the cache under (newest first).

@@ -66,6 +66,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .compat import mkldnn_op, storage_use_count
+
 _PACKED = "_spec_adapt_packed"          # a _Packed on a prepared layer
 _PREPARED = "_spec_adapt_prepared"      # what prepare did, on the model
 _SWITCH = "_spec_adapt_switch"          # {"on": bool}, shared by a model's packed layers (see `eager`)
@@ -194,8 +196,7 @@ def prepared(model: torch.nn.Module) -> dict | None:
 
 def why_not_packed(dtype: torch.dtype) -> str | None:
     """None if prepare packs weights of `dtype` on this machine, else the reason it does not."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if mkldnn_op("_reorder_linear_weight") is None or mkldnn_op("_linear_pointwise") is None:
         return "this PyTorch build has no oneDNN linear ops (torch.ops.mkldnn._linear_pointwise)"
     if dtype == torch.float32:
         return None
@@ -206,7 +207,7 @@ def why_not_packed(dtype: torch.dtype) -> str | None:
 
 def native_bf16() -> bool:
     """True where oneDNN runs bfloat16 matrix products natively on this CPU (avx512_bf16 or AMX)."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    check = mkldnn_op("_is_mkldnn_bf16_supported")
     return bool(check()) if check is not None else False
 
 
@@ -320,7 +321,7 @@ def _shared(weight) -> bool:
     moving the weight to another storage would cut that alias off, and a write through it would reach the model no
     more. (Where PyTorch does not tell, assume shared.)"""
     try:
-        return torch._C._storage_Use_Count(weight.untyped_storage()._cdata) > 2   # the weight, and this call's
+        return storage_use_count(weight) > 2     # the weight, and this call's
     except (AttributeError, RuntimeError):
         return True
 
@@ -334,7 +335,7 @@ def _pack(module) -> str | None:
     if previous is not None:                     # the stale copy and its view of the storage go first
         previous.packed = previous.bits = None
     setattr(module, _PACKED, _Packed())
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    packed = mkldnn_op("_reorder_linear_weight")(weight.detach(), None)
     rows, cols = _positions(weight.shape)
     samples = _bits(weight)[rows, cols].tobytes()     # read before the spill: the mapping's pages stay out
     reason = _spill(weight, module.__dict__[_SWITCH].get("spill"), changed)
@@ -489,7 +490,7 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_linear(x, packed, bias, *args):
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, *args)
+    return mkldnn_op("_linear_pointwise")(x, packed, bias, *args)
 
 
 def _mark(model, layers: int, detail: str) -> None:

@@ -36,3 +36,35 @@ def test_the_demo_adds_bf16_rows_where_bf16_is_native(tiny_demo, monkeypatch, ca
     assert checks and not any("DIFFERENT" in line for line in checks)
     assert any("lookup:fixed2@bf16" in line for line in checks) is native
     assert next(cached_model("llama").parameters()).dtype == torch.float32     # the copy, never the target itself
+
+
+def test_the_demo_holds_one_target_at_a_time(tiny_demo, monkeypatch, capsys):
+    """The eager target, the prepared target and its bfloat16 copy each run their rows in a phase of their own: a
+    target is loaded only once the previous one is gone, so the demo needs the memory of one target (and the draft)."""
+    import copy
+    import gc
+    import weakref
+
+    from spec_adapt.tools import models
+
+    loaded, tok = [], models.load_model("smollm2-135m")[1]
+
+    def load(name, dtype=None):
+        gc.collect()
+        alive = [ref() for ref in loaded if ref() is not None]
+        assert not alive, f"{len(alive)} target(s) still in memory when the next one loads"
+        model = copy.deepcopy(cached_model("llama"))
+        loaded.append(weakref.ref(model))
+        return model, tok
+
+    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(cli, "bf16_capability", lambda device: (torch.bfloat16, "forced by the test"))
+    with torch.enable_grad():
+        cli.main(["demo", "--model", "smollm2-135m"])
+    printed = capsys.readouterr().out
+    assert len(loaded) >= 4          # the tokenizer's load, then the eager, prepared and bfloat16 phases' targets
+    for config in ("target-eager", "target@bf16", "lookup:fixed2@bf16"):
+        assert config in printed
+    checks = [line for line in printed.splitlines() if " B=1: " in line]
+    assert checks and not any("DIFFERENT" in line for line in checks)
+    assert "Peak resident memory: " in printed

@@ -131,8 +131,8 @@ def build_config(name: str, model, tok, new_tokens: int, draft=None, latency=Non
     if name == "target-eager":
         from spec_adapt.execution import eager, prepared
 
-        if not prepared(model):
-            return None
+        if not prepared(model):         # the model as loaded is the model before prepare (the demo's eager phase)
+            return lambda enc: (model.generate(**enc, **common), None)
 
         def unprepared(enc):
             with eager(model):
