@@ -1,4 +1,5 @@
 # Every install step lives here, so a fresh machine needs only `make demo` and `make test`.
+SHELL := /bin/bash
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
@@ -16,8 +17,16 @@ COMPAT_SUITE := tests/test_identity.py tests/test_families.py tests/test_process
 	tests/test_entry_points.py tests/test_compat.py tests/test_multimodal.py
 OLDEST := .venv-oldest
 LATEST := .venv-latest
+# The ends of both ranges: venvs over the installed packages with torch and transformers replaced. torch releases past
+# the one `make setup` installs come from PyPI as CUDA builds (several GB; they run on a CPU too), so each venv is
+# built once and kept until its versions change (its stamp names them). pip runs without the machine's own
+# configuration files (PIP_CONFIG_FILE=/dev/null), which may cap torch at an older release.
+NEWEST := .venv-newest
+ENDS_OLDEST := .venv-oldest-torch
+NEWEST_STAMP := $(NEWEST)/.stamp-torch$(TORCH_NEWEST)-transformers$(TRANSFORMERS_NEWEST)
+ENDS_OLDEST_STAMP := $(ENDS_OLDEST)/.stamp-torch$(TORCH_OLDEST)-transformers$(TRANSFORMERS_OLDEST)
 
-.PHONY: setup demo demo-small test test-oldest test-latest test-gpu test-random bench clean
+.PHONY: setup demo demo-small test test-oldest test-latest test-ends test-gpu test-random bench clean
 
 setup: $(STAMP)
 
@@ -53,6 +62,33 @@ $(OLDEST)/.stamp: Makefile
 test-oldest: $(OLDEST)/.stamp
 	$(OLDEST)/bin/python -m pytest -q -x $(COMPAT_SUITE)
 
+# The compatibility subset on the newest torch with the newest transformers, and on the oldest torch with the oldest
+# transformers; then the install check against the real newest releases: pip, asked to install spec_adapt into the
+# newest venv, plans no change to its torch or transformers. Not in CI (each venv is gigabytes of downloads once);
+# docs/compatibility.md records each run. Every line of the run is also written to test-ends.log.
+test-ends: setup $(NEWEST_STAMP) $(ENDS_OLDEST_STAMP)
+	@set -o pipefail; for venv in $(NEWEST) $(ENDS_OLDEST); do \
+		$$venv/bin/python -c "import datetime, torch, transformers; print('==', datetime.date.today(), 'torch', \
+			torch.__version__, 'transformers', transformers.__version__)"; \
+		$$venv/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_SUITE) || exit 1; \
+	done 2>&1 | tee test-ends.log
+	set -o pipefail; SPEC_ADAPT_STACK_PYTHON=$(NEWEST)/bin/python $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_install.py 2>&1 | tee -a test-ends.log
+
+$(NEWEST_STAMP):
+	rm -rf $(NEWEST)
+	$(PYTHON) -m venv --system-site-packages $(NEWEST)
+	PIP_CONFIG_FILE=/dev/null $(NEWEST)/bin/python -m pip install --quiet "torch==$(TORCH_NEWEST)" \
+		"transformers==$(TRANSFORMERS_NEWEST)"
+	touch $@
+
+$(ENDS_OLDEST_STAMP):
+	rm -rf $(ENDS_OLDEST)
+	$(PYTHON) -m venv --system-site-packages $(ENDS_OLDEST)
+	PIP_CONFIG_FILE=/dev/null $(ENDS_OLDEST)/bin/python -m pip install --quiet "torch==$(TORCH_OLDEST)" \
+		"transformers==$(TRANSFORMERS_OLDEST)"
+	touch $@
+
 # `make test` draws the same hypothesis examples on every run (the "ci" profile, conftest.py); this draws fresh ones,
 # five times as many, for the hypothesis tests only. A failure prints the line that reproduces it.
 test-random: setup
@@ -78,4 +114,4 @@ bench: setup
 		--bound --out results/bench-qwen-sources/edit-b1
 
 clean:
-	rm -rf $(STAMP) $(OLDEST) $(LATEST)
+	rm -rf $(STAMP) $(OLDEST) $(LATEST) $(NEWEST) $(ENDS_OLDEST)

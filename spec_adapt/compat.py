@@ -45,6 +45,42 @@ except ImportError:
     class DummyLayer:                                                                   # noqa: D101 (never built)
         pass
 
+# Models whose cache holds a recurrent state (Mamba and its hybrids, linear attention, RWKV, xLSTM). Up to 5.24 each
+# declares `_is_stateful` and stock refuses assisted generation for it; transformers 5.25 dropped the attribute when
+# its assisted generation learned to rewind recurrent states at batch 1 (`Cache.activate_past_recording`). These are
+# the model types that declared it in 5.24; a model of a type not listed is also stateful where its cache layers are
+# recurrent ones (the "linear_attention" layer type).
+STATEFUL_MODEL_TYPES = frozenset({
+    "bailing_hybrid", "bamba", "deepseek_v4", "falcon_h1", "falcon_mamba", "glm5_next", "glm5_next_text",
+    "granitemoehybrid", "jamba", "kimi_linear", "lara_mini", "mamba", "mamba2", "minicpm_ocr", "minicpmv4_6",
+    "minicpmv4_7", "nemotron3_5_transcribe", "nemotron_h", "nemotron_h_omni", "olmo_hybrid", "qwen3_5",
+    "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text",
+    "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2", "zaya",
+})
+STOCK_REWINDS_RECURRENT_STATES = "recurrent_states_to_keep" in inspect.signature(
+    getattr(transformers.cache_utils.Cache, "activate_past_recording", lambda self: None)).parameters
+
+def stateful(model) -> bool:
+    """Whether `model` keeps a recurrent state in its cache (which cannot be taken back per row to an earlier token)."""
+    if getattr(model, "_is_stateful", False):
+        return True
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in STATEFUL_MODEL_TYPES:
+        return True
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
+
+
+def stateful_reason(model) -> str:
+    """Why a stateful model gets no drafter: stock's own words where stock refuses it (transformers <= 5.24)."""
+    name = type(model).__name__
+    if not STOCK_REWINDS_RECURRENT_STATES:
+        return (f"assisted generation is not supported with stateful models, such as {name} (its recurrent state "
+                "cannot be reset to an earlier token, in stock transformers either). Generate without a drafter.")
+    return (f"spec_adapt cannot take back the recurrent state of {name} per row to an earlier token (transformers "
+            f"{VERSION} rewinds it in its own assisted generation at batch size 1: call generate without spec_adapt "
+            "for this model, or generate without a drafter).")
+
+
 # Private torch operations `spec_adapt.prepare` (execution.py) calls, the ones Inductor's CPU weight prepacking
 # emits. Present in every torch of the declared range (2.6 to 2.15); a build without oneDNN lacks them, and prepare
 # then leaves the model as it is and says why.

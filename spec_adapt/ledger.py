@@ -201,10 +201,8 @@ def check_model_kind(model) -> None:
     """Stock refuses assisted generation for stateful models (recurrent states cannot go back to an earlier
     token); so does spec_adapt, with the same reason. Models that decode only one token per forward over a cache are
     refused by name, with theirs."""
-    if getattr(model, "_is_stateful", False):
-        raise UnsupportedCacheError(
-            f"assisted generation is not supported with stateful models, such as {type(model).__name__} (its recurrent "
-            "state cannot be reset to an earlier token, in stock transformers either). Generate without a drafter.")
+    if compat.stateful(model):
+        raise UnsupportedCacheError(compat.stateful_reason(model))
     reason = _ONE_TOKEN_AT_A_TIME.get(getattr(model.config, "model_type", None))
     if reason is not None:
         raise UnsupportedCacheError(f"spec_adapt cannot run {type(model).__name__}: {reason}. Generate with stock "
