@@ -57,8 +57,7 @@ STATEFUL_MODEL_TYPES = frozenset({
     "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text",
     "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2", "zaya",
 })
-STOCK_REWINDS_RECURRENT_STATES = "recurrent_states_to_keep" in inspect.signature(
-    getattr(transformers.cache_utils.Cache, "activate_past_recording", lambda self: None)).parameters
+STOCK_REWINDS_RECURRENT_STATES = hasattr(transformers.cache_utils.Cache, "get_recurrent_states_to_keep")
 
 def stateful(model) -> bool:
     """Whether `model` keeps a recurrent state in its cache (which cannot be taken back per row to an earlier token)."""
