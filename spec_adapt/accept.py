@@ -37,6 +37,35 @@ def greedy_accept(
     return accepted, next_token
 
 
+def coupled_accept(
+    target_scores: torch.Tensor,   # [B, S+1, V] processed scores (masked tokens -inf)
+    draft_tokens: torch.Tensor,    # [B, S] long
+    lengths: torch.Tensor,         # [B] long
+    gumbels: torch.Tensor,         # [B, S+1, V] i.i.d. standard Gumbel noise, position i's at index i
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless sampling by Gumbel-max coupling. The target's token at position i is y_i = argmax(scores_i + g_i),
+    an exact sample from softmax(scores_i) (the Gumbel-max trick); d_i is accepted iff d_i == y_{i-1}, and the token
+    after the accepted drafts is y_accepted (a correction or the bonus). So every committed token is y at its
+    position: the output is the same function of the noise whatever was drafted (any width, any source, a draft
+    sampled with the same noise or not), which is what lets a keyed noise (spec_adapt.noise) make seeded calls
+    repeat. Exact for any draft, since no committed token depends on one. Its acceptance: a point-mass draft x is
+    accepted with probability p(x), as by rejection sampling; a draft sampled from q as argmax(log q + g) with the
+    same g is accepted with the probability that the two Gumbel-max samples agree, at least (1 - TV) / (1 + TV) and at
+    most 1 - TV (TV the total variation distance of p and q; 1 - TV is rejection sampling's). Returns
+    (accepted [B], next_token [B])."""
+    return greedy_accept(target_scores.float() + gumbels.float(), draft_tokens, lengths)
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[B, S] parents (node index or -1, parents before children) -> [B, S+1] depth of each tree column: 0 for the
+    root (column 0), the node's depth (1 for a child of the root) for node i at column i + 1."""
+    batch, width = parents.shape
+    depth = torch.zeros(batch, width + 1, dtype=torch.long, device=parents.device)
+    for i in range(width):
+        depth[:, i + 1] = depth.gather(1, (parents[:, i] + 1).clamp(0, i)[:, None]).squeeze(1) + 1
+    return depth
+
+
 def sample_randoms(
     batch: int, width: int, vocab: int, device: torch.device, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,16 @@ Nothing here is module state: two calls in two threads each have their own Accep
 "triton" | "torch") says what ran in this call only. A different acceptance rule (the quality suite's deliberately
 lossy one) is a subclass that overrides `greedy` / `rejection`; the loop and the chain's intermediate levels call
 the same `accept`.
+
+Sampling rule (`Acceptor(rule=...)`):
+- "coupled" (the default): Gumbel-max coupling (spec_adapt.accept.coupled_accept) over the step's keyed noise
+  (spec_adapt.noise): every committed token is argmax(scores + g) at its position, whatever was drafted, so a seeded
+  call repeats whatever the policy chose and a row samples what it samples alone. A draft model samples its drafts
+  with the same noise. It accepts a model draft a little less often than rejection sampling (docs/design.md gives
+  the measured cost); point-mass drafts (prompt lookup, n-grams) exactly as often;
+- "rejection": lossless rejection sampling (Leviathan et al.; recursive for trees), the most acceptance a model
+  draft can get, with its random numbers from torch's global generator in the order the steps draw them: equal in
+  distribution, but a seeded call repeats only where every step's widths repeat.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import torch
 from . import accept
 
 MODES = ("auto", "off", "force")
+RULES = ("coupled", "rejection")
 
 
 def check_mode(mode: str) -> str:
@@ -50,8 +61,11 @@ class Acceptor:
                           # has them then returns them: DraftRequest.acceptor)
     lossy = None          # None: the target's own tokens (greedy) or distribution (sampling); else what the rule is
 
-    def __init__(self, kernels: str | None = None):
+    def __init__(self, kernels: str | None = None, rule: str = "coupled"):
         self.mode = check_mode(kernels or os.environ.get("SPEC_ADAPT_KERNELS", "auto"))
+        if rule not in RULES:
+            raise ValueError(f"rule must be 'coupled' or 'rejection', got {rule!r}.")
+        self.rule = rule
         self.paths: dict[str, str] = {}
 
     def for_call(self) -> "Acceptor":
@@ -60,12 +74,16 @@ class Acceptor:
         fresh.paths = {}
         return fresh
 
-    def accept(self, scores, draft_tokens, draft_probs, lengths, sampling: bool):
+    def accept(self, scores, draft_tokens, draft_probs, lengths, sampling: bool, noise=None):
         """scores [B, S+1, V] processed target scores; draft_tokens [B, S]; draft_probs [B, S, V] or None (point
-        mass); lengths [B]. Returns (accepted [B], next_token [B]); with `lockstep`, every row accepts as many as
-        the row that accepted fewest (`spec_adapt.accept.lockstep`)."""
+        mass); lengths [B]; noise: the step's keyed noise (spec_adapt.noise.StepNoise; sampling, rule "coupled"),
+        None = Gumbel noise from torch's global generator. Returns (accepted [B], next_token [B]); with `lockstep`,
+        every row accepts as many as the row that accepted fewest (`spec_adapt.accept.lockstep`)."""
         if not sampling:
             accepted, next_token = self.greedy(scores, draft_tokens, lengths)
+        elif self.rule == "coupled":
+            accepted, next_token = self.coupled(scores, draft_tokens, lengths,
+                                                _gumbels(noise, scores, draft_tokens.shape[1] + 1))
         else:
             batch, width = draft_tokens.shape
             uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
@@ -73,15 +91,31 @@ class Acceptor:
                                                   uniforms, exponentials)
         return accept.lockstep(accepted, next_token, draft_tokens) if self.lockstep else (accepted, next_token)
 
-    def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool):
+    def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool, noise=None):
         """A token tree (spec_adapt.tree): scores [B, S+1, V] of the root and the nodes; parents [B, S]. Returns
-        (path [B, S] bool, accepted [B], next_token [B]): the accepted nodes, a chain down from the root."""
+        (path [B, S] bool, accepted [B], next_token [B]): the accepted nodes, a chain down from the root. Under the
+        coupled rule a column's noise is its depth's position (siblings share their parent's position), and the walk
+        follows the child equal to argmax(scores + g) there."""
         if not sampling:
             return self.tree_greedy(scores, draft_tokens, parents, lengths)
+        if self.rule == "coupled":
+            depths = accept.tree_depths(parents)                                       # [B, S+1]
+            window = _gumbels(noise, scores, int(depths.max()) + 1 if depths.numel() else 1)
+            index = depths[..., None].expand(-1, -1, scores.shape[-1]).to(window.device)
+            return self.tree_coupled(scores, draft_tokens, parents, lengths, window.gather(1, index))
         batch, width = draft_tokens.shape
         uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
         return self.tree_rejection(scores.softmax(dim=-1), draft_tokens, parents, draft_probs, lengths, uniforms,
                                    exponentials)
+
+    def coupled(self, scores, draft_tokens, lengths, gumbels):
+        """The coupled rule (spec_adapt.accept.coupled_accept): the greedy rule (`greedy`, its kernel where it runs)
+        over scores + noise, so a subclass's greedy rule applies to sampling too."""
+        return self.greedy(scores.float() + gumbels.to(scores.device), draft_tokens, lengths)
+
+    def tree_coupled(self, scores, draft_tokens, parents, lengths, gumbels):
+        """The coupled rule down a tree: the greedy walk (`tree_greedy`) over scores + each column's noise."""
+        return self.tree_greedy(scores.float() + gumbels.to(scores.device), draft_tokens, parents, lengths)
 
     def tree_greedy(self, logits, draft_tokens, parents, lengths):
         self.paths["tree_greedy"] = "torch"
@@ -119,30 +153,42 @@ class EnsembleAcceptor(Acceptor):
     argmax v_i, and a rejected row's next token is argmax v there, as stock's greedy assisted generation. Sampling:
     rejection sampling with v in place of p (accept with probability v(d)/q(d) = 1 - w + w p(d)/q(d); a rejection
     samples from max(0, v - q), which normalizes to stock's max(0, p - q)). Needs the draft's distributions
-    (`draft_probs`): a proposal without them is verified exactly."""
+    (`draft_probs`): a proposal without them is verified exactly. Its sampling rule is stock's, rejection sampling
+    over torch's global generator: the coupled rule's keyed noise would judge drafts by another rule than the one
+    the user asked for."""
 
     draft_probs = True
 
     def __init__(self, weight: float, kernels: str | None = None):
-        super().__init__(kernels)
+        super().__init__(kernels, rule="rejection")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 < weight < 1.0:
             raise ValueError(f"assistant_ensemble_weight must be in the open interval (0, 1), got {weight!r}.")
         self.weight = float(weight)
         self.lossy = f"assistant_ensemble_weight={weight}"
 
-    def accept(self, scores, draft_tokens, draft_probs, lengths, sampling: bool):
+    def accept(self, scores, draft_tokens, draft_probs, lengths, sampling: bool, noise=None):
         width = draft_tokens.shape[1]
         if draft_probs is None or width == 0:
-            return super().accept(scores, draft_tokens, draft_probs, lengths, sampling)
+            return super().accept(scores, draft_tokens, draft_probs, lengths, sampling, noise)
         mixed = scores.float().softmax(dim=-1)
         drafted = torch.arange(width, device=scores.device)[None, :, None] < lengths[:, None, None]
         mix = self.weight * mixed[:, :width] + (1.0 - self.weight) * draft_probs[:, :width].float()
         mixed[:, :width] = torch.where(drafted, mix, mixed[:, :width])
         return super().accept(mixed.log(), draft_tokens, draft_probs, lengths, sampling)
 
-    def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool):
+    def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool, noise=None):
         raise ValueError("assistant_ensemble_weight verifies chains of drafts: use a policy that plans no token "
                          "trees.")
+
+
+def _gumbels(noise, scores, width: int) -> torch.Tensor:
+    """[B, width, V] Gumbel noise at the step's first `width` positions: the keyed noise (a StepNoise) where the
+    caller has one, else fresh draws."""
+    if noise is None:
+        from .noise import fresh_gumbel
+
+        return fresh_gumbel((scores.shape[0], width, scores.shape[-1]), scores.device)
+    return noise.window(0, width).to(scores.device)
 
 
 def gather_slots_reference(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

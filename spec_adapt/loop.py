@@ -26,6 +26,7 @@ from .acceptor import Acceptor
 from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
+from .noise import StepNoise, call_seed, row_keys
 from .policies.base import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, policy_lock
 from .policies.cost import CostReader, StepCost
 from .positions import offsets
@@ -81,6 +82,9 @@ class SpeculativeLoop:
                    strict=strict)
         self.input_ids = input_ids.to(self.device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
+        # Sampling's keyed noise (spec_adapt.noise): the call's seed, drawn once from torch's global generator, and
+        # each row's key from it and the row's prompt, so no later draw depends on what the steps did.
+        self.keys = row_keys(call_seed(), input_ids, attention_mask) if self.keyed else None
         batch, self.prompt_length = input_ids.shape
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device, together=self.closed)
         pad = pad_token_tensor(cfg)
@@ -118,6 +122,9 @@ class SpeculativeLoop:
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
         self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
+        # Sampling by the coupled rule draws keyed noise (spec_adapt.noise) with a generator of the target's device.
+        self.keyed = sampling and self.acceptor.rule == "coupled"
+        self.generator = None
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
         cost = getattr(policy, "cost", None)     # the policy's step-cost model, which a drafter may read
@@ -219,11 +226,12 @@ class SpeculativeLoop:
         if plan.plain:                                                     # no drafts: stock's decode step
             return self._plain_step(plan, t0)
         self._reserve(plan.deepest + 1)
-        proposal = self._propose(plan)                                     # 1. propose
+        noise = self._noise(self.rows)                                     # sampling's keyed noise, or None
+        proposal = self._propose(plan, noise)                              # 1. propose
         t1 = self._now()
         proposal, bonus, scores, logits, hidden = self._verify(proposal)   # 2. verify: [B, S+1, V]
         t2 = self._now()
-        accepted, next_token, path = self._accept(scores, proposal)        # 3. accept (a tree: along `path`)
+        accepted, next_token, path = self._accept(scores, proposal, noise)  # 3. accept (a tree: along `path`)
         _, counts = self._commit(proposal, accepted, next_token, scores, logits, bonus, path, hidden=hidden,  # 4.
                                  gammas=plan.gammas)
         t3 = self._now()
@@ -347,17 +355,28 @@ class SpeculativeLoop:
             self.trees_checked = True
         return StepPlan(torch.where(depths > 0, nodes, 0), True, depths, plan.pooled, plan.members)
 
-    def _propose(self, plan: StepPlan) -> Proposal:
-        return self.ranks.decide(self._draft, plan)
+    def _propose(self, plan: StepPlan, noise: StepNoise | None = None) -> Proposal:
+        return self.ranks.decide(self._draft, plan, noise)
 
-    def _draft(self, plan: StepPlan) -> Proposal:
+    def _noise(self, rows) -> StepNoise | None:
+        """The keyed noise of a step of `rows` (sampling by the coupled rule; else None): each row's key and the
+        tokens it has generated, read once. Its draws are made when the drafter or the accept phase first reads a
+        position, and kept for the step."""
+        if not self.keyed:
+            return None
+        if self.generator is None:
+            self.generator = torch.Generator(self.device)
+        row_list, base = torch.stack([rows, self.lengths[rows] - self.starts[rows]]).tolist()
+        return StepNoise([self.keys[r] for r in row_list], base, self.vocab, self.device, self.generator)
+
+    def _draft(self, plan: StepPlan, noise: StepNoise | None = None) -> Proposal:
         batch = len(self.rows)
         if self.drafter is None or not plan.drafts:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
             self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy_cost,
-            self.target if self.drafter.reads_target else None,
+            self.target if self.drafter.reads_target else None, noise,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)
@@ -400,17 +419,18 @@ class SpeculativeLoop:
                                 proposal.lengths, self.rows)
         return proposal, torch.ones_like(lengths, dtype=torch.bool), scores, logits, result.hidden
 
-    def _accept(self, scores: torch.Tensor, proposal: Proposal):
-        """(accepted [B], next_token [B], path): path [B, S] bool marks a tree's accepted nodes (None: a chain)."""
-        return self.ranks.decide(self._accept_here, scores, proposal)
+    def _accept(self, scores: torch.Tensor, proposal: Proposal, noise: StepNoise | None = None):
+        """(accepted [B], next_token [B], path): path [B, S] bool marks a tree's accepted nodes (None: a chain).
+        `noise`: the step's keyed noise (sampling by the coupled rule)."""
+        return self.ranks.decide(self._accept_here, scores, proposal, noise)
 
-    def _accept_here(self, scores: torch.Tensor, proposal: Proposal):
+    def _accept_here(self, scores: torch.Tensor, proposal: Proposal, noise: StepNoise | None = None):
         if proposal.parents is not None:
             path, accepted, next_token = self.acceptor.accept_tree(
-                scores, proposal.tokens, proposal.parents, proposal.probs, proposal.lengths, self.sampling)
+                scores, proposal.tokens, proposal.parents, proposal.probs, proposal.lengths, self.sampling, noise)
             return accepted, next_token, path
         accepted, next_token = self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths,
-                                                    self.sampling)
+                                                    self.sampling, noise)
         return accepted, next_token, None
 
     def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path, plain=False,
@@ -475,7 +495,7 @@ class SpeculativeLoop:
         join a running batch both start here. Returns (tokens kept [n], finished [n], scores [n, 1, V])."""
         old = self.lengths[rows].clone()
         scores = self.process.positions(logits, self.buffer[rows], old, torch.ones_like(old), rows)
-        _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device))
+        _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), self._noise(rows))
         new = next_token[:, None]
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, torch.ones_like(old), self.pad_id,
                                             self.limits[rows])
@@ -508,6 +528,7 @@ class SpeculativeLoop:
         drafts, no rollback of drafts. The same tokens, cache, statistics and records as `step`."""
         rows = self.rows
         old = self.lengths[rows]
+        noise = self._noise(rows)          # sampling's keyed noise: its one read before the forward is queued
         self._reserve(1)
         t1 = self._now()
         ones = self.target.ones(len(rows))
@@ -518,7 +539,7 @@ class SpeculativeLoop:
             else logits
         t2 = self._now()
         if self.sampling:                                                                       # 3. accept
-            _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device))
+            _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), noise)
         else:                            # greedy without drafts: the argmax (what greedy_accept answers then)
             next_token = self.ranks.decide(_first_argmax, scores)
         n_keep, _ = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True,  # 4. commit

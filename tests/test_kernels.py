@@ -138,8 +138,8 @@ def test_compaction_kernel_matches_reference(batch, heads, length, dim, dtype):
     assert torch.equal(gather_slots(cache, index), acceptor.gather_slots_reference(cache, index))
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_loop_identical_with_kernels_on_and_off(do_sample):
+@pytest.mark.parametrize("do_sample, rule", [(False, "coupled"), (True, "coupled"), (True, "rejection")])
+def test_loop_identical_with_kernels_on_and_off(do_sample, rule):
     model = cached_model("llama")
     draft = tiny_model("llama", seed=9, layers=1)
     ids, mask = ragged_batch(4, seed=60)
@@ -151,8 +151,8 @@ def test_loop_identical_with_kernels_on_and_off(do_sample):
             input_ids=ids, attention_mask=mask, do_sample=do_sample, pad_token_id=PAD, eos_token_id=None,
             max_new_tokens=20, custom_generate=spec_adapt.generate, drafter=ModelDrafter(draft),
             assistant_policy=FixedLength(3),
-            spec_stats=stats, acceptor=acceptor.Acceptor(kernels=mode))
-        path = "rejection" if do_sample else "greedy"
+            spec_stats=stats, acceptor=acceptor.Acceptor(kernels=mode, rule=rule))
+        path = "rejection" if rule == "rejection" else "greedy"     # the coupled rule: greedy over scores + noise
         assert stats.kernel_paths[path] == ("triton" if mode == "force" else "torch")
     assert torch.equal(outputs["force"], outputs["off"])
 

@@ -118,8 +118,45 @@ def marginals_miss(tokens: torch.Tensor, marginals, vocab: int = VOCAB_SMALL):
     return None
 
 
+@pytest.mark.parametrize("kind", ["model", "point_mass", "tree"])
+def test_the_rejection_rule_follows_target_distribution(small, kind):
+    """The same enumerated test under Acceptor(rule="rejection"): rejection sampling, recursive down a tree, with the
+    draft model sampling from its own distribution."""
+    from spec_adapt import FixedTree, ModelDrafter
+
+    target, draft = small
+    rejection = spec_adapt.Acceptor(rule="rejection")
+    if kind == "tree":
+        assert_follows_target(target, ModelDrafter(draft, branch=3), 6000, policy=FixedTree(6, 3), acceptor=rejection)
+        return
+    first = int(exact_marginals(target, [3, 7, 9, 4], depth=1)[0].argmax())
+    drafter = draft if kind == "model" else ScriptedDrafter(lambda row, context, gamma: [first, 5, 6][:gamma])
+    assert_follows_target(target, drafter, 6000, acceptor=rejection)
+
+
+class LossyCoupled(spec_adapt.Acceptor):
+    """The coupled rule made lossy: a draft is accepted while it is among the two best of scores + noise (the next
+    token stays the best), so drafts the target nearly sampled are kept."""
+
+    def greedy(self, logits, draft_tokens, lengths):
+        width = draft_tokens.shape[1]
+        top = logits[:, :width].topk(2, dim=-1).indices
+        ok = (top == draft_tokens[..., None]).any(-1) & (torch.arange(width)[None, :] < lengths[:, None])
+        accepted = ok.long().cumprod(-1).sum(-1)
+        return accepted, logits.argmax(-1).gather(1, accepted[:, None]).squeeze(1)
+
+
+def test_a_lossy_coupled_rule_is_caught(small):
+    target, draft = small
+    assert follows_target(target, draft, 6000, acceptor=LossyCoupled()) is not None
+
+
 class LossyTreeAcceptor(spec_adapt.Acceptor):
-    """Tests every sibling against the untouched target p: no residual after a rejection (a lossy tree rule)."""
+    """Tests every sibling against the untouched target p: no residual after a rejection (a lossy tree rule, of the
+    rejection rule's recursive walk)."""
+
+    def __init__(self):
+        super().__init__(rule="rejection")
 
     def tree_rejection(self, target_probs, draft_tokens, parents, draft_probs, lengths, uniforms, exponentials):
         batch, width = draft_tokens.shape

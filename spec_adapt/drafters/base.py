@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..acceptor import Acceptor
     from ..estimators import StopRule
     from ..ledger import KVLedger
+    from ..noise import StepNoise
     from ..policies.cost import CostReader
 
 
@@ -48,6 +49,9 @@ class DraftRequest:
                                         # for a drafter that weighs step times; None = the policy keeps none
     target: "KVLedger | None" = None    # the target's ledger, read-only, for a drafter that attends to the target's
                                         # own keys and values (`Drafter.reads_target`); None for the others
+    noise: "StepNoise | None" = None    # sampling: the step's keyed Gumbel noise (spec_adapt.noise); a drafter that
+                                        # samples draft k of a row as argmax(scores + noise.at(k)) agrees with the
+                                        # target's coupled rule most often. None when greedy
 
     @property
     def wants_probs(self) -> bool:
@@ -98,6 +102,15 @@ class Proposal:
             tokens[b, : d.numel()] = d
         lengths = torch.tensor([d.numel() for d in drafts], dtype=torch.long)
         return Proposal(tokens.to(device), lengths.to(device))
+
+
+def sample_drafts(scores: torch.Tensor, q: torch.Tensor, request: DraftRequest, k: int) -> torch.Tensor:
+    """Draft k of each row under sampling, from processed scores [B, V] and q = their softmax: argmax(scores +
+    the step's noise at k) where the request carries keyed noise, the sample the target's coupled rule takes when the
+    draft's distribution is its own, so the two agree most often; else a draw from q by torch's generator."""
+    if request.noise is None:
+        return torch.multinomial(q, 1).squeeze(1)
+    return (scores + request.noise.at(k).to(scores.device)).argmax(dim=-1)
 
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:

@@ -3,12 +3,15 @@
 A `ChainDrafter` is itself a Drafter, so the loop does not change. For levels [D_1, M_2, ..., M_{N-1}]:
 1. D_1 (any drafter: a model, prompt lookup, ...) proposes up to W tokens;
 2. each intermediate model M_j scores [its pending committed tokens, proposal] in one forward pass and applies the
-   target's own acceptance rule to the proposal: greedy match against its argmax, or rejection sampling against the
-   previous level's probabilities. It keeps the accepted prefix and appends its own recovered (or bonus) token;
-   in sampling mode the proposal's probabilities become M_j's. Rejections caught early never reach the target.
+   target's own acceptance rule to the proposal: greedy match against its argmax; sampling, the call's rule: the
+   coupled rule (its own argmax of scores plus the step's keyed noise, the noise the target uses next) or rejection
+   sampling against the previous level's probabilities. It keeps the accepted prefix and appends its own recovered
+   (or bonus) token; in sampling mode the proposal's probabilities become M_j's. Rejections caught early never reach
+   the target.
 3. what survives goes to the target, which verifies it exactly as any proposal: the output stays the target's own
-   (greedy), or has exactly the target's distribution (sampling: every surviving token is distributed as its
-   level's q given the prefix, which is what the target's rejection test needs).
+   (greedy), or has exactly the target's distribution (sampling: the coupled rule commits the target's noisy argmax
+   whatever survives; under rejection sampling every surviving token is distributed as its level's q given the
+   prefix, which is what the target's rejection test needs).
 Every model keeps its own KV ledger and rolls back to the committed prefix with everyone else (per row, holes, no
 data movement). An intermediate level that fails (out of memory included) is dropped for the rest of the call,
 the proposal of the level below is used instead, and `events` says what happened; nothing committed is lost.
@@ -55,7 +58,7 @@ class VerifierLevel(ModelDrafter):
         # The target's own acceptance rule (the call's acceptor), so a level keeps exactly what the target would.
         acceptor = request.acceptor or Acceptor()
         q = proposal.probs.to(device) if request.sampling and proposal.probs is not None else None
-        accepted, nxt = acceptor.accept(scores, drafts, q, n, request.sampling)
+        accepted, nxt = acceptor.accept(scores, drafts, q, n, request.sampling, request.noise)
         probs = scores.softmax(-1) if request.sampling else None
         if q is not None and width:
             stats["tv"].append(_total_variation(probs[:, :width], q, n))

@@ -8,7 +8,7 @@ from .. import compat
 from ..estimators import ema
 from ..inputs import ModelInputs, encoder_decoder
 from ..ledger import KVLedger, positions_from_cache, worth_apart
-from .base import Drafter, DraftRequest, Proposal, left_padding
+from .base import Drafter, DraftRequest, Proposal, left_padding, sample_drafts
 from .head import ShortHead, check_short_head
 
 
@@ -242,7 +242,7 @@ class ModelDrafter(Drafter):
         for k in range(most):
             scores = request.process(last[:, : self.vocab].float(), context, lengths + k, request.rows.to(device))
             q = scores.softmax(dim=-1)
-            token = torch.multinomial(q, 1).squeeze(1) if request.sampling else scores.argmax(dim=-1)
+            token = sample_drafts(scores, q, request, k) if request.sampling else scores.argmax(dim=-1)
             drafting = (drafted == k) & (k < gammas) & ruled_in
             if self.threshold is not None:            # early exit: stop before a low-confidence token
                 drafting &= q.max(dim=-1).values >= self.threshold

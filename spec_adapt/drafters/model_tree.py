@@ -16,7 +16,9 @@ a tree. Greedy, a node's key is its path log-probability (EAGLE-2's). Sampling, 
 (spec_adapt.accept.tree_rejection_sample) stays exact only if whether a node is drafted does not depend on the token
 it turns out to be (else the tokens tried are not draws from q), so the key is the one the node's slot has before its
 token is drawn: its parent's path log-probability plus the log of the mass its earlier siblings left. Nothing that
-ranks above a node depends on that node's token.
+ranks above a node depends on that node's token. Under the default coupled rule (spec_adapt.accept.coupled_accept)
+the Gumbel-top-k draws use the step's keyed noise at the children's position, so a node's first child is the draft's
+noisy argmax, the token the target's walk compares with; that rule is exact whatever the tree holds.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from ..tree import ancestry, node_contexts
 from .base import DraftRequest, Proposal
 
 
-def children(q: torch.Tensor, k: int, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [..., V] -> (tokens [..., k], log q of them [..., k]; -inf where q has fewer than k tokens with mass)."""
+def children(q: torch.Tensor, k: int, sampling: bool, gumbel: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., V] -> (tokens [..., k], log q of them [..., k]; -inf where q has fewer than k tokens with mass).
+    Sampling: Gumbel-top-k, the first k of an ordered sample without replacement, with `gumbel` (the step's keyed
+    noise at the children's position, broadcast to q: the first child is then the token the target's coupled rule
+    compares with) or fresh noise."""
     logq = q.clamp(min=0).log()
     keys = logq
-    if sampling:     # Gumbel-top-k: the first k of an ordered sample without replacement
-        keys = logq - torch.empty_like(logq).exponential_().log()
+    if sampling:
+        keys = logq + (gumbel if gumbel is not None else -torch.empty_like(logq).exponential_().log())
     top = keys.topk(min(k, q.shape[-1]), dim=-1).indices
     return top, logq.gather(-1, top)
 
@@ -141,7 +147,7 @@ def draft_tree(drafter, request: DraftRequest, tokens, lengths, gammas, last) ->
     batch = len(gammas)
     q = request.process(last[:, :vocab].float(), tokens, lengths, rows).softmax(dim=-1)
     tree.dists.append(q)
-    tok, logq = children(q, k, request.sampling)
+    tok, logq = children(q, k, request.sampling, _noise_at(request, 0, device))
     root = torch.where(depths > 0, -1, -2)[:, None]                       # -2: a row that drafts nothing
     frontier = tree.add(root, tok[:, None], logq[:, None], torch.zeros(batch, 1, device=device), 1,
                         torch.zeros(batch, 1, dtype=torch.long, device=device), request.sampling)
@@ -168,7 +174,8 @@ def draft_tree(drafter, request: DraftRequest, tokens, lengths, gammas, last) ->
         dist_index = torch.arange(len(tree.dists), len(tree.dists) + k, device=device).expand(batch, k)
         if request.sampling:
             tree.dists.extend(q.unbind(1))
-        tok, logq = children(q, k, request.sampling)
+        gumbel = _noise_at(request, depth - 1, device)
+        tok, logq = children(q, k, request.sampling, gumbel[:, None] if gumbel is not None else None)
         parents = torch.where(alive, feed, -2)
         frontier = tree.add(parents, tok, logq, tree.paths.gather(1, feed), depth, dist_index, request.sampling)
     offsets = drafter.calibration() if request.pooled else None
@@ -176,3 +183,10 @@ def draft_tree(drafter, request: DraftRequest, tokens, lengths, gammas, last) ->
     drafter.tree_fed, drafter.tree_expected = fed, torch.where(proposal.lengths.to(device) > 0, expected, -1.0)
     return proposal
 
+
+def _noise_at(request: DraftRequest, k: int, device) -> torch.Tensor | None:
+    """[B, V] the step's keyed noise at draft position k (the nodes of depth k + 1), or None (greedy, or no keyed
+    noise)."""
+    if not request.sampling or request.noise is None:
+        return None
+    return request.noise.at(k).to(device)

@@ -25,7 +25,7 @@ import torch
 
 from .. import compat
 from ..ledger import KVLedger, check_model_kind
-from .base import Drafter, DraftRequest, Proposal, left_padding
+from .base import Drafter, DraftRequest, Proposal, left_padding, sample_drafts
 
 
 class MTPDrafter(Drafter):
@@ -173,7 +173,7 @@ class Drafting:
         logits = self.logits_of(last)[:, : self.vocab].float().to(self.lengths.device)
         scores = self.request.process(logits, self.context, self.lengths + k, self.rows)
         q = scores.softmax(dim=-1)
-        token = torch.multinomial(q, 1).squeeze(1) if self.request.sampling else scores.argmax(dim=-1)
+        token = sample_drafts(scores, q, self.request, k) if self.request.sampling else scores.argmax(dim=-1)
         self.going &= k < self.gammas
         self.confidence[:, k] = q.gather(1, token[:, None]).squeeze(1)
         if self.probs is not None:

@@ -27,9 +27,10 @@ slot) is its request's for the request's life; drafters and policies key per-row
 may reuse it.
 
 Limits, said plainly: one generation config per engine (greedy, or sampling with temperature / top-k / top-p, one
-set of EOS ids); per request only the prompt and max_new_tokens. Under sampling the engine's schedule (which
-requests share a step) depends on arrival timing when threads submit, so seeded determinism holds for a
-deterministic drive (`step()` with a fixed submission schedule), not for wall-clock arrivals.
+set of EOS ids); per request only the prompt and max_new_tokens. Under sampling a request's tokens depend on the
+engine's seed and its admission number (spec_adapt.noise), not on which requests share its steps nor on the widths;
+when threads submit, the admission order follows arrival, so seeded runs repeat where requests are admitted in the
+same order (a deterministic drive: `step()` with a fixed submission schedule).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
 from ..loop import SpeculativeLoop, Stopper, target_ledger
 from ..metrics import SpecStats
+from ..noise import call_seed, mix64
 from ..policies.adaptive import Adaptive
 from ..estimators import ProbeBackoff
 from ..processors import ScoreProcessor
@@ -153,6 +155,12 @@ class ServingLoop(SpeculativeLoop):
         self._hold_rows(torch.full((0, 1), pad_id, dtype=torch.long, device=self.device), empty, empty.clone(),
                         empty.clone())
         self.pads = empty.clone()                    # per slot: the left padding of its buffer row
+        # Sampling's keyed noise (spec_adapt.noise): the engine's seed, drawn once from torch's global generator, and
+        # per slot the key of the request it holds: the seed and the request's admission number, so a request's
+        # tokens do not depend on which requests shared its steps, nor on the widths they were drafted at.
+        self.seed = call_seed() if self.keyed else None
+        self.keys: list[int] = []
+        self.admitted = 0
         self.target: KVLedger | None = None          # made by the first admission
         self.scores, self.raw_logits = None, None
         self.verifier.begin()
@@ -187,6 +195,7 @@ class ServingLoop(SpeculativeLoop):
         self.stats.admit(new_rows.tolist())
         with self.policy_lock:
             self.policy.admit(new_rows.tolist())
+        self._key_rows(new_rows.tolist())
         finished = self._first_tokens(new_rows, logits)
         first_rows = self.target is None
         if first_rows:
@@ -200,6 +209,15 @@ class ServingLoop(SpeculativeLoop):
         self._drafter_joins("admission", ids, mask, None if first_rows else new_rows, joining.hidden)
         self._retire()
         return new_rows
+
+    def _key_rows(self, slots: list[int]) -> None:
+        """Each admitted request's noise key in its slot (sampling by the coupled rule)."""
+        if not self.keyed:
+            return
+        self.keys.extend([0] * (max(slots) + 1 - len(self.keys)))
+        for slot in slots:
+            self.keys[slot] = mix64(self.seed ^ mix64(self.admitted))
+            self.admitted += 1
 
     def _take_slots(self, n: int) -> torch.Tensor:
         """The n lowest slots no running row holds (new ones at the end when all are held). The engine has handed
