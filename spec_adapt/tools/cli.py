@@ -8,6 +8,7 @@ import os
 import torch
 
 from spec_adapt.execution import bf16_capability, fastest
+from spec_adapt.tools import options
 from spec_adapt.tools.synthetic import truncated_copy
 
 
@@ -114,6 +115,9 @@ def bench(args) -> None:
             configs.insert(1 if "target" in configs else 0, "target-eager")
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     prompts = list(ds["input_text"])
+    if max(args.batch_sizes) > len(prompts):      # a workload can hold fewer prompts than --num-prompts asks
+        raise SystemExit(f"argument --batch-sizes: takes batch sizes of at most the {len(prompts)} prompts "
+                         f"{args.prompts or args.workload} gave, got {max(args.batch_sizes)}")
     from spec_adapt.tools.profiling import LatencyTable
 
     latency = LatencyTable.load(args.latency) if args.latency else None
@@ -142,17 +146,10 @@ def _twin(model, configs: list[str]):
 
 
 def _bench_configs(args) -> list[str]:
-    """--configs, with a cold row beside each default-policy configuration under --cold; the numbers checked before
-    any model loads."""
+    """--configs, with a cold row beside each default-policy configuration under --cold (the numbers are checked by
+    their argument types and `_check_bench`, before any command runs)."""
     from spec_adapt.tools import bench as b
 
-    for option in ("num_prompts", "rows", "new_tokens", "repeats"):
-        if getattr(args, option) < 1:
-            raise SystemExit(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
-    if min(args.batch_sizes) < 1:
-        raise SystemExit(f"--batch-sizes must be at least 1, got {args.batch_sizes}")
-    if args.bound is not None and not 1 <= args.bound <= 32:
-        raise SystemExit(f"--bound takes the widest draft of the bound's schedules, 1 to 32, got {args.bound}")
     twins = [c for c in args.configs if b.is_twin(c)]
     if twins and (args.target_memory is not None or args.dtype != "float32"):
         raise SystemExit(f"{', '.join(twins)}: the {b.TWIN} configurations run a bfloat16 copy beside a float32 "
@@ -242,8 +239,17 @@ def _draft(model, args):
         dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
         return load_draft(model, args.draft, quantization=args.draft_quant, dtype=dtype)
     if args.draft_layers:
+        _check_draft_layers(model, args.draft_layers)
         return truncated_copy(model, args.draft_layers)
     return None
+
+
+def _check_draft_layers(model, layers: int) -> None:
+    """--draft-layers N keeps the target's first N layers: past its last one the copy would get random layers."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    total = getattr(config, "num_hidden_layers", None)
+    if total is not None and layers > total:
+        raise SystemExit(f"argument --draft-layers: takes at most the target's {total} layers, got {layers}")
 
 
 def _xdraft(args):
@@ -318,11 +324,9 @@ def lab_cmd(args) -> None:
     table = LatencyTable.load(args.latency)
     requests = [lab.Request(r.runs, name=r.name, lengths=r.lengths) for _ in range(args.cycles) for r in pool]
     report = {}
-    for spec in args.schedules:
-        kind, _, value = spec.partition(":")
-        schedule = {"static": lambda: lab.Static(int(value)), "batches": lambda: lab.Batches(int(value)),
-                    "poisson": lambda: lab.Poisson(float(value)),
-                    "curve": lambda: lab.RateCurve([(60.0, 0.5), (60.0, float(value or 20))])}[kind]()
+    for spec in args.schedules:         # options.Schedule: the text, its kind and its checked value
+        schedule = {"static": lab.Static, "batches": lab.Batches, "poisson": lab.Poisson,
+                    "curve": lambda rate: lab.RateCurve([(60.0, 0.5), (60.0, rate)])}[spec.kind](spec.value)
         policies = {name: parse_policy(name, table) for name in args.policies}
         # Model-free drafters cost nothing to run: only the verification part of the table applies.
         result = lab.compare(policies, requests, table, schedule, max_batch=args.max_batch, draft_cost=False)
@@ -463,11 +467,15 @@ def _draft_options(p) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="spec-adapt", description="Adaptive, batched, lossless speculative decoding")
+    from spec_adapt.tools.models import known
+    from spec_adapt.tools.vllm import METHODS
+
+    parser = Parser(prog="spec-adapt", description="Adaptive, batched, lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="the real pair on HumanEval + ShareGPT: stock generate, stock speculation, spec_adapt")
-    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="qwen2.5-coder-1.5b (with its 0.5B draft) or "
-                   "smollm2-135m (the fast demo)")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b", type=options.name_in(DEMOS, "a demo model",
+                                                                             key=lambda name: known(name) or name),
+                   help="qwen2.5-coder-1.5b (with its 0.5B draft) or smollm2-135m (the fast demo)")
     p.add_argument("--no-prepare", dest="prepare", action="store_false",
                    help="run the models eagerly (default: spec_adapt.prepare on target and draft)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -476,47 +484,51 @@ def main(argv=None) -> None:
     p = sub.add_parser("bench", help="configurations side by side on a workload (see spec_adapt/tools/bench.py)")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat (HumanEval as a user message, for instruct models) or mixed")
     p.add_argument("--prompts", help="a JSONL file of prompts (overrides --workload)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--rows", type=int, default=8, help="batch size B runs the first max(B, rows) prompts")
+    p.add_argument("--num-prompts", type=options.count, default=16)
+    p.add_argument("--rows", type=options.count, default=8, help="batch size B runs the first max(B, rows) prompts")
     p.add_argument("--latency", help="a latency table from `spec-adapt profile`, for the policies that use one")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-sizes", type=options.batch_size, nargs="+", default=[1, 4, 16],
+                   help="each at most --num-prompts")
+    p.add_argument("--new-tokens", type=options.tokens, default=128)
+    p.add_argument("--repeats", type=options.count, default=3)
     p.add_argument("--configs", nargs="+", default=["target", "hf-lookup", "lookup:fixed3", "suffix:heuristic4"])
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="a draft model path (enables draft:<policy>, chain:<policy> and hf-assisted)")
     p.add_argument("--xdraft", help="a draft with its own tokenizer (enables xdraft:<policy>, hf-uag, and with "
                    "--draft xchain:<policy>); its dtype follows --draft-dtype")
     _draft_options(p)
-    p.add_argument("--draft-layers", type=int, help="draft = the target's first N layers (a cost stand-in)")
+    p.add_argument("--draft-layers", type=options.count, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
     p.add_argument("--prepare", action="store_true", help="spec_adapt.prepare target and draft; adds target-eager "
                    "(stock generate on the unprepared model) beside target (stock generate on the prepared one)")
     p.add_argument("--no-eager", action="store_true", help="with --prepare, leave target-eager out (compare "
                    "configurations on the prepared models only)")
-    p.add_argument("--target-memory", type=int, help="MiB of memory the target may hold: accelerate offloads the rest "
-                   "to disk (device_map='auto', max_memory), so its weights stream at every forward")
+    p.add_argument("--target-memory", type=options.megabytes, help="MiB of memory the target may hold: accelerate "
+                   "offloads the rest to disk (device_map='auto', max_memory), so its weights stream at every forward")
     p.add_argument("--offload-folder", help="where accelerate writes the offloaded weights (default: a temp folder)")
     p.add_argument("--policy-state", help="a folder: each cell's policy starts from the state a previous run saved "
                    "there (warm; cold if none) and is saved there afterwards")
-    p.add_argument("--bound", type=int, nargs="?", const=8, metavar="MAX_WIDTH",
+    p.add_argument("--bound", type=options.bound_width, nargs="?", const=8, metavar="MAX_WIDTH",
                    help="at batch 1 with a draft: the hindsight bound of draft-length schedules up to MAX_WIDTH "
                    "(default 8) and each configuration's fraction of its speedup ('of bound'; docs/benchmarks.md)")
     p.add_argument("--cold", action="store_true", help="beside each <drafter>:adaptive configuration, a row "
                    "'<config> (cold)' whose every call starts from a fresh policy (the plain row: later calls, warm)")
     p.add_argument("--out", help="output folder (default results/bench-<workload>-<dtype>)")
-    p.set_defaults(func=bench)
+    p.set_defaults(func=bench, check=_check_bench)
     p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="draft model path")
     _draft_options(p)
-    p.add_argument("--draft-layers", type=int, help="use the target's first N layers as a draft (cost stand-in)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--lengths", type=int, nargs="+", default=[0, 1, 2, 4, 8])
-    p.add_argument("--lags", type=int, nargs="+", default=[32, 128, 512])
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--draft-layers", type=options.count,
+                   help="use the target's first N layers as a draft (cost stand-in)")
+    p.add_argument("--batch-sizes", type=options.batch_size, nargs="+", default=[1, 4, 16])
+    p.add_argument("--lengths", type=options.draft_length, nargs="+", default=[0, 1, 2, 4, 8],
+                   help="draft lengths s: a step verifies s + 1 tokens")
+    p.add_argument("--lags", type=options.tokens, nargs="+", default=[32, 128, 512],
+                   help="tokens a draft catches up on (with a draft)")
+    p.add_argument("--context", type=options.tokens, default=256, help="tokens in the cache before each measured step")
+    p.add_argument("--repeats", type=options.count, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--prepare", action="store_true", help="profile the models after spec_adapt.prepare (a prepared "
                    "model has its own profile: the default policy of a prepared model reads that one)")
@@ -525,18 +537,20 @@ def main(argv=None) -> None:
     p.set_defaults(func=profile_cmd)
     p = sub.add_parser("lab", help="replay recorded acceptance traces: every policy vs best fixed gamma and oracle")
     p.add_argument("--workload", default="humaneval")
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", type=options.count, default=16)
     p.add_argument("--drafter", choices=["lookup", "suffix"], default="suffix")
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=options.tokens, default=128)
     p.add_argument("--traces", help="traces JSON to replay (default: <out>/traces.json, recorded if missing)")
     p.add_argument("--latency", required=True, help="latency table from `spec-adapt profile`")
-    p.add_argument("--schedules", nargs="+", default=["static:1", "static:4", "static:16", "curve:20"],
+    p.add_argument("--schedules", nargs="+", type=options.schedule,
+                   default=[options.schedule(s) for s in ("static:1", "static:4", "static:16", "curve:20")],
                    help="static:B (B running, refilled), batches:B (closed batches: generate calls), poisson:RATE, "
-                        "curve:RATE")
+                        "curve:RATE (RATE requests/s, finite and positive)")
     p.add_argument("--policies", nargs="+", default=["nightjar", "nightjar-local", "ucb", "goodput",
                                                      "goodput-explore", "ewma", "per-request", "heuristic4"])
-    p.add_argument("--cycles", type=int, default=20, help="replay the recorded requests this many times")
-    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--cycles", type=options.cycles, default=20, help="replay the recorded requests this many times")
+    p.add_argument("--max-batch", type=options.batch_size, default=16, help="most requests running under poisson and "
+                   "curve schedules")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out")
@@ -545,47 +559,50 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", help="draft model (enables draft:<policy>, draftc:<policy>, chain:<policy>)")
     _draft_options(p)
-    p.add_argument("--draft-layers", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--draft-layers", type=options.count, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat or mixed")
     p.add_argument("--prompts", help="a JSONL file of prompts (overrides --workload)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--rates", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="requests per second")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per (rate, config)")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--memory-budget", type=float, help="MB the engine may use (weights, resident draft, KV reserved "
-                   "per request): admission waits for memory; drafter 'offload' leaves under pressure")
-    p.add_argument("--phases", help="a load that changes: RATE:SECONDS pairs, e.g. 0.1:30,1.5:30,0.1:30 "
-                   "(replaces --rates/--duration)")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=options.count, default=64)
+    p.add_argument("--rates", type=options.rate, nargs="+", default=[0.25, 1.0, 4.0],
+                   help="requests per second (rate x duration: at most a million arrivals)")
+    p.add_argument("--duration", type=options.seconds, default=30.0, help="seconds of arrivals per (rate, config)")
+    p.add_argument("--max-batch", type=options.batch_size, default=8)
+    p.add_argument("--memory-budget", type=options.budget_mb, help="MB the engine may use (weights, resident draft, "
+                   "KV reserved per request): admission waits for memory; drafter 'offload' leaves under pressure")
+    p.add_argument("--phases", type=options.phases, help="a load that changes: RATE:SECONDS pairs, e.g. "
+                   "0.1:30,1.5:30,0.1:30 (replaces --rates/--duration)")
+    p.add_argument("--new-tokens", type=options.tokens, default=64)
+    p.add_argument("--seed", type=options.seed, default=0)
     p.add_argument("--configs", nargs="+", default=["target", "lookup:fixed1", "lookup:fixed3", "lookup:adaptive",
                                                     "lookup:nightjar"])
     p.add_argument("--out")
-    p.set_defaults(func=serve_bench_cmd)
+    p.set_defaults(func=serve_bench_cmd, check=_check_serve_bench)
     p = sub.add_parser("export-vllm", help="a learned Adaptive (saved with .save) as vLLM's speculative_config")
     p.add_argument("--policy", required=True, help="a JSON file written by Adaptive.save")
-    p.add_argument("--method", default="draft_model", help="vLLM's method: draft_model, ngram, suffix, eagle, ...")
+    p.add_argument("--method", default="draft_model", type=options.name_in(METHODS, "one of vLLM's methods"),
+                   help="vLLM's method: " + ", ".join(METHODS))
     p.add_argument("--model", help="the draft model's path, for model-based methods")
-    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--max-batch", type=options.batch_size, default=256)
     p.add_argument("--out", help="write the config here as JSON (it is printed either way)")
     p.set_defaults(func=export_vllm_cmd)
     p = sub.add_parser("soak", help="the serving engine's thread serves many requests: memory and time per request")
-    p.add_argument("--requests", type=int, default=20000)
-    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--requests", type=options.count, default=20000)
+    p.add_argument("--max-batch", type=options.batch_size, default=8)
     p.add_argument("--drafter", choices=["model", "lookup", "suffix"], default="model")
     p.add_argument("--policy", default="adaptive", help="adaptive (learns while it serves) or fixed<k>")
-    p.add_argument("--window", type=int, default=500, help="requests per measurement point")
-    p.add_argument("--check-every", type=int, default=100, help="compare every Nth request with stock generate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=options.count, default=500, help="requests per measurement point")
+    p.add_argument("--check-every", type=options.count, default=100,
+                   help="compare every Nth request with stock generate")
+    p.add_argument("--seed", type=options.seed, default=0)
     p.add_argument("--out", default="results/soak-tiny")
     p.set_defaults(func=soak_cmd)
     p = sub.add_parser("eval", help="quality suite: BERTScore, cosine, reward deltas vs target-only and fixed-length")
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "humaneval"])
-    p.add_argument("--num-prompts", type=int, default=32, help="per workload")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--num-prompts", type=options.count, default=32, help="per workload")
+    p.add_argument("--new-tokens", type=options.tokens, default=64)
+    p.add_argument("--batch-size", type=options.batch_size, default=16)
+    p.add_argument("--temperature", type=options.temperature, default=0.7)
     p.add_argument("--reward-model", help="path of an AutoModelForSequenceClassification reward model")
     p.add_argument("--with-lossy", action="store_true", help="add the deliberately lossy top-5 configuration")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -600,6 +617,8 @@ def main(argv=None) -> None:
     # What a user can get wrong (a file that is not what an option takes, a value out of range) ends as argparse's
     # own errors do: one line on stderr, exit status 2. SPEC_ADAPT_TRACEBACK=1 shows the traceback instead.
     try:
+        if hasattr(args, "check"):          # what one option's type cannot see: options read together
+            args.check(args)
         args.func(args)
     except SystemExit as exc:
         if not isinstance(exc.code, str):       # a status: what the command chose
@@ -609,6 +628,29 @@ def main(argv=None) -> None:
         if os.environ.get("SPEC_ADAPT_TRACEBACK", "").strip() not in ("", "0"):
             raise
         _user_error(str(exc) or type(exc).__name__, exc)
+
+
+def _check_bench(args) -> None:
+    """Batch size B runs whole batches of B among the first prompts: a B above --num-prompts would run none."""
+    if max(args.batch_sizes) > args.num_prompts:
+        raise SystemExit(f"argument --batch-sizes: takes batch sizes of at most --num-prompts ({args.num_prompts}), "
+                         f"got {max(args.batch_sizes)}")
+
+
+def _check_serve_bench(args) -> None:
+    """Each rate's schedule of --duration seconds is drawn whole before its first request is served."""
+    expected = max(args.rates) * args.duration
+    if args.phases is None and expected > options.MAX_ARRIVALS:      # --phases checks its own
+        raise SystemExit(f"argument --rates/--duration: {options.ARRIVALS}, got {max(args.rates):g} requests/s for "
+                         f"{args.duration:g} s ({expected:.3g} arrivals)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are `spec-adapt`'s: one line `spec-adapt: error: <message>` on stderr, exit status 2
+    (no usage block: --help shows it)."""
+
+    def error(self, message: str):
+        _user_error(message, argparse.ArgumentError(None, message))
 
 
 class UserError(SystemExit):

@@ -64,6 +64,10 @@ class Batches:
 class Poisson:
     rate: float                      # requests per second
 
+    def __post_init__(self):
+        if not 0 < self.rate < math.inf:
+            raise ValueError(f"A Poisson schedule needs a finite positive rate, got {self.rate!r}.")
+
     def arrivals(self, n, rng):
         t, out = 0.0, []
         for _ in range(n):
@@ -131,7 +135,10 @@ def simulate(policy: Policy, requests: list[Request], table: LatencyTable, sched
     rng = random.Random(seed)
     closed = isinstance(schedule, Batches)
     queued = isinstance(schedule, (Static, Batches))     # everything is there from the start
-    limit = schedule.batch if queued else (max_batch or 16)
+    limit = schedule.batch if queued else (16 if max_batch is None else max_batch)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:     # else nothing is ever admitted
+        raise ValueError(f"The lab's batch limit (the schedule's batch, else max_batch) must be a positive int, "
+                         f"got {limit!r}.")
     arrivals = schedule.arrivals(len(requests), rng)
     pending = sorted(zip(arrivals, range(len(requests))))
     result = SimResult(name or type(policy).__name__)

@@ -14,6 +14,7 @@ Configuration names are the bench's: `target` (the engine with no drafter: conti
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
@@ -24,6 +25,9 @@ import torch
 
 def schedule(rate: float, duration: float, n_prompts: int, seed: int = 0) -> list[tuple[float, int]]:
     """(arrival second, prompt index) of a Poisson process at `rate` requests/s over `duration` seconds."""
+    if not (0 < rate < math.inf and 0 <= duration < math.inf):      # else the draws never pass `duration`
+        raise ValueError(f"A schedule needs a finite positive rate and a finite duration, got rate {rate!r} and "
+                         f"duration {duration!r}.")
     rng, t, out = random.Random(seed), 0.0, []
     while True:
         t += rng.expovariate(rate)
@@ -53,8 +57,9 @@ def parse_phases(text: str) -> list[tuple[float, float]]:
     except ValueError as exc:
         raise ValueError(f"--phases takes RATE:SECONDS pairs joined by commas (e.g. 0.1:30,1.5:30), got {text!r}."
                          ) from exc
-    if not phases or any(r <= 0 or d <= 0 for r, d in phases):
-        raise ValueError(f"Every phase needs a positive rate and duration, got {text!r}.")
+    # nan and inf are floats too: a phase must end, and its arrivals must have gaps.
+    if not phases or not all(0 < r < math.inf and 0 < d < math.inf for r, d in phases):
+        raise ValueError(f"Every phase needs a finite positive rate and duration, got {text!r}.")
     return phases
 
 

@@ -28,6 +28,11 @@ import torch
 from ..drafters.lookup import lookup_continuation
 from ..drafters.suffix import SuffixIndex
 
+# vLLM's speculative methods (its SpeculativeConfig.method; the model-specific MTP names reduce to "mtp"), and
+# custom_class, which serves this module's proposers: what `spec-adapt export-vllm --method` takes.
+METHODS = ("draft_model", "ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
+           "dflash", "custom_class")
+
 
 def speculative_config(policy, method: str, model: str | None = None, max_batch: int = 256, **extra) -> dict:
     """The `speculative_config` for vLLM from a policy with `to_vllm_schedule(max_batch)` (e.g. a learned
