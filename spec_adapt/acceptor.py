@@ -110,12 +110,16 @@ class Acceptor:
 
     def coupled(self, scores, draft_tokens, lengths, gumbels):
         """The coupled rule (spec_adapt.accept.coupled_accept): the greedy rule (`greedy`, its kernel where it runs)
-        over scores + noise, so a subclass's greedy rule applies to sampling too."""
-        return self.greedy(scores.float() + gumbels.to(scores.device), draft_tokens, lengths)
+        over scores + noise, so a subclass's greedy rule applies to sampling too. `paths` names it "coupled"."""
+        out = self.greedy(scores.float() + gumbels.to(scores.device), draft_tokens, lengths)
+        self.paths["coupled"] = self.paths.pop("greedy", "torch")
+        return out
 
     def tree_coupled(self, scores, draft_tokens, parents, lengths, gumbels):
         """The coupled rule down a tree: the greedy walk (`tree_greedy`) over scores + each column's noise."""
-        return self.tree_greedy(scores.float() + gumbels.to(scores.device), draft_tokens, parents, lengths)
+        out = self.tree_greedy(scores.float() + gumbels.to(scores.device), draft_tokens, parents, lengths)
+        self.paths["tree_coupled"] = self.paths.pop("tree_greedy", "torch")
+        return out
 
     def tree_greedy(self, logits, draft_tokens, parents, lengths):
         self.paths["tree_greedy"] = "torch"

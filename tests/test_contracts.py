@@ -217,7 +217,7 @@ def test_kernel_paths_are_per_call():
     ids, mask = ragged_batch(2, seed=14)
     spec(model, ids, mask, model, do_sample=True)
     _, stats = spec(model, ids, mask, model)
-    assert set(stats.kernel_paths) == {"greedy"}             # no "rejection" left over from the sampled call
+    assert set(stats.kernel_paths) == {"greedy"}             # no "coupled" left over from the sampled call
 
 
 def test_concurrent_calls_keep_their_own_statistics():
@@ -234,8 +234,8 @@ def test_concurrent_calls_keep_their_own_statistics():
         t.start()
     for t in threads:
         t.join()
-    assert "rejection" not in results["greedy"].kernel_paths
-    assert "greedy" not in results["sampled"].kernel_paths
+    assert "coupled" not in results["greedy"].kernel_paths
+    assert "greedy" not in results["sampled"].kernel_paths and "coupled" in results["sampled"].kernel_paths
 
 
 def test_chain_events_do_not_carry_over_to_the_next_call():

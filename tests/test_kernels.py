@@ -152,7 +152,7 @@ def test_loop_identical_with_kernels_on_and_off(do_sample, rule):
             max_new_tokens=20, custom_generate=spec_adapt.generate, drafter=ModelDrafter(draft),
             assistant_policy=FixedLength(3),
             spec_stats=stats, acceptor=acceptor.Acceptor(kernels=mode, rule=rule))
-        path = "rejection" if rule == "rejection" else "greedy"     # the coupled rule: greedy over scores + noise
+        path = "greedy" if not do_sample else rule       # the coupled rule runs the greedy kernel over scores + noise
         assert stats.kernel_paths[path] == ("triton" if mode == "force" else "torch")
     assert torch.equal(outputs["force"], outputs["off"])
 
