@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -37,37 +38,40 @@ def demo(args) -> None:
     torch.manual_seed(0)
     print(f"CPU: {cpu_name()}")
     print(f"Loading {name}" + (f" with the draft {plan['draft']}" if plan["draft"] else "") + "...")
-    model, tok = load_model(name, dtype=torch.float32)
     dtype = getattr(torch, args.dtype)
-    model = model.to(dtype)
+    tok = load_model(name, dtype=dtype)[1]
     # Where this CPU computes bf16 natively, a bf16 target is what its users run: its cells sit beside float32's.
-    native = bf16_capability(model.device)[0] == torch.bfloat16
-    twin = b.bf16_twin(model) if dtype == torch.float32 and native else None
-    if args.prepare:
-        from spec_adapt import prepare
-
-        prepare(model)
-        twin = prepare(twin) if twin is not None else None
+    twin = dtype == torch.float32 and bf16_capability(torch.device("cpu"))[0] == torch.bfloat16
     print(f"target dtype: {args.dtype}" + (" (prepared)" if args.prepare else "") + (
         ": float32 keeps every one-token and multi-token forward's argmax equal" if dtype == torch.float32 else
         ": chosen with --dtype"))
-    # The draft's dtype is chosen apart from the target's: it changes which tokens the draft proposes, never the output.
-    draft = _fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare) if plan["draft"] else None
-    plan = {**plan, "configs": plan["configs"][:1] + (["target-eager"] if args.prepare else []) + plan["configs"][1:]
-            + ([plan["configs"][-1] + b.TWIN] if twin is not None else [])}
-    if twin is not None:
+    if twin:
         print(f"this CPU computes bfloat16 natively: the rows ending in {b.TWIN} run a bfloat16 copy of the target, "
               "judged against stock generate on that copy")
-    summaries = {}
     workloads_run = [("HumanEval", plan["code"]), ("ShareGPT", "sharegpt")] + (
         [("Edit", "edit")] if plan.get("edit") else [])
-    for label, workload in workloads_run:
-        ds = workloads.with_inputs(workloads.load(workload, plan["prompts"]), tok)
-        print(f"\n{label}: {len(ds)} prompts, batch sizes {plan['batch_sizes']}, {plan['new_tokens']} new tokens")
-        cells = b.run_bench(model, tok, list(ds["input_text"]), plan["configs"], plan["batch_sizes"],
-                            plan["new_tokens"], plan["repeats"], draft, rows=plan["prompts"], twin=twin)
-        summaries[label] = b.summarize(cells)
-    if dtype == torch.bfloat16 or twin is not None:
+    prompts = {label: list(workloads.with_inputs(workloads.load(workload, plan["prompts"]), tok)["input_text"])
+               for label, workload in workloads_run}
+    cells = {label: [] for label in prompts}
+    draft = None
+    for phase, configs, load in _demo_phases(name, plan, dtype, twin, args.prepare):
+        if plan["draft"] and draft is None and phase != "eager":
+            # The draft's dtype is chosen apart from the target's: it changes which tokens the draft proposes,
+            # never the output.
+            draft = _fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare)
+        model = load()
+        for label, used in prompts.items():
+            print(f"\n{label} ({phase}: {', '.join(configs)}): {len(used)} prompts, batch sizes "
+                  f"{plan['batch_sizes']}, {plan['new_tokens']} new tokens")
+            cells[label] += b.run_bench(model, tok, used, configs, plan["batch_sizes"], plan["new_tokens"],
+                                        plan["repeats"], draft, rows=plan["prompts"], twin=model if twin else None)
+        del model                       # one target in memory at a time: the next phase loads its own
+        gc.collect()
+    order = b.ordered_configs([c for _, configs, _ in _demo_phases(name, plan, dtype, twin, args.prepare)
+                               for c in configs])
+    summaries = {label: b.summarize(sorted(found, key=lambda c: order.index(c.config)))
+                 for label, found in cells.items()}
+    if dtype == torch.bfloat16 or twin:
         print("\nA bfloat16 target (--dtype bfloat16, or the rows ending in @bf16): one-token decoding and "
               "multi-token verification sum in other orders and can break a tie between two logits 1 bf16 ulp "
               "apart differently (stock assisted generation included), so outputs are judged by the tie-aware "
@@ -80,7 +84,9 @@ def demo(args) -> None:
           + ("; 'vs eager' = against stock generate on the model before spec_adapt.prepare" if args.prepare else "")
           + "; 'identical' = token-for-token equal to stock generate on the same model, 'tie-equivalent (k ties)' = "
           "equal up to the target's own near-ties (docs/execution.md), 'differs' = a failure. Configurations: "
-          f"{', '.join(plan['configs'])} (spec_adapt/tools/bench.py names them).")
+          f"{', '.join(order)} (spec_adapt/tools/bench.py names them). Each model runs its rows in a phase of its "
+          "own (the eager target, the prepared target, its bfloat16 copy), so only one target is in memory at a "
+          "time; within a phase the configurations are interleaved.")
     print("\nIdentity checks (each call's output against stock generate's, same model and batch):")
     for label, summary in summaries.items():
         for s in summary:
@@ -88,6 +94,43 @@ def demo(args) -> None:
                 verdict = f"{s['differing']} DIFFERENT" if s["differing"] else s.get("verdict") or "identical"
                 calls = f"{s['checks']} call" + ("s" if s["checks"] != 1 else "")
                 print(f"  {label:<10} {s['config']:<16} B={s['batch_size']}: {calls}, {verdict}")
+    print(f"\nPeak resident memory: {peak_memory_gib():.1f} GiB (this process's high-water mark, file-backed pages "
+          "included)")
+
+
+def _demo_phases(name: str, plan: dict, dtype, twin: bool, prepare: bool):
+    """[(phase, configurations, load)]: each phase's rows run on one target, loaded when the phase starts. The eager
+    target (stock generate before spec_adapt.prepare), the prepared target and its bfloat16 copy never share the
+    memory: the demo fits a machine that holds one of them and the draft."""
+    from spec_adapt.tools import bench as b
+    from spec_adapt.tools.models import load_model
+
+    def loader(as_dtype, packed):
+        def load():
+            model = load_model(name, dtype=as_dtype)[0]
+            if next(model.parameters()).dtype != as_dtype:      # a loader that kept its own dtype: a copy
+                model = b.bf16_twin(model) if as_dtype == torch.bfloat16 else model.to(as_dtype)
+            if packed:
+                from spec_adapt import prepare
+
+                prepare(model)
+            return model
+
+        return load
+
+    main = plan["configs"]
+    phases = [("eager", ["target-eager"], loader(dtype, False))] if prepare else []
+    phases.append(("prepared" if prepare else "target", main, loader(dtype, prepare)))
+    if twin:
+        phases.append(("bfloat16 copy", [main[0] + b.TWIN, main[-1] + b.TWIN], loader(torch.bfloat16, prepare)))
+    return phases
+
+
+def peak_memory_gib() -> float:
+    """This process's peak resident memory (the kernel's high-water mark, as /usr/bin/time -v reports it)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20      # KiB on Linux
 
 
 def bench(args) -> None:
