@@ -137,8 +137,7 @@ def test_rows_that_finish_early_leave_with_their_inputs(name):
     common = dict(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD)
     free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None))
     start = free.shape[1] - MAX_NEW
-    others = set(free[1:, start:].flatten().tolist())
-    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)     # row 0 ends early, the others never
+    eos = late_eos(free, start)     # row 0 ends early, the others never
     reference = model.generate(**inputs, **common, eos_token_id=eos)
     drafter = Oracle(free, _decoder_mask(name, inputs, free), ["right", 2, 1], eos=(eos,)).drafter()
     stats = spec_adapt.SpecStats()
@@ -157,8 +156,7 @@ def test_verified_logits_match_one_token_decoding(name):
                   output_logits=True)
     free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None).sequences)
     start = free.shape[1] - MAX_NEW
-    others = set(free[1:, start:].flatten().tolist())
-    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)
+    eos = late_eos(free, start)
     stock = model.generate(**inputs, **common, eos_token_id=eos)
     modes = ["right", 2, "wrong"] if name in mm.DECODER_ONLY else ["right", 2, 1]
     drafter = Oracle(free, _decoder_mask(name, inputs, free), modes, eos=(eos,)).drafter()
@@ -478,13 +476,19 @@ class PlainBetween(spec_adapt.Policy):
         return 0 if info.step in self.plain else self.gamma
 
 
+def late_eos(free: torch.Tensor, start: int) -> int:
+    """A token row 0 of `free` generates after its first two tokens, and neither there nor in the other rows'
+    generated tokens: as the EOS, row 0 ends first, and not before its third token."""
+    others = set(free[1:, start:].flatten().tolist()) | set(free[0, start:start + 2].tolist())
+    return next(int(t) for t in free[0, start + 2:] if int(t) not in others)
+
+
 def row_zero_ends_first(model, inputs, common) -> tuple[int, torch.Tensor]:
     """An EOS token that row 0 generates (after its first two tokens) and the other rows never do, and stock's
     output with it: row 0 then finishes first."""
     free = _as_generated(model, model.generate(**inputs, **common, eos_token_id=None))
     start = free.shape[1] - MAX_NEW
-    others = set(free[1:, start:].flatten().tolist())
-    eos = next(int(t) for t in free[0, start + 2:] if int(t) not in others)
+    eos = late_eos(free, start)
     return eos, model.generate(**inputs, **common, eos_token_id=eos)
 
 
