@@ -302,8 +302,8 @@ def test_sampling_follows_the_target_distribution(name):
     """The enumerated statistical test: the first generated tokens' marginals against the target's exact ones.
     Mistral with a window of 3 (it slides within the 4 + 3 tokens enumerated) and LFM2 (convolutions), sampled as
     one batch; the families that number tokens by cache column (Bart; Inkling's and Inkling 2's convolutions and
-    sliding layers, the window 3; LFM3 of convolutions alone, which reads no positions) run in lockstep, so in batches of 3 whose rows accept different numbers of drafts (in one batch of
-    thousands the row that accepts fewest accepts nothing), with a point-mass draft."""
+    sliding layers, the window 3; LFM3 of convolutions alone, which reads no positions) run in lockstep, so in batches of 2 whose rows accept different numbers of drafts (in one batch of
+    thousands the row that accepts fewest accepts nothing)."""
     import test_sampling as ts
 
     global WINDOW
@@ -315,7 +315,18 @@ def test_sampling_follows_the_target_distribution(name):
     marginals = ts.exact_marginals(model, [3, 7, 9, 4])
     guess = int(marginals[1].argmax())
     drafter = spec_adapt.ScriptedDrafter(lambda row, context, gamma: [guess, 5, 6][:gamma])
-    rows, calls = (3, 500) if name in BY_COLUMN else (3000, 1)
+    rows, calls = (2, 750) if name in BY_COLUMN else (3000, 1)
+    if name in BY_COLUMN:
+        # In lockstep a step commits a draft only where every row accepts it. Over these flat distributions (the
+        # likeliest token has p ~ 0.07-0.09) three rows all accept in about one step of a thousand, which a fixed
+        # seed may never show; two rows, each drafting the target's likeliest token after its own context, do in
+        # about one step of 150, and 750 calls keep the 1,500 samples the marginals are judged on.
+        def mode_after(row, context, gamma):
+            with torch.no_grad():
+                logits = model(torch.tensor([list(context)]), use_cache=False).logits
+            return [int(logits[0, -1].argmax()), 5, 6][:gamma]
+
+        drafter = spec_adapt.ScriptedDrafter(mode_after)
     tokens = []
     torch.manual_seed(0)
     accepted = 0
