@@ -1,8 +1,8 @@
-"""One-token forward time of a model at batch 4, 3 and 2 over the same prompts (a ledger as the loop uses it): on the
-2-core AMX machine SmolLM2 at batch 3 was slower than at batch 4 (90 vs 72 ms), which is why retiring finished rows
-can lose to stock decoding that keeps them.
+"""One-token forward time of a model at batch 4, 3 and 2 over the same prompts (a ledger as the loop uses it), and at
+batch 3 after a row left (`select_rows`): whether retiring finished rows makes the remaining rows' steps cheaper.
 
     python benchmarks/batch_shape.py --model smollm2-135m --workload sharegpt
+    python benchmarks/batch_shape.py --smoke
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch
 from spec_adapt.ledger import KVLedger
 from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
+
+import _smoke
 
 
 def one_token_ms(ledger: KVLedger, repeats: int = 15) -> float:
@@ -35,7 +37,8 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--workload", default="sharegpt")
     p.add_argument("--first", type=int, default=4, help="index of the first of the 4 prompts")
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals())
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     texts = list(workloads.with_inputs(workloads.load(args.workload, args.first + 4), tok)["input_text"])
     batch = tok(texts[args.first : args.first + 4], return_tensors="pt", padding=True)

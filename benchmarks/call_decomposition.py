@@ -6,6 +6,7 @@
         --widths --adaptive --repeats 2
     python benchmarks/call_decomposition.py --dtype float32 --draft-dtype bfloat16 --prepare --batch 4 \
         --new-tokens 48 --widths 2 --repeats 2
+    python benchmarks/call_decomposition.py --smoke
 
 One call each of stock `generate`, spec_adapt at γ = 0 and with the draft at fixed widths (the 0.5B for the Qwen
 target, prompt lookup for the others), on the first `--batch` prompts of the workload; prints wall time, the loop's
@@ -25,6 +26,8 @@ from spec_adapt import FixedLength, ModelDrafter, PromptLookupDrafter
 from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
+import _smoke
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -38,7 +41,8 @@ def main():
     p.add_argument("--widths", type=int, nargs="*", default=[1, 2, 3], help="fixed draft widths to run")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every path, interleaved")
     p.add_argument("--adaptive", action="store_true", help="also run the draft under Adaptive")
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals(), batch=2, new_tokens=8, dtype="float32", widths=[2], adaptive=True)
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype)
     if args.prepare:

@@ -1,6 +1,7 @@
 """Chains on a synthetic model family: measured time per token of every chain against the scheduler's prediction.
 
-    python benchmarks/chain_synthetic.py --batch-size 1 --new-tokens 48 --repeats 3
+    python benchmarks/chain_synthetic.py --batch-size 1 --new-tokens 48 --repeats 3 --out /tmp/chain-synthetic
+    python benchmarks/chain_synthetic.py --smoke      # a 6-layer, 64-wide family, one tiny run
 
 Family (`spec_adapt.tools.synthetic.layered_family`): a random 24-layer Llama target (hidden 512, vocab 8192, untied head) and two
 drafts that are its first 1 and first 4 layers, so their costs follow their depth. Two scenarios set how much the
@@ -9,7 +10,7 @@ not). Every option runs the same prompts, interleaved in each repeat: stock `gen
 chain [0] / [1] / [0, 1] at each width W, and the ChainScheduler choosing online (one scheduler per scenario, kept
 across calls as in serving). Reported: the median seconds per token of each option, the scheduler's prediction
 for it after the run (T_eff from its own estimates), and the scheduler's choices over time. Every greedy output
-is checked against target-only. Writes results/chain-synthetic/{chain.json, chain.md, chain.png}.
+is checked against target-only. Writes <out>/{chain.json, chain.md, chain.png}.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from spec_adapt import ChainDrafter, ChainScheduler, FixedLength
 from spec_adapt.tools.bench import chain_windows, time_interleaved
 from spec_adapt.tools.synthetic import agreement, layered_family
 
+import _smoke
+
 SCENARIOS = {"middle-good": (0.1, 0.01), "middle-poor": (0.05, 0.1)}
 CHAINS = [(0,), (1,), (0, 1)]
+SMOKE_FAMILY = dict(vocab=256, hidden=64, layers=6, cuts=(1, 3))
 
 
 def generate(model, ids, new_tokens, **kw):
@@ -36,9 +40,9 @@ def generate(model, ids, new_tokens, **kw):
 
 
 def run_scenario(name, scales, args):
-    target, (small, middle) = layered_family(scales=scales)
+    target, (small, middle) = layered_family(scales=scales, **(SMOKE_FAMILY if args.smoke else {}))
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(3, 8192, (args.batch_size, 24), generator=gen) for _ in range(args.prompts)]
+    batches = [torch.randint(3, target.config.vocab_size, (args.batch_size, 24), generator=gen) for _ in range(args.prompts)]
     references = [generate(target, ids, args.new_tokens) for ids in batches]
     agree = {name: sum(agreement(a, b, seq, start=24) for seq in references) / len(references)
              for name, a, b in [("0-1", middle, small), ("1-T", target, middle), ("0-T", target, small)]}
@@ -123,7 +127,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--out", default="results/chain-synthetic")
-    args = parser.parse_args()
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), prompts=1, new_tokens=8, repeats=1, widths=[2], out=_smoke.folder())
     import sys
 
     command = "python " + " ".join(sys.argv)

@@ -3,6 +3,7 @@ early anyway? Per batch of prompts, stock generate against Adaptive judging the 
 generate call) and the same policy told every batch is open (counting every row's tokens, as serving should).
 
     python benchmarks/closed_batches.py --workload sharegpt --num-prompts 16 --repeats 3
+    python benchmarks/closed_batches.py --smoke
 
 Prints, per batch and config: wall time, decode steps (stock: forwards after the prefill, timed by a forward hook;
 ours: verification steps), how many of them drafted, and at the end each config's speedup vs stock over all batches
@@ -24,6 +25,8 @@ from spec_adapt import Adaptive
 from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
 
+import _smoke
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -35,7 +38,8 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals(), num_prompts=2, batch=2, new_tokens=8, repeats=1)
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     prompts = list(workloads.with_inputs(workloads.load(args.workload, args.num_prompts), tok)["input_text"])
     batches = [tok(prompts[i : i + args.batch], return_tensors="pt", padding=True)

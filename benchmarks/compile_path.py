@@ -5,6 +5,7 @@ Measures, for one model: the compile time of the first forward, the recompiles a
 stock generate run on the same compiled model. `spec_adapt.prepare` is the alternative it is weighed against.
 
     python benchmarks/compile_path.py --model smollm2-135m --new-tokens 24
+    python benchmarks/compile_path.py --smoke        # a tiny model, dynamo with the eager backend (no Inductor)
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import spec_adapt
 from spec_adapt import FixedLength, PromptLookupDrafter
 from spec_adapt.tools.models import load_model
 
+import _smoke
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=24)
-    args = parser.parse_args()
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend")
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), globals(), new_tokens=4, backend="eager")
     import torch._dynamo as dynamo
     import torch._inductor.config as inductor
 
@@ -35,7 +40,7 @@ def main() -> None:
     with torch.no_grad():
         eager_ref = model.generate(**enc, **kwargs)
     counts = dynamo.utils.counters
-    model.forward = torch.compile(model.forward, dynamic=True)
+    model.forward = torch.compile(model.forward, dynamic=True, backend=args.backend)
     with torch.no_grad():
         start = time.perf_counter()
         stock = model.generate(**enc, **kwargs)
@@ -53,7 +58,7 @@ def main() -> None:
         model.generate(**enc, **kwargs, custom_generate=spec_adapt.generate, drafter=PromptLookupDrafter(),
                        assistant_policy=FixedLength(4))
         spec_warm = time.perf_counter() - start
-    print(f"model {args.model}, {args.new_tokens} new tokens, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"model {args.model}, backend {args.backend}, {args.new_tokens} new tokens, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"stock generate, first call (compiles): {first:.1f} s; warm: {warm:.2f} s")
     print(f"dynamo frames after stock: {frames}")
     print(f"spec_adapt first call: {spec_first:.1f} s; warm: {spec_warm:.2f} s; dynamo frames after: {after}")

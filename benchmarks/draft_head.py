@@ -1,6 +1,7 @@
 """What a short draft head saves and what it misses (README, "A short draft head").
 
     python benchmarks/draft_head.py [--dtype bfloat16] [--prompts 32]
+    python benchmarks/draft_head.py --smoke
 
 1. Time of one batch-1 decode step of the 0.5B draft over a 150-token cache: the whole model, its body alone, and
    the vocabulary projection onto the whole vocabulary and onto the 16k/32k/64k lowest ids (median of 20).
@@ -21,6 +22,8 @@ from spec_adapt.compat import output_cache, with_cache
 
 from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
+
+import _smoke
 
 SIZES = (16384, 32768, 65536)
 
@@ -80,7 +83,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompts", type=int, default=32)
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals(), dtype="float32", prompts=2)
     dtype = getattr(torch, args.dtype)
     model, tok = load_model("qwen2.5-coder-0.5b", dtype=dtype)
     tok.padding_side = "left"

@@ -13,6 +13,7 @@
 
     python benchmarks/early_exit.py --model smollm2-135m --drafter lookup --prompts 6 --new-tokens 96
     python benchmarks/early_exit.py --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --prompts 3 --new-tokens 48
+    python benchmarks/early_exit.py --smoke       # a tiny model and a tiny shape, written to a temporary folder
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from tqdm import tqdm
 
 from spec_adapt.verifiers import head_cost_in_layers, predicted_gain
 
+import _smoke
+
 SHAPES = {   # (vocab, hidden, intermediate, heads, kv heads, layers)
     "smollm2-135m": (49152, 576, 1536, 9, 3, 30),
     "qwen2.5-coder-1.5b": (151936, 1536, 8960, 12, 2, 28),
     "llama-7b": (32000, 4096, 11008, 32, 32, 32),
 }
+TINY_SHAPE = {"tiny": (256, 64, 128, 4, 2, 4)}     # the smoke run's
 
 
 def draft_fn(name, target, tok):
@@ -104,7 +108,7 @@ def time_shape(name, rows_list=(1, 4), widths=(1, 6), dtype=torch.float32, repea
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    vocab, hidden, inter, heads, kv, layers = SHAPES[name]
+    vocab, hidden, inter, heads, kv, layers = {**SHAPES, **TINY_SHAPE}[name]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
                       num_key_value_heads=kv, num_hidden_layers=layers)
     layer = LlamaDecoderLayer(cfg, 0).to(dtype).eval()
@@ -162,7 +166,9 @@ def main():
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 10, 30, 100])
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals(), prompts=1, new_tokens=12, shapes=list(TINY_SHAPE),
+                        out=_smoke.folder())
     from spec_adapt.tools.models import load_model
     from spec_adapt.recipes import workloads
 

@@ -9,6 +9,7 @@ stock on equal drafts, and the tokens per second of each. Medians of interleaved
 against stock greedy on the same inputs.
 
     python benchmarks/encoder_decoder.py --out results/encoder-decoder-whisper-tiny-shape
+    python benchmarks/encoder_decoder.py --smoke      # a 64-wide Whisper over 200 frames, one repeat
 """
 
 from __future__ import annotations
@@ -27,22 +28,27 @@ import spec_adapt
 from spec_adapt import FixedLength, PromptLookupDrafter
 from spec_adapt.tools.cli import cpu_name
 
+import _smoke
+
 # whisper-tiny's configuration (openai/whisper-tiny): 4 encoder and 4 decoder layers, d_model 384, 6 heads.
 TINY = dict(vocab_size=51865, d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
             decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536, num_mel_bins=80,
             max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258,
             eos_token_id=50257, pad_token_id=50257, bos_token_id=50257, suppress_tokens=None,
             begin_suppress_tokens=None)
+SMOKE = dict(TINY, vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=100,
+             max_target_positions=64, decoder_start_token_id=3, eos_token_id=2, pad_token_id=2, bos_token_id=2)
 
 
-def models(draft_layers: int, late_scale: float):
+def models(draft_layers: int, late_scale: float, shape: dict = TINY):
     torch.manual_seed(0)
-    target = WhisperForConditionalGeneration(WhisperConfig(**TINY)).eval()
+    target = WhisperForConditionalGeneration(WhisperConfig(**shape)).eval()
     with torch.no_grad():   # later decoder layers refine less: the first layers predict most of the target's tokens
         for layer in target.model.decoder.layers[draft_layers:]:
             for linear in (layer.self_attn.out_proj, layer.encoder_attn.out_proj, layer.fc2):
                 linear.weight.mul_(late_scale)
-    config = WhisperConfig(**{**TINY, "decoder_layers": draft_layers, "is_encoder_decoder": False})
+    config = WhisperConfig(**{**shape, "decoder_layers": draft_layers, "is_encoder_decoder": False})
     draft = WhisperForCausalLM(config).eval()
     state = {f"model.decoder.{k}": v for k, v in target.model.decoder.state_dict().items()}
     state["proj_out.weight"] = target.proj_out.weight
@@ -50,10 +56,10 @@ def models(draft_layers: int, late_scale: float):
     return target, draft
 
 
-def features(batch: int, seed: int) -> torch.Tensor:
-    """[batch, 80, 3000] log-mel-shaped inputs: 30 s of audio frames, one random clip per row."""
+def features(batch: int, seed: int, frames: int = 3000) -> torch.Tensor:
+    """[batch, 80, frames] log-mel-shaped inputs (3000: 30 s of audio frames), one random clip per row."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, 80, 3000, generator=gen)
+    return torch.randn(batch, 80, frames, generator=gen)
 
 
 def configurations(target, draft, new_tokens):
@@ -82,10 +88,12 @@ def main() -> None:
     parser.add_argument("--late-scale", type=float, default=0.3,
                         help="scale of the output projections of the decoder layers the draft does not have")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    target, draft = models(args.draft_layers, args.late_scale)
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), new_tokens=8, repeats=1, out=Path(_smoke.folder()))
+    shape = SMOKE if args.smoke else TINY
+    target, draft = models(args.draft_layers, args.late_scale, shape)
     configs = configurations(target, draft, args.new_tokens)
-    inputs = {batch: features(batch, seed=batch) for batch in (1, 4)}
+    inputs = {batch: features(batch, batch, 2 * shape["max_source_positions"]) for batch in (1, 4)}
     references = {batch: target.generate(input_features=x, do_sample=False, max_new_tokens=args.new_tokens,
                                          eos_token_id=None) for batch, x in inputs.items()}
     for name, (batch, kwargs) in configs.items():     # warm-up, and the default policy's first calls

@@ -4,6 +4,7 @@ prepared interleaved per point (the prepared model runs eagerly inside `spec_ada
 projects every fed position onto the vocabulary, as a verification does.
 
     python benchmarks/forward_costs.py --dtype float32 --out results/cost-curve-qwen-float32
+    python benchmarks/forward_costs.py --smoke
 
 Writes <out>/costs.json and <out>/costs.png, and prints the table with the CPU it ran on.
 """
@@ -26,6 +27,8 @@ from spec_adapt import prepare
 from spec_adapt.execution import eager
 from spec_adapt.tools.cli import cpu_name
 from spec_adapt.tools.models import load_model
+
+import _smoke
 
 
 def primed(model, batch: int, context: int) -> DynamicCache:
@@ -62,7 +65,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="results/cost-curve")
-    args = parser.parse_args()
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), globals(), batch_sizes=[1, 2], widths=[1, 2], context=16, repeats=1,
+                        out=_smoke.folder())
     torch.set_grad_enabled(False)
     dtype = getattr(torch, args.dtype)
     models = {"target": prepare(load_model(args.target, dtype=dtype)[0])}

@@ -1,7 +1,7 @@
 """The GPU check: losslessness in three dtypes, sampling, the Triton kernels and timing against stock, on one GPU.
 
     python benchmarks/gpu.py --out results/gpu.json     # `make test-gpu`; without CUDA it says so and exits 0
-    python benchmarks/gpu.py --cpu-smoke                # the same code paths on the CPU, at tiny shapes
+    python benchmarks/gpu.py --smoke                    # the same code paths on the CPU, at tiny shapes
 
 Nothing is downloaded: the models are random weights at real shapes, built from configs written here (Qwen2.5-1.5B's
 and Llama-3.2-1B's widths, depths, heads and vocabularies), attention through sdpa. Four parts, one JSON, one table:
@@ -313,7 +313,8 @@ def _free(device):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--cpu-smoke", action="store_true", help="run every part on the CPU at tiny shapes")
+    parser.add_argument("--smoke", "--cpu-smoke", dest="cpu_smoke", action="store_true",
+                        help="run every part on the CPU at tiny shapes (the kernels untimed, under TRITON_INTERPRET=1)")
     parser.add_argument("--new-tokens", type=int, default=64, help="timing: new tokens per call")
     parser.add_argument("--repeats", type=int, default=3, help="timing: interleaved repeats (median)")
     parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="the parts to run (default: all)")
@@ -340,7 +341,8 @@ def main(argv=None) -> int:
     began = time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
     print(f"gpu check on {name}; torch {torch.__version__}, transformers {transformers.__version__}"
-          + ("; CPU smoke run at tiny shapes" if args.cpu_smoke else ""))
+          + ("; CPU smoke run at tiny shapes (skipped: the GPU itself, real shapes and the kernels' timing)"
+             if args.cpu_smoke else ""))
 
     def log(line):
         print(f"[{time.perf_counter() - began:6.1f}s] {line}", flush=True)

@@ -1,6 +1,7 @@
 """Host overhead of the speculative loop: a model whose forward costs almost nothing, so what is timed is the loop.
 
     python benchmarks/host_overhead.py --out results/execution/host-overhead-cpu.json
+    python benchmarks/host_overhead.py --smoke
 
 A 2-layer, 32-wide random Llama generates 200 new tokens (no EOS) at batch 1 and 8, greedy. Per configuration: ms
 per generated token (wall time / (rows x new tokens)), the median of 5 repeats, configurations interleaved within a
@@ -31,6 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import spec_adapt
 from spec_adapt import FixedLength, ScriptedDrafter
+
+import _smoke
 
 VOCAB, PAD, BOS = 128, 0, 1
 
@@ -122,7 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the forward is tiny; 1 is steadiest)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(argv), batch_sizes=[1, 2], new_tokens=8, repeats=1,
+                        out=Path(_smoke.folder("host-overhead.json")))
     torch.set_num_threads(args.threads)
     model = tiny_llama()
     cpu = cpu_name()

@@ -2,6 +2,7 @@
 bandwidth measured in the same run.
 
     python benchmarks/kernels.py            # needs CUDA and triton; writes results/kernels-<gpu>.json
+    python benchmarks/kernels.py --smoke    # on the CPU: every kernel checked at tiny shapes under TRITON_INTERPRET=1
 
 `run(device, ...)` does the work (benchmarks/gpu.py calls it too, and, untimed at tiny shapes, on the CPU under
 TRITON_INTERPRET=1).
@@ -12,7 +13,9 @@ must read at least once, and achieved / copy bandwidth. Outputs are checked equa
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +23,11 @@ import torch
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="check every kernel against its reference on the CPU at "
+                        "tiny shapes, untimed (Triton's interpreter)")
+    if parser.parse_args().smoke:
+        return smoke()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (the kernels' CPU tests run under TRITON_INTERPRET=1).")
     result = run(torch.device("cuda"))
@@ -28,6 +36,14 @@ def main():
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"device copy bandwidth {result['copy_GBs']:.0f} GB/s; wrote {out}")
+
+
+def smoke() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"           # before triton is imported
+    result = run(torch.device("cpu"), vocabs=(64,), batches=(1, 3), widths=(1, 3), caches=((2, 2, 16, 8),),
+                 timed=False)
+    print(f"{len(result['rows'])} kernel/shape pairs equal to their references on the CPU (Triton's interpreter); "
+          "skipped: the timing and the bandwidth, which need CUDA")
 
 
 def run(dev, vocabs=(32000, 151936), batches=(1, 16, 64), widths=(1, 4, 8),

@@ -3,6 +3,7 @@
     python benchmarks/lab_adaptive.py --cycles 5
     python benchmarks/lab_adaptive.py --synthetic --seeds 5
     python benchmarks/lab_adaptive.py --draft-model humaneval-chat sharegpt --num-prompts 12 --new-tokens 64
+    python benchmarks/lab_adaptive.py --smoke     # each mode at its smallest (tiny models for --draft-model)
 
 Traces (default): replays results/lab-suffix/<workload>/traces.json under the fp32 latency table at B = 1, 4, 16
 (closed loop); model-free drafter, so only verification costs (the lab's draft_cost=False).
@@ -35,6 +36,8 @@ from spec_adapt import Adaptive
 from spec_adapt.tools import lab
 from spec_adapt.policies.estimators import LatencyTable
 
+import _smoke
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +55,10 @@ def main():
                              "token (as a call's loop does, Policy.prefilled), which bounds an unmeasured catch-up")
     parser.add_argument("--runs", help="a folder: the agreement runs are read from <workload>.json there if it exists, "
                         "else recorded and written there (a policy change is then replayed in seconds)")
+    _smoke.add(parser)
     args = parser.parse_args()
+    if args.smoke:
+        return smoke(args.latency)
     if args.synthetic:
         return synthetic(args.seeds)
     if args.draft_model:
@@ -63,12 +69,26 @@ def main():
             parser.error(f"no bench run to take step costs from for {', '.join(missing)}: "
                          "results/bench-qwen-sources/<workload>-b1/summary.json (run from the repository root)")
         return draft_model(args.draft_model, args.num_prompts, args.new_tokens, args.runs, args.prefill_ms)
-    table = LatencyTable.load(args.latency)
+    return traces(args.workloads, args.cycles, args.batch_sizes, args.latency)
+
+
+def smoke(latency: str) -> None:
+    """Each mode at its smallest: the traces at batch 4 once, two synthetic workloads once, and the draft-model
+    replay over 4 prompts of 8 tokens from tiny random models."""
+    traces(["humaneval"], 1, [4], latency)
+    synthetic(1, WORKLOADS[:2])
+    _smoke.use_tiny_models()
+    draft_model(["humaneval-chat"], 4, 8, None)
+
+
+def traces(names: list[str], cycles: int, batch_sizes: list[int], latency: str) -> None:
+    """Adaptive against the best fixed width in hindsight on the recorded suffix-drafter traces."""
+    table = LatencyTable.load(latency)
     print(f"{'workload':<10} {'B':>3} {'best fixed':>10} {'adaptive vs best':>17}")
-    for workload in args.workloads:
+    for workload in names:
         pool = [lab.Request(**r) for r in json.load(open(f"results/lab-suffix/{workload}/traces.json"))]
-        requests = [lab.Request(r.runs, name=r.name, lengths=r.lengths) for _ in range(args.cycles) for r in pool]
-        for batch in args.batch_sizes:
+        requests = [lab.Request(r.runs, name=r.name, lengths=r.lengths) for _ in range(cycles) for r in pool]
+        for batch in batch_sizes:
             ours = lab.simulate(Adaptive(), requests, table, lab.Static(batch), draft_cost=False).goodput
             gamma, best, _ = lab.best_fixed(requests, table, lab.Static(batch), draft_cost=False)
             print(f"{workload:<10} {batch:>3} {gamma:>10} {100 * (ours / best.goodput - 1):>+16.1f}%")
@@ -107,10 +127,10 @@ WORKLOADS = [
 ]
 
 
-def synthetic(seeds: int) -> None:
+def synthetic(seeds: int, workloads=WORKLOADS) -> None:
     print(f"{'workload':<26} {'adaptive / best fixed: mean':>28} {'least':>7}")
     every = []
-    for name, make, slope in WORKLOADS:
+    for name, make, slope in workloads:
         ratios = []
         for seed in range(seeds):
             requests, table = make(seed), slope_table(slope)

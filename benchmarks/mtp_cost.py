@@ -2,6 +2,7 @@
 a 0.5B draft model's, at GLM-4.5-Air's shape with random weights (timing does not depend on the weights' values).
 
     python benchmarks/mtp_cost.py [--dtype bfloat16] [--threads 8] [--repeats 7] [--out mtp-cost.json]
+    python benchmarks/mtp_cost.py --smoke     # 64-wide shapes: checks the script runs
 
 The shape is GLM-4.5-Air's config.json (transformers' Glm4MoeConfig defaults, plus the checkpoint's head_dim=128,
 attention_bias=True and rope_theta=1e6, which the defaults lack): hidden 4096, 96 query / 8 KV heads of 128, dense

@@ -1,6 +1,7 @@
 """Draft offload / reload on this machine: memory actually freed (process RSS) and the time each move takes.
 
     python benchmarks/offload.py --models smollm2-135m qwen2.5-coder-0.5b --dtypes float32 bfloat16
+    python benchmarks/offload.py --smoke      # a tiny random model, written to a temporary folder
 
 The first offload writes accelerate's offload files (one memmap per tensor); later offloads reuse them. RSS is read
 after gc; freed memory is returned to the OS by the allocator for large tensors (glibc mmap), which is what a
@@ -20,6 +21,8 @@ import torch
 
 from spec_adapt.drafters.offload import DraftOffload
 from spec_adapt.tools.models import load_model
+
+import _smoke
 
 
 def rss() -> int:
@@ -50,7 +53,8 @@ def main():
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--out", default="results/offload")
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals(), models=["tiny"], dtypes=["float32"], out=_smoke.folder())
     rows = [measure(m, d) for m in args.models for d in args.dtypes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ Its ratio to stock assisted generation's measured time is the most any policy co
     python benchmarks/oracle_bound.py --dtype float32 --prepare --workload humaneval-chat --num-prompts 3 --new-tokens 48
     python benchmarks/oracle_bound.py --dtype float32 --draft-dtype bfloat16 --prepare --workload humaneval-chat \
         --num-prompts 3 --new-tokens 48
+    python benchmarks/oracle_bound.py --smoke
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from spec_adapt import prepare
 from spec_adapt.tools.bound import prompt_bound, step_costs
 from spec_adapt.tools.models import load_model
 from spec_adapt.recipes import workloads
+
+import _smoke
 
 
 def timed(fn):
@@ -46,7 +49,8 @@ def main():
     p.add_argument("--max-gamma", type=int, default=8)
     p.add_argument("--prepare", action="store_true", help="spec_adapt.prepare target and draft (the cost curve, "
                    "stock and stock assisted all run prepared)")
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals(), dtype="float32", num_prompts=1, new_tokens=8, max_gamma=2)
     for name in ("num_prompts", "new_tokens", "max_gamma"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -2,6 +2,7 @@
 
     python benchmarks/prefill_apart.py --model qwen2.5-coder-1.5b --workload edit --rows 4 \
         --out results/execution/prefill-apart-cpu.json
+    python benchmarks/prefill_apart.py --smoke
 
 The prompts are the workload's first `--rows`, rendered as the bench renders them and left padded. Both ways run
 through the target's `KVLedger.prefill` (the model prepared, as the bench's `--prepare` does): padded with
@@ -26,6 +27,7 @@ from spec_adapt.ledger import KVLedger
 from spec_adapt.recipes.workloads import load, with_inputs
 from spec_adapt.tools.models import load_model
 
+import _smoke
 from host_overhead import cpu_name
 
 
@@ -48,7 +50,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), globals(), rows=2, repeats=1, out=Path(_smoke.folder("prefill.json")))
 
     model, tok = load_model(args.model)
     prepare(model)

@@ -4,6 +4,7 @@ split into anonymous and file-backed pages). A 5-token forward over a 64-token c
 `--repeats`; processes differ by a few percent run to run, so compare the timings loosely).
 
     python benchmarks/prepare_memory.py --out results/memory/prepare-qwen
+    python benchmarks/prepare_memory.py --smoke       # tiny models, eager and prepared only
 
 Configurations: `eager` (unprepared), `prepared` (the plain weights leave resident memory: one resident copy, the
 packed one), `prepared-spill-off` (`prepare(spill=False)`: the plain weights stay resident beside the packed copy).
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import _smoke
 
 CONFIGS = ("eager", "prepared", "prepared-spill-off")
 
@@ -49,8 +52,11 @@ def forward_ms(model, repeats: int) -> float:
     return statistics.median(times)
 
 
-def child(config: str, names: list[str], repeats: int) -> dict:
+def child(config: str, names: list[str], repeats: int, smoke: bool) -> dict:
     from spec_adapt import prepare
+
+    if smoke:
+        _smoke.use_tiny_models()
     from spec_adapt.tools.models import load_model
 
     models = [load_model(name, dtype=torch.float32)[0] for name in names]
@@ -66,20 +72,24 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), repeats=1, configs=["eager", "prepared"],
+                        out=Path(_smoke.folder()))
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.child:
-        print(json.dumps(child(args.child, args.models, args.repeats)))
+        print(json.dumps(child(args.child, args.models, args.repeats, args.smoke)))
         return
     from tqdm import tqdm
     from spec_adapt.tools.cli import cpu_name
 
     rows = []
-    for config in tqdm(CONFIGS, desc="configurations"):
+    for config in tqdm(args.configs, desc="configurations"):
         run = subprocess.run([sys.executable, __file__, "--child", config, "--repeats", str(args.repeats),
-                              "--models", *args.models], capture_output=True, text=True, check=True)
+                              "--models", *args.models] + ["--smoke"] * args.smoke, capture_output=True, text=True,
+                             check=True)
         rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
     base = rows[0]["VmRSS"]
     print(f"CPU: {cpu_name()}   models: {', '.join(args.models)} (float32)")

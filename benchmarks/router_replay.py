@@ -1,6 +1,7 @@
 """Replay the several-source router offline: the real `MultiSourceDrafter` over recorded outputs, no forward.
 
     python benchmarks/router_replay.py --workloads edit humaneval-chat --num-prompts 6 --new-tokens 48
+    python benchmarks/router_replay.py --smoke    # tiny random models, traces kept in a temporary folder
 
 Greedy output does not depend on what is drafted, so one stock `generate` per prompt fixes it, and one teacher-forced
 forward of the draft model gives, at every output position t, how many tokens from t the draft model would predict
@@ -36,6 +37,8 @@ from spec_adapt.metrics import StepRecord
 from spec_adapt.policies.cost import CostReader, StepCost
 from spec_adapt.processors import ScoreProcessor
 from spec_adapt.tools.bound import lookup_runs, several_sources_schedule
+
+import _smoke
 
 
 class Costs:
@@ -175,7 +178,9 @@ def main(argv=None) -> int:
     parser.add_argument("--traces", type=Path, default=None,
                         help="recorded outputs (read; prompts it lacks are recorded and added)")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
-    args = parser.parse_args(argv)
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(argv), globals(), workloads=["edit"], num_prompts=1, new_tokens=12,
+                        widths=[2], traces=Path(_smoke.folder("traces.json")), out=Path(_smoke.folder("replay.json")))
     path = args.traces or Path.home() / ".cache" / "spec_adapt" / (
         f"router-replay-{args.model}-{args.draft}-{args.new_tokens}.json")
     traces = json.loads(path.read_text()) if path.exists() else {}

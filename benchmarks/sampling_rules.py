@@ -2,6 +2,7 @@
 draft is a perturbed copy of the target (spec_adapt.tools.synthetic.perturbed_copy) at several noise levels.
 
     python benchmarks/sampling_rules.py     # CPU, about a minute; prints a table, writes results/sampling_rules.json
+    python benchmarks/sampling_rules.py --smoke     # one noise level, 4 prompts, written to a temporary folder
 
 Per noise level, two measures:
 - per position, over the target's own sampled continuations of a few prompts: rejection sampling's acceptance
@@ -14,6 +15,7 @@ Temperature 1, no top-k: the whole distributions compete.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,6 +29,8 @@ from spec_adapt import Acceptor, FixedLength  # noqa: E402
 from spec_adapt.tools.synthetic import perturbed_copy  # noqa: E402
 
 from conftest import PAD, tiny_model  # noqa: E402
+
+import _smoke  # noqa: E402
 
 VOCAB, SCALE, NOISES, DRAWS = 512, 0.5, (0.1, 0.2, 0.4, 0.8), 2000
 
@@ -62,14 +66,20 @@ def end_to_end(target, draft, prompts, rule: str) -> dict:
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--noises", type=float, nargs="+", default=list(NOISES))
+    p.add_argument("--prompts", type=int, default=32, help="prompts of the end-to-end runs (the first 8 per position)")
+    p.add_argument("--out", default="results/sampling_rules.json")
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), noises=[0.4], prompts=4, out=_smoke.folder("sampling_rules.json"))
     torch.manual_seed(0)
     target = tiny_model("llama", seed=3, vocab=VOCAB)
     with torch.no_grad():        # logits with a real spread: a few likely tokens, a long tail
         target.lm_head.weight.mul_(SCALE)
-    prompts = torch.randint(3, VOCAB, (32, 6), generator=torch.Generator().manual_seed(1))
+    prompts = torch.randint(3, VOCAB, (args.prompts, 6), generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
     rows = []
-    for noise in NOISES:
+    for noise in args.noises:
         draft = perturbed_copy(target, noise, seed=4)
         row = {"noise": noise, **per_position(target, draft, prompts[:8], gen)}
         for rule in ("rejection", "coupled"):
@@ -80,7 +90,7 @@ def main():
               f"{row['e2e_rejection']['acceptance']:.3f} coupled {row['e2e_coupled']['acceptance']:.3f}; tokens per "
               f"row-step {row['e2e_rejection']['tokens_per_row_step']:.2f} / "
               f"{row['e2e_coupled']['tokens_per_row_step']:.2f}")
-    out = Path("results/sampling_rules.json")
+    out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"vocab": VOCAB, "scale": SCALE, "draws": DRAWS, "rows": rows}, indent=1))
     print(f"wrote {out}")

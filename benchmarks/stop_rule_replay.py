@@ -3,6 +3,7 @@
     python benchmarks/stop_rule_replay.py
     python benchmarks/stop_rule_replay.py --num-prompts 6 --new-tokens 48 --orders 6
     python benchmarks/stop_rule_replay.py --bench results/bench-qwen-bf16-draft-b1
+    python benchmarks/stop_rule_replay.py --smoke      # tiny random models, step costs profiled on them
 
 For each prompt of each workload: the target's greedy output, then one teacher-forced draft forward over prompt +
 output, which gives at every output position whether the draft's token is the target's and the draft's probability
@@ -40,6 +41,8 @@ from spec_adapt.policies.base import Plan, StepInfo
 from spec_adapt.recipes import workloads
 from spec_adapt.tools.bound import best_drafting_schedule, fixed_schedule, runs_of_matches, step_costs
 from spec_adapt.tools.models import load_model
+
+import _smoke
 
 MAX_WIDTH = 8
 
@@ -153,7 +156,9 @@ def main():
     p.add_argument("--orders", type=int, default=6, help="shuffled prompt orders per adaptive policy")
     p.add_argument("--bench", metavar="DIR", help="take each workload's step costs from a `spec-adapt bench --bound` "
                    "run saved in DIR/<workload>/summary.json (its own timed steps) instead of profiling them now")
-    args = p.parse_args()
+    _smoke.add(p)
+    args = _smoke.apply(p.parse_args(), globals(), workloads=["humaneval-chat"], num_prompts=2, new_tokens=12,
+                        orders=1)
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model, dtype=torch.float32)
     draft = fastest(load_model(args.draft, dtype=torch.float32)[0])[0]     # prepared, bf16 where native

@@ -6,6 +6,7 @@ verification steps / row-steps (the bonus or correction included, the prefill's 
 
     python benchmarks/tree_curve.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
         --workloads humaneval-chat sharegpt --num-prompts 3 --new-tokens 48 --out results/tree-curve-qwen
+    python benchmarks/tree_curve.py --smoke
 
 Writes <out>/curve.json and <out>/curve.png and prints the table with the CPU it ran on.
 """
@@ -23,6 +24,8 @@ import spec_adapt
 from spec_adapt import FixedLength, FixedTree, ModelDrafter, PromptLookupDrafter
 from spec_adapt.tools.cli import cpu_name
 from spec_adapt.tools.models import load_model
+
+import _smoke
 
 
 def drafter_for(kind: str, draft, branch: int):
@@ -47,7 +50,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--branch", type=int, default=4)
     parser.add_argument("--out", default="results/tree-curve")
-    args = parser.parse_args()
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), globals(), draft="draft", workloads=["sharegpt"], num_prompts=1,
+                        new_tokens=8, nodes=[1, 4], out=_smoke.folder())
 
     from spec_adapt.recipes import workloads
 

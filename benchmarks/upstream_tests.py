@@ -1,6 +1,7 @@
 """transformers' own assisted-generation and prompt-lookup tests, run through spec_adapt on its tiny model testers.
 
     python benchmarks/upstream_tests.py --transformers-src /tmp/tf --batch 1 3 --out upstream-5.24.json
+    python benchmarks/upstream_tests.py --smoke     # no checkout: one tiny assisted-decoding test at batch 2
 
 A manual tool (not part of CI: it needs a transformers source checkout, which CI does not have). `--transformers-src`
 is a checkout of the installed transformers release (its `tests/` folder; the release's tag, e.g. v5.24.0); the
@@ -20,6 +21,8 @@ tests/models) is its worst test's:
 - crash: any other error, a timeout included.
 
 Prints a table and writes the counts, each architecture's outcome and its first failure's message as JSON.
+`--smoke` runs the same plugin, pytest call and summary over a stand-in checkout (a temporary tests/models/tiny with
+one test in transformers' style) and skips transformers' own tests.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import tempfile
 import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from pathlib import Path
+
+import _smoke
 
 PLUGIN = '''"""pytest plugin: transformers' generation tests through spec_adapt (benchmarks/upstream_tests.py)."""
 import os
@@ -92,6 +97,28 @@ def pytest_runtest_call(item):
 
 ORDER = ["crash", "differs", "refused", "pass", "skipped"]    # worst first
 
+SMOKE_TEST = '''"""A stand-in for transformers' assisted-decoding tests (benchmarks/upstream_tests.py --smoke)."""
+import unittest
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class TinyModelTest(unittest.TestCase):
+    def prepare_config_and_inputs_for_generate(self, batch_size=2):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
+        return config, torch.randint(3, 64, (batch_size, 7))
+
+    def test_assisted_decoding_matches_greedy_search(self):
+        config, ids = self.prepare_config_and_inputs_for_generate(batch_size=1)
+        model, draft = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        greedy = model.generate(ids, **kwargs)
+        self.assertTrue(torch.equal(model.generate(ids, assistant_model=draft, **kwargs), greedy))
+'''
+
 
 def classify(case) -> tuple[str, str]:
     """(outcome, message) of one junit testcase."""
@@ -141,15 +168,29 @@ def run(src: Path, batch: int, timeout: int, workdir: Path, select: str, extra: 
     return summarize(junit)
 
 
+def stand_in(folder: Path) -> Path:
+    """A folder shaped like a transformers checkout: tests/models/tiny with SMOKE_TEST."""
+    test = folder / "tests" / "models" / "tiny" / "test_modeling_tiny.py"
+    test.parent.mkdir(parents=True)
+    test.write_text(SMOKE_TEST)
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--transformers-src", type=Path, required=True, help="a transformers checkout (with tests/)")
+    parser.add_argument("--transformers-src", type=Path, help="a transformers checkout (with tests/)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("-k", dest="select", default="assisted_decoding or prompt_lookup")
     parser.add_argument("--out", type=Path, default=None, help="JSON of counts and per-architecture outcomes")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
-    args = parser.parse_args()
+    _smoke.add(parser)
+    args = _smoke.apply(parser.parse_args(), batch=[2], timeout=120)
+    if args.smoke:
+        print("smoke: transformers' own tests skipped (they need a checkout); a stand-in test runs instead")
+        args.transformers_src = stand_in(Path(_smoke.folder("transformers")))
+    elif args.transformers_src is None:
+        parser.error("--transformers-src is required (or --smoke)")
     src = args.transformers_src.resolve()
     if not (src / "tests" / "models").is_dir():
         raise SystemExit(f"{src} has no tests/models: pass a transformers source checkout")
@@ -173,6 +214,8 @@ def main() -> None:
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1, sort_keys=True))
         print(f"wrote {args.out}")
+    if args.smoke and any(result["counts"]["pass"] != 1 for result in report["batches"].values()):
+        raise SystemExit("smoke: the stand-in test did not pass through spec_adapt")
 
 
 if __name__ == "__main__":
