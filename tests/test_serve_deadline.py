@@ -9,6 +9,7 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,9 +132,14 @@ def test_step_timeout_is_checked(bad):
         Engine(MODEL, step_timeout=bad)
 
 
-def test_good_step_timeouts_are_taken():
-    for good in (None, 1, 0.25, 1e-3):
-        Engine(MODEL, step_timeout=good)
+@pytest.mark.parametrize("good", [None, 1, 0.25, 1e-3, np.float32(0.5)])
+def test_good_step_timeouts_are_taken(good):
+    """A good deadline is kept as float seconds, and with one the drafter's calls run in a thread of their own (the
+    engine can stop waiting for them); without one they run in the thread that steps the engine."""
+    engine = Engine(MODEL, drafter=PromptLookupDrafter(), step_timeout=good)
+    expected = None if good is None else float(good)
+    assert engine.loop.step_timeout == expected and type(engine.loop.step_timeout) is type(expected)
+    assert (engine.loop.calls is None) == (good is None)
 
 
 @pytest.mark.parametrize("stalls,at", [("propose", 3), ("begin", 1), ("add_rows", 1), ("observe", 2),
