@@ -67,4 +67,9 @@ def test_the_demo_holds_one_target_at_a_time(tiny_demo, monkeypatch, capsys):
         assert config in printed
     checks = [line for line in printed.splitlines() if " B=1: " in line]
     assert checks and not any("DIFFERENT" in line for line in checks)
+    for workload in ("HumanEval", "ShareGPT"):     # each configuration ran in one phase only: one row per table
+        table = printed.split(f"--- {workload} ---")[1].strip().split("\n\n")[0].splitlines()
+        rows = [line.split()[0] for line in table if line.split() and line.split()[0] in
+                ("target", "target-eager", "lookup:fixed2", "target@bf16", "lookup:fixed2@bf16")]
+        assert sorted(rows) == sorted({*rows}) and len(rows) == 5, table
     assert "Peak resident memory: " in printed

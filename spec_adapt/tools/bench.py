@@ -187,10 +187,11 @@ def on_target(name: str) -> str:
     return name.replace(TWIN, "")
 
 
-def ordered_configs(configs: list[str]) -> list[str]:
-    """The run's configurations in timing order: `target` first (the float32 reference), then, where any
-    configuration runs on the bf16 copy, target@bf16 (that copy's reference), then the rest as given."""
-    names = ["target"] + [c for c in configs if c != "target"]
+def ordered_configs(configs: list[str], reference: bool = True) -> list[str]:
+    """The run's configurations in timing order: `target` first (the float32 reference; left out with
+    `reference=False`, for a run that adds rows to a table whose reference ran apart), then, where any configuration
+    runs on the bf16 copy, target@bf16 (that copy's reference), then the rest as given."""
+    names = (["target"] if reference or "target" in configs else []) + [c for c in configs if c != "target"]
     if any(is_twin(name) for name in names):
         names = names[:1] + ["target" + TWIN] + [c for c in names[1:] if c != "target" + TWIN]
     return names
@@ -382,13 +383,14 @@ def parse_policy(name: str, latency=None):
 
 def run_bench(model, tok, prompts: list[str], configs: list[str], batch_sizes: list[int], new_tokens: int,
               repeats: int, draft=None, progress=True, rows: int = 8, latency=None, ignore_eos=False,
-              policy_state=None, xdraft=None, bound: int | None = None, twin=None) -> list[Cell]:
+              policy_state=None, xdraft=None, bound: int | None = None, twin=None, reference=True) -> list[Cell]:
     """Batch size B runs the first max(B, rows) prompts (B = 1 on every prompt would take too long on a CPU).
     `policy_state`: a folder; each cell's policy starts from what a previous run saved there (warm; none saved:
     cold) and is saved there after the cell. `bound`: the widest draft of the hindsight bound, computed at batch 1
     with a draft from the target's own outputs in this run (None: no bound). `twin`: the bfloat16 copy of the
-    target the <config>@bf16 configurations run on (`bf16_twin`)."""
-    names = ordered_configs(configs)
+    target the <config>@bf16 configurations run on (`bf16_twin`). `reference=False`: `target` runs only if named
+    (the demo runs each model's rows in a phase of its own)."""
+    names = ordered_configs(configs, reference)
     if twin is None and any(is_twin(name) for name in names):
         raise ValueError(f"configurations ending in {TWIN} run on a bfloat16 copy of the target: pass it as twin= "
                          "(`bf16_twin(model)`, made before the target is prepared)")

@@ -64,7 +64,8 @@ def demo(args) -> None:
             print(f"\n{label} ({phase}: {', '.join(configs)}): {len(used)} prompts, batch sizes "
                   f"{plan['batch_sizes']}, {plan['new_tokens']} new tokens")
             cells[label] += b.run_bench(model, tok, used, configs, plan["batch_sizes"], plan["new_tokens"],
-                                        plan["repeats"], draft, rows=plan["prompts"], twin=model if twin else None)
+                                        plan["repeats"], draft, rows=plan["prompts"], twin=model if twin else None,
+                                        reference=False)
         del model                       # one target in memory at a time: the next phase loads its own
         gc.collect()
     order = b.ordered_configs([c for _, configs, _ in _demo_phases(name, plan, dtype, twin, args.prepare)
