@@ -211,7 +211,12 @@ def test_free_sources_draft_beyond_the_width_of_a_policy_that_allows_it():
 # -- 2. the default drafter of a bare draft model --------------------------------------------------------------------
 def test_default_for_a_bare_draft_model_uses_several_sources(monkeypatch):
     """`drafter=<a bare model>` and `assistant_model=` after enable draft from several sources (the router runs),
-    an explicit ModelDrafter from the model alone; all identical to stock."""
+    an explicit ModelDrafter from the model alone; all identical to stock. The default drafters' states are made
+    with `FixedCost`: step costs learned from the wall clock would make the router's choices depend on the
+    machine's load, and the rows' sources asserted below with them."""
+    import spec_adapt.drafters.sources as sources_module
+
+    monkeypatch.setattr(sources_module, "StepCost", lambda prior_draft=0.25: FixedCost())
     routed = []
     route = MultiSourceDrafter.route
     monkeypatch.setattr(MultiSourceDrafter, "route", lambda self, *a, **k: routed.append(1) or route(self, *a, **k))
