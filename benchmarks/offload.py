@@ -52,7 +52,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--out", default="results/offload")
+    p.add_argument("--out", default="results/memory/offload")
     _smoke.add(p)
     args = _smoke.apply(p.parse_args(), globals(), models=["tiny"], dtypes=["float32"], out=_smoke.folder())
     rows = [measure(m, d) for m in args.models for d in args.dtypes]
