@@ -207,7 +207,9 @@ def default_policy(model, drafter=None, max_width: int | None = None) -> Adaptiv
     saved after each call, `SPEC_ADAPT_POLICY_DIR=off` turns it off), else from the latency profile
     `spec-adapt profile` cached for them (if any), then kept: every later call without an explicit policy learns on
     from where the last one stopped. `reset_default_policies()` forgets."""
-    draft_model = _draft_model(drafter) if not isinstance(drafter, CrossTokenizerDrafter) else None
+    crosses = isinstance(drafter, CrossTokenizerDrafter) or (
+        isinstance(drafter, MultiSourceDrafter) and isinstance(drafter.model_drafter, CrossTokenizerDrafter))
+    draft_model = _draft_model(drafter) if not crosses else None
     param = next(model.parameters())
     key = (_drafter_key(drafter), str(param.dtype), str(param.device), max_width)
     with _DEFAULTS_LOCK:
@@ -301,17 +303,49 @@ def with_sources(model, drafter, lookup: PromptLookupDrafter | None = None, max_
     """The default for a draft model: a `MultiSourceDrafter` over it, prompt lookup and the suffix index of this
     target's calls, learning into the state this (target, draft) pair keeps in the process. Other drafters
     (explicit `ModelDrafter`s, multimodal and encoder-decoder drafts, which draft from more than the tokens) stay
-    as they are."""
-    if type(drafter) is not ModelDrafter or drafter.prompt_inputs \
-            or encoder_decoder(model) or encoder_decoder(drafter.model) or _multimodal(model):
+    as they are. With `lookup` (the call asked for `prompt_lookup_num_tokens`) a Gemma 4 assistant joins the
+    sources too: without it, it drafts alone, as stock's does."""
+    joins = _lookup_beside_refusal(model, drafter) is None and (
+        type(drafter) is ModelDrafter or (lookup is not None and isinstance(drafter, SharedKVDrafter)))
+    if not joins:
         return drafter
+    draft_model = _draft_model(drafter)
     with _DEFAULTS_LOCK:
         per_target = _SOURCES.setdefault(model, weakref.WeakKeyDictionary())
-        if drafter.model not in per_target:
-            per_target[drafter.model] = (SourceState(max_free), SuffixIndex())
-        state, index = per_target[drafter.model]
+        if draft_model not in per_target:
+            per_target[draft_model] = (SourceState(max_free), SuffixIndex())
+        state, index = per_target[draft_model]
     free = [lookup or PromptLookupDrafter(), SuffixDrafter(index)]
     return MultiSourceDrafter(drafter, free, max_free=max_free, state=state)
+
+
+def _prompt_input_draft(drafter) -> bool:
+    """A draft model `enable` handed the call's images or encoder inputs (`_with_prompt_inputs`)."""
+    return type(drafter) is ModelDrafter and bool(drafter.prompt_inputs)
+
+
+def _lookup_beside_refusal(model, drafter) -> str | None:
+    """Why prompt lookup cannot draft beside this draft in the several-source drafter, or None where it can."""
+    if _multimodal(model):
+        return (f"{type(model).__name__} reads images or audio: its token ids hold placeholders that a draft copied "
+                "from the prompt must not repeat")
+    if encoder_decoder(model):
+        return (f"{type(model).__name__} is an encoder-decoder model: its decoder's tokens are not the prompt, which "
+                "its encoder reads")
+    if isinstance(drafter, ModelDrafter) and (drafter.prompt_inputs or encoder_decoder(drafter.model)):
+        return (f"the draft {type(drafter.model).__name__} drafts from the call's images or encoder inputs beside "
+                "its tokens")
+    return None
+
+
+def _check_lookup_beside(model, drafter) -> None:
+    """`assistant_model=` with `prompt_lookup_num_tokens`: refused, at the call's start, where the several-source
+    drafter cannot hold both (rather than drafting from one and dropping the other without a word)."""
+    why = _lookup_beside_refusal(model, drafter)
+    if why is not None:
+        raise ValueError(f"assistant_model= with prompt_lookup_num_tokens drafts from both through the several-source "
+                         f"drafter, which does not serve this call: {why}. Pass one of the two: the draft model "
+                         "alone, or prompt_lookup_num_tokens alone.")
 
 
 def _multimodal(model) -> bool:
@@ -364,11 +398,14 @@ def _stock_speculation(model, cfg, drafter):
         return _mtp_speculation(model, drafter, lookup, exit_layers)
     if lookup is not None and exit_layers is not None:
         raise ValueError("Set prompt_lookup_num_tokens or assistant_early_exit, not both: each is a drafter.")
-    if lookup is not None and _bare_model(drafter):      # stock refuses the pair; here it is several sources
+    if lookup is not None and (_bare_model(drafter) or _prompt_input_draft(drafter)):
+        # Stock drafts by prompt lookup alone and leaves the draft model unused; here both draft (several sources).
         _check_count("prompt_lookup_num_tokens", lookup)
         ngram = _check_count("max_matching_ngram_size", getattr(cfg, "max_matching_ngram_size", None) or 2)
         draft, width = _stock_speculation(model, _without_lookup(cfg), drafter)
-        return with_sources(model, as_drafter(draft), PromptLookupDrafter(max_ngram=ngram), lookup), width
+        draft = as_drafter(draft)
+        _check_lookup_beside(model, draft)
+        return with_sources(model, draft, PromptLookupDrafter(max_ngram=ngram), lookup), width
     if (lookup is not None or exit_layers is not None) and drafter is not None:
         raise ValueError("prompt_lookup_num_tokens / assistant_early_exit choose the drafter: do not also pass "
                          "drafter= or assistant_model= (a draft model with prompt_lookup_num_tokens drafts from "
@@ -557,6 +594,14 @@ def _with_tokenizers(draft, tokenizer, draft_tokenizer):
     if tokenizer is None:
         raise ValueError("A draft with its own tokenizer needs the target's too: pass tokenizer= with "
                          "assistant_tokenizer=.")
+    if isinstance(draft, MultiSourceDrafter):
+        # prompt_lookup_num_tokens beside the draft (`_stock_speculation`): lookup and the suffix index copy the
+        # target's tokens, so the draft model alone crosses tokenizers, a source among them. Its acceptance is not
+        # the same draft's with the target's tokenizer: it learns into a state of its own.
+        inner = draft.model_drafter
+        bare = type(inner) is ModelDrafter and inner.threshold is None    # stock's 0.4 then, as below
+        cross = CrossTokenizerDrafter(inner.model if bare else inner, draft_tokenizer, tokenizer)
+        return MultiSourceDrafter(cross, draft.free, max_free=draft.max_free, state=SourceState(draft.max_free))
     return CrossTokenizerDrafter(draft, draft_tokenizer, tokenizer)
 
 

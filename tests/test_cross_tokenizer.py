@@ -210,6 +210,39 @@ def test_enable_builds_the_drafter_from_stocks_tokenizer_arguments(pair):
         spec_adapt.disable(target)
 
 
+def test_prompt_lookup_beside_a_draft_with_another_tokenizer_drafts_from_both(pair):
+    """`assistant_model=` and `assistant_tokenizer=` with `prompt_lookup_num_tokens`: the several-source drafter,
+    whose model source is the cross-tokenizer draft and whose lookup copies the target's own tokens. On prompts that
+    end in the target's own looping answer, prompt lookup's offers are taken; the output is stock's greedy."""
+    from spec_adapt.drafters.sources import MultiSourceDrafter
+
+    target, target_tok, draft, draft_tok = pair
+    ids, mask = prompts(target_tok, 2)
+    ids = stock_greedy(target, ids, mask, max_new_tokens=16, eos_token_id=None)       # answers that loop
+    mask = torch.cat([mask, torch.ones(len(ids), 16, dtype=torch.long)], dim=1)
+    reference = stock_greedy(target, ids, mask, max_new_tokens=16, eos_token_id=None)
+    built = []
+    init = MultiSourceDrafter.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    spec_adapt.enable(target)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(MultiSourceDrafter, "__init__", keep)
+            stats = spec_adapt.SpecStats()
+            out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD,
+                                  eos_token_id=None, max_new_tokens=16, assistant_model=draft, tokenizer=target_tok,
+                                  assistant_tokenizer=draft_tok, prompt_lookup_num_tokens=4, spec_stats=stats)
+    finally:
+        spec_adapt.disable(target)
+    assert torch.equal(out, reference) and stats.fallback is None
+    assert isinstance(built[-1].model_drafter, CrossTokenizerDrafter)
+    assert stats.per_source.get("lookup", {}).get("drafted", 0) > 0, stats.per_source
+
+
 def test_boundaries_refuse_mismatched_tokenizers(pair):
     target, target_tok, draft, draft_tok = pair
     ids, mask = prompts(target_tok, 1)

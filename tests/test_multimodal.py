@@ -574,3 +574,23 @@ def test_enable_hands_a_draft_with_inputs_of_its_own_the_users_confidence_thresh
     finally:
         spec_adapt.disable(model)
     assert seen == [None, 0.25]
+
+
+@pytest.mark.parametrize("name", ["llava", "t5"])
+def test_prompt_lookup_beside_a_draft_model_is_refused_where_it_cannot_serve(name):
+    """`assistant_model=` with `prompt_lookup_num_tokens` drafts from both through the several-source drafter; a
+    target that reads images (its placeholders must not be copied) or an encoder-decoder target (its prompt is the
+    encoder's) is refused by name at the call's start, rather than drafting from the model and dropping the lookup.
+    Each alone still drafts."""
+    model = mm.model(name)
+    inputs = mm.batch_inputs(name, 1)
+    draft = copy.deepcopy(model)
+    spec_adapt.enable(model)
+    try:
+        with pytest.raises(ValueError, match="assistant_model= with prompt_lookup_num_tokens .* Pass one of the two"):
+            model.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=draft,
+                           prompt_lookup_num_tokens=2)
+        model.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=draft)
+        assert spec_adapt.last_stats().fallback is None
+    finally:
+        spec_adapt.disable(model)

@@ -344,6 +344,44 @@ def test_refusals_are_named():
         target.generate(ids, max_new_tokens=3, custom_generate=spec_adapt.generate, drafter=wide)
 
 
+@pytest.mark.parametrize("unified", [False, True])
+def test_prompt_lookup_beside_an_assistant_drafts_from_both(unified, monkeypatch):
+    """`assistant_model=<a Gemma 4 assistant>` with `prompt_lookup_num_tokens` drafts from both (the several-source
+    drafter, the assistant its model source): on prompts whose answers repeat, prompt lookup's offers are taken,
+    and every row's greedy output is stock's own. The router's step costs are fixed (`FixedCost`), not learned from
+    the clock, so its choices do not depend on the machine's load."""
+    import spec_adapt.drafters.sources as sources_module
+    from spec_adapt.drafters.sources import MultiSourceDrafter
+    from test_sources import FixedCost
+
+    monkeypatch.setattr(sources_module, "StepCost", lambda prior_draft=0.25: FixedCost())
+    spec_adapt.reset_default_policies(target := pair(unified)[0])     # a state made with the fixed costs
+
+    target, assistant = pair(unified)
+    ids, mask = ragged()
+    references = [target.generate(ids[b : b + 1, int((mask[b] == 0).sum()):], max_new_tokens=24, do_sample=False,
+                                  pad_token_id=PAD)[0] for b in range(len(ids))]
+    spec_adapt.enable(target)
+    try:
+        for batch in (ids[:1], ids):
+            stats = spec_adapt.SpecStats()
+            out = target.generate(batch, attention_mask=mask[: len(batch)], max_new_tokens=24, do_sample=False,
+                                  pad_token_id=PAD, assistant_model=assistant, prompt_lookup_num_tokens=4,
+                                  spec_stats=stats)
+            assert_rows_equal(out, mask, references[: len(batch)])
+            assert stats.fallback is None
+            assert stats.per_source.get("lookup", {}).get("drafted", 0) > 0, stats.per_source
+            assert set(stats.per_source) <= {"model", "lookup", "suffix"}
+            if len(batch) == 1:      # the cold first call explores the assistant too
+                assert stats.per_source.get("model", {}).get("drafted", 0) > 0, stats.per_source
+        drafter = spec_adapt.api.with_sources(target, SharedKVDrafter(assistant), spec_adapt.PromptLookupDrafter())
+        assert isinstance(drafter, MultiSourceDrafter) and drafter.wants_hidden and drafter.reads_target
+        alone = SharedKVDrafter(assistant)          # without prompt lookup asked for, it drafts alone, as stock's
+        assert spec_adapt.api.with_sources(target, alone) is alone
+    finally:
+        spec_adapt.disable(target)
+
+
 def test_gemma3n_targets_and_ensemble_weights_are_refused_by_name():
     """Stock accepts a Gemma 3n target by name and fails at its first draft (no shared_kv_states): refused up front.
     The lossy ensemble weight depends on every draft, and these drafts are not stock's: refused, not approximated."""

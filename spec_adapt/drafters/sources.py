@@ -106,6 +106,20 @@ class MultiSourceDrafter(Drafter):
     def sources(self) -> list[Drafter]:
         return ([self.model_drafter] if self.model_drafter is not None else []) + self.free
 
+    # A model source that drafts from the target's own states (a Gemma 4 assistant: the target's hidden states and
+    # keys) asks the loop for them through the drafter it is given: these follow the model source.
+    @property
+    def wants_hidden(self) -> bool:
+        return self.model_drafter is not None and self.model_drafter.wants_hidden
+
+    @property
+    def reads_target(self) -> int:
+        return self.model_drafter.reads_target if self.model_drafter is not None else 0
+
+    def take_hidden(self, hidden, count) -> None:
+        if self.wants_hidden:
+            self.model_drafter.take_hidden(hidden, count)
+
     # -- the lifecycle: every source follows the rows -------------------------------------------------------------
     def _each(self, method: str, *args) -> None:
         for source in self.sources:
