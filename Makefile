@@ -75,19 +75,19 @@ test-ends: setup $(NEWEST_STAMP) $(ENDS_OLDEST_STAMP)
 	set -o pipefail; SPEC_ADAPT_STACK_PYTHON=$(NEWEST)/bin/python $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/test_install.py 2>&1 | tee -a test-ends.log
 
-$(NEWEST_STAMP):
-	rm -rf $(NEWEST)
-	$(PYTHON) -m venv --system-site-packages $(NEWEST)
-	PIP_CONFIG_FILE=/dev/null $(NEWEST)/bin/python -m pip install --quiet "torch==$(TORCH_NEWEST)" \
-		"transformers==$(TRANSFORMERS_NEWEST)"
+# A venv over the installed packages with torch $(2) and transformers $(3) in place of theirs, in folder $(1).
+define ends_venv
+	rm -rf $(1)
+	$(PYTHON) -m venv --system-site-packages $(1)
+	PIP_CONFIG_FILE=/dev/null $(1)/bin/python -m pip install --quiet "torch==$(2)" "transformers==$(3)"
 	touch $@
+endef
+
+$(NEWEST_STAMP):
+	$(call ends_venv,$(NEWEST),$(TORCH_NEWEST),$(TRANSFORMERS_NEWEST))
 
 $(ENDS_OLDEST_STAMP):
-	rm -rf $(ENDS_OLDEST)
-	$(PYTHON) -m venv --system-site-packages $(ENDS_OLDEST)
-	PIP_CONFIG_FILE=/dev/null $(ENDS_OLDEST)/bin/python -m pip install --quiet "torch==$(TORCH_OLDEST)" \
-		"transformers==$(TRANSFORMERS_OLDEST)"
-	touch $@
+	$(call ends_venv,$(ENDS_OLDEST),$(TORCH_OLDEST),$(TRANSFORMERS_OLDEST))
 
 # `make test` draws the same hypothesis examples on every run (the "ci" profile, conftest.py); this draws fresh ones,
 # five times as many, for the hypothesis tests only. A failure prints the line that reproduces it.

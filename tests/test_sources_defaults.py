@@ -15,17 +15,11 @@ from spec_adapt.policies.estimators import SourceAcceptance
 from spec_adapt.tools.synthetic import perturbed_copy
 
 from conftest import PAD, cached_model, ragged_batch, stock_greedy
+from test_sources import one_thread     # noqa: F401 (its autouse fixture: tiny models on one thread)
 
 TARGET = cached_model("llama")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and other processes share the machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def repeating_batch(batch: int, seed: int):
