@@ -51,7 +51,7 @@ def run(dev, vocabs=(32000, 151936), batches=(1, 16, 64), widths=(1, 4, 8),
     """Every kernel checked equal to its reference at each shape and, `timed`, both timed (triton.testing.do_bench,
     CUDA only). Returns {"copy_GBs": the device's copy bandwidth or None, "rows": one dict per kernel and shape}."""
     from spec_adapt import acceptor
-    from spec_adapt.accept import greedy_accept, rejection_sample, sample_randoms
+    from spec_adapt.acceptance_rules import greedy_accept, rejection_sample, sample_randoms
     from spec_adapt.kernels.compact import gather_slots
     from spec_adapt.kernels.verify import greedy_verify, rejection_verify, token_rank, token_rank_reference
 

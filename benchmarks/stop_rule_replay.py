@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from spec_adapt import Adaptive, FixedLength, prepare
-from spec_adapt.estimators import Calibration, StopRule
+from spec_adapt.running_estimates import Calibration, StopRule
 from spec_adapt.execution import fastest
 from spec_adapt.metrics import StepRecord
 from spec_adapt.policies.base import Plan, StepInfo

@@ -6,10 +6,10 @@ or, after `spec_adapt.enable(model)`:
 
     out = model.generate(**inputs, assistant_model=draft)
 
-Layout: the speculative core is this package's flat modules (api, loop, ledger, tree, accept, acceptor, verifiers,
-processors, estimators, metrics, execution, distributed, loading, compat) plus `drafters/` and `policies/`;
-`serving/` holds the engine; `kernels/` the Triton kernels beside their references; `eval/` and `recipes/` the
-quality harness and workloads; `tools/` the CLI and benchmarks (docs/design.md has the layers).
+Layout: the speculative core is this package's flat modules (api, loop, ledger, tree, acceptance_rules, acceptor,
+verifiers, processors, running_estimates, metrics, execution, distributed, loading, compat, ...) plus `drafters/` and
+`policies/`; `serving/` holds the engine; `kernels/` the Triton kernels beside their references; `eval/` and
+`recipes/` the quality harness and workloads; `tools/` the CLI and benchmarks (docs/design.md lists every module).
 """
 
 from .acceptor import Acceptor

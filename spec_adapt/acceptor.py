@@ -10,11 +10,11 @@ lossy one) is a subclass that overrides `greedy` / `rejection`; the loop and the
 the same `accept`.
 
 Sampling rule (`Acceptor(rule=...)`):
-- "coupled" (the default): Gumbel-max coupling (spec_adapt.accept.coupled_accept) over the step's keyed noise
+- "coupled" (the default): Gumbel-max coupling (spec_adapt.acceptance_rules.coupled_accept) over the step's keyed noise
   (spec_adapt.noise): every committed token is argmax(scores + g) at its position, whatever was drafted, so a seeded
-  call repeats whatever the policy chose and a row samples what it samples alone. A draft model samples its drafts
-  with the same noise. It accepts a model draft a little less often than rejection sampling (docs/design.md gives
-  the measured cost); point-mass drafts (prompt lookup, n-grams) exactly as often;
+  call repeats whatever the policy chose and a row samples what it samples alone. A draft model samples its drafts with
+  the same noise. It accepts a model draft a little less often than rejection sampling (docs/design.md gives the
+  measured cost); point-mass drafts (prompt lookup, n-grams) exactly as often;
 - "rejection": lossless rejection sampling (Leviathan et al.; recursive for trees), the most acceptance a model
   draft can get, with its random numbers from torch's global generator in the order the steps draw them: equal in
   distribution, but a seeded call repeats only where every step's widths repeat.
@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from . import accept
+from . import acceptance_rules as rules
 
 MODES = ("auto", "off", "force")
 RULES = ("coupled", "rejection")
@@ -78,7 +78,7 @@ class Acceptor:
         """scores [B, S+1, V] processed target scores; draft_tokens [B, S]; draft_probs [B, S, V] or None (point
         mass); lengths [B]; noise: the step's keyed noise (spec_adapt.noise.StepNoise; sampling, rule "coupled"),
         None = Gumbel noise from torch's global generator. Returns (accepted [B], next_token [B]); with `lockstep`,
-        every row accepts as many as the row that accepted fewest (`spec_adapt.accept.lockstep`)."""
+        every row accepts as many as the row that accepted fewest (`spec_adapt.acceptance_rules.lockstep`)."""
         if not sampling:
             accepted, next_token = self.greedy(scores, draft_tokens, lengths)
         elif self.rule == "coupled":
@@ -86,10 +86,10 @@ class Acceptor:
                                                 _gumbels(noise, scores, draft_tokens.shape[1] + 1))
         else:
             batch, width = draft_tokens.shape
-            uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
+            uniforms, exponentials = rules.sample_randoms(batch, width, scores.shape[-1], scores.device)
             accepted, next_token = self.rejection(scores.softmax(dim=-1), draft_tokens, draft_probs, lengths,
                                                   uniforms, exponentials)
-        return accept.lockstep(accepted, next_token, draft_tokens) if self.lockstep else (accepted, next_token)
+        return rules.lockstep(accepted, next_token, draft_tokens) if self.lockstep else (accepted, next_token)
 
     def accept_tree(self, scores, draft_tokens, parents, draft_probs, lengths, sampling: bool, noise=None):
         """A token tree (spec_adapt.tree): scores [B, S+1, V] of the root and the nodes; parents [B, S]. Returns
@@ -99,18 +99,18 @@ class Acceptor:
         if not sampling:
             return self.tree_greedy(scores, draft_tokens, parents, lengths)
         if self.rule == "coupled":
-            depths = accept.tree_depths(parents)                                       # [B, S+1]
+            depths = rules.tree_depths(parents)                                        # [B, S+1]
             window = _gumbels(noise, scores, int(depths.max()) + 1 if depths.numel() else 1)
             index = depths[..., None].expand(-1, -1, scores.shape[-1]).to(window.device)
             return self.tree_coupled(scores, draft_tokens, parents, lengths, window.gather(1, index))
         batch, width = draft_tokens.shape
-        uniforms, exponentials = accept.sample_randoms(batch, width, scores.shape[-1], scores.device)
+        uniforms, exponentials = rules.sample_randoms(batch, width, scores.shape[-1], scores.device)
         return self.tree_rejection(scores.softmax(dim=-1), draft_tokens, parents, draft_probs, lengths, uniforms,
                                    exponentials)
 
     def coupled(self, scores, draft_tokens, lengths, gumbels):
-        """The coupled rule (spec_adapt.accept.coupled_accept): the greedy rule (`greedy`, its kernel where it runs)
-        over scores + noise, so a subclass's greedy rule applies to sampling too. `paths` names it "coupled"."""
+        """The coupled rule (spec_adapt.acceptance_rules.coupled_accept): the greedy rule (`greedy`, its kernel where it
+        runs) over scores + noise, so a subclass's greedy rule applies to sampling too. `paths` names it "coupled"."""
         out = self.greedy(scores.float() + gumbels.to(scores.device), draft_tokens, lengths)
         self.paths["coupled"] = self.paths.pop("greedy", "torch")
         return out
@@ -123,11 +123,11 @@ class Acceptor:
 
     def tree_greedy(self, logits, draft_tokens, parents, lengths):
         self.paths["tree_greedy"] = "torch"
-        return accept.tree_greedy_accept(logits, draft_tokens, parents, lengths)
+        return rules.tree_greedy_accept(logits, draft_tokens, parents, lengths)
 
     def tree_rejection(self, target_probs, draft_tokens, parents, draft_probs, lengths, uniforms, exponentials):
         self.paths["tree_rejection"] = "torch"
-        return accept.tree_rejection_sample(target_probs, draft_tokens, parents, draft_probs, lengths, uniforms,
+        return rules.tree_rejection_sample(target_probs, draft_tokens, parents, draft_probs, lengths, uniforms,
                                             exponentials)
 
     def greedy(self, logits, draft_tokens, lengths):
@@ -135,14 +135,14 @@ class Acceptor:
             from .kernels.verify import greedy_verify
 
             return greedy_verify(logits, draft_tokens, lengths)
-        return accept.greedy_accept(logits, draft_tokens, lengths)
+        return rules.greedy_accept(logits, draft_tokens, lengths)
 
     def rejection(self, target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials):
         if self._kernel("rejection", target_probs):
             from .kernels.verify import rejection_verify
 
             return rejection_verify(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials)
-        return accept.rejection_sample(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials)
+        return rules.rejection_sample(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials)
 
     def _kernel(self, name: str, tensor: torch.Tensor) -> bool:
         use = use_kernel(self.mode, tensor)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from .compat import EosTokenCriteria, MaxLengthCriteria, pad_token_tensor
 
-from .accept import committed_tokens
+from .acceptance_rules import committed_tokens
 from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
 from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
 from .acceptor import Acceptor

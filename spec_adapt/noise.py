@@ -1,11 +1,11 @@
 """The random numbers of sampling, keyed by (call seed, row, position) so that no draw depends on another.
 
-Sampling here is the Gumbel-max rule (spec_adapt.accept.coupled_accept): the target's token at a row's generated
-position t is argmax(scores_t + g_t), scores_t the processed scores (temperature, top-k, top-p as stock applies them,
-masked tokens -inf) and g_t [V] i.i.d. standard Gumbel noise. A draft is accepted iff it equals that token. The
-output is then the same function of the noise whatever was drafted, by which source, at which width, in which step,
-so what a policy learned or chose cannot change a seeded call's tokens, and a row's tokens do not depend on the other
-rows of its batch.
+Sampling here is the Gumbel-max rule (spec_adapt.acceptance_rules.coupled_accept): the target's token at a row's
+generated position t is argmax(scores_t + g_t), scores_t the processed scores (temperature, top-k, top-p as stock
+applies them, masked tokens -inf) and g_t [V] i.i.d. standard Gumbel noise. A draft is accepted iff it equals that
+token. The output is then the same function of the noise whatever was drafted, by which source, at which width, in which
+step, so what a policy learned or chose cannot change a seeded call's tokens, and a row's tokens do not depend on the
+other rows of its batch.
 
 Where the noise comes from:
 - a call's seed: one integer drawn from torch's global CPU generator when the call starts (`call_seed`), so

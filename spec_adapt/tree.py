@@ -14,8 +14,8 @@ depth [1, 1, 2, 2]; node 2 ("sat") sees "... the cat sat": its ancestors-or-self
 
 Verification feeds the last committed token (the root, chunk column 0) and node i at chunk column i + 1; every column
 attends to the committed context and to its ancestors only (the ledger builds the 4-D mask), at position
-committed length - 1 + depth. The accept phase walks down from the root (spec_adapt.accept.tree_*), and the loop
-commits the accepted path as if it had been a chain.
+committed length - 1 + depth. The accept phase walks down from the root (spec_adapt.acceptance_rules.tree_*), and the
+loop commits the accepted path as if it had been a chain.
 """
 
 from __future__ import annotations

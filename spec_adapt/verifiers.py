@@ -24,7 +24,7 @@ import torch
 
 from .acceptor import token_rank
 from .compat import attn_implementation, create_causal_mask, takes_4d_mask, with_cache
-from .estimators import ProbeBackoff, bucket, mean_then_ema
+from .running_estimates import ProbeBackoff, bucket, mean_then_ema
 from .policies.cost import StepCost
 from .ledger import check_tree_attention, on_device, positions_from_cache
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from spec_adapt.accept import committed_tokens, greedy_accept, rejection_sample, sample_randoms
+from spec_adapt.acceptance_rules import committed_tokens, greedy_accept, rejection_sample, sample_randoms
 
 
 def naive_greedy(logits, drafts, lengths):

@@ -722,7 +722,7 @@ class _Planned(FixedLength):
         self.tree = tree
 
     def choose(self, info):
-        from spec_adapt.estimators import Calibration, StopRule
+        from spec_adapt.running_estimates import Calibration, StopRule
 
         gammas = super().choose(info)
         return Plan(gammas, depth=2) if self.tree else Plan(gammas, stop=StopRule(0.5, Calibration()))

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import spec_adapt  # noqa: E402
 from spec_adapt import FixedLength, ModelDrafter
 from spec_adapt import acceptor  # noqa: E402
-from spec_adapt.accept import greedy_accept, rejection_sample, sample_randoms  # noqa: E402
+from spec_adapt.acceptance_rules import greedy_accept, rejection_sample, sample_randoms  # noqa: E402
 from spec_adapt.kernels.compact import gather_slots  # noqa: E402
 from spec_adapt.kernels.verify import greedy_verify, rejection_verify, token_rank, token_rank_reference  # noqa: E402
 

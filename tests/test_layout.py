@@ -10,9 +10,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "spec_adapt"
 TOOLS = "spec_adapt.tools"
 # docs/design.md's first layer.
-FOUNDATIONS = [f"spec_adapt.{name}" for name in ("compat", "metrics", "accept", "noise", "tree", "estimators",
-                                                  "loading", "execution", "identity", "kernels", "kernels.compact",
-                                                  "kernels.verify")]
+FOUNDATIONS = [f"spec_adapt.{name}" for name in ("compat", "metrics", "acceptance_rules", "noise", "tree",
+                                                  "running_estimates", "loading", "execution", "identity", "kernels",
+                                                  "kernels.compact", "kernels.verify")]
 
 
 def modules(root: Path) -> dict[str, Path]:

@@ -257,7 +257,7 @@ class RuledWidth(FixedLength):
 
     def __init__(self, k, thresholds):
         super().__init__(k)
-        from spec_adapt.estimators import Calibration, StopRule
+        from spec_adapt.running_estimates import Calibration, StopRule
 
         self.rule = StopRule(thresholds, Calibration())
 

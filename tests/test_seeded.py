@@ -172,7 +172,7 @@ def test_the_rejection_rule_still_samples_and_is_kept_apart(pair):
 def test_the_coupled_rule_commits_the_noisy_argmax_whatever_is_drafted():
     """coupled_accept: the committed tokens (accepted drafts, then the next token) are argmax(scores + noise) at each
     of their positions, for drafts right, wrong or random; a draft that is that token is accepted."""
-    from spec_adapt.accept import committed_tokens, coupled_accept
+    from spec_adapt.acceptance_rules import committed_tokens, coupled_accept
 
     gen = torch.Generator().manual_seed(0)
     batch, width, vocab = 64, 5, 12

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter
-from spec_adapt.estimators import Calibration, StopRule
+from spec_adapt.running_estimates import Calibration, StopRule
 from spec_adapt.loop import Stopper
 from spec_adapt.policies.base import Plan, StepInfo
 

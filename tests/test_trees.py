@@ -10,7 +10,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 import spec_adapt
 from spec_adapt import FixedLength, FixedTree, ModelDrafter, PromptLookupDrafter, ScriptedDrafter, SuffixDrafter
-from spec_adapt.accept import tree_greedy_accept, tree_rejection_sample
+from spec_adapt.acceptance_rules import tree_greedy_accept, tree_rejection_sample
 from spec_adapt.drafters.base import DraftRequest, InvalidProposal, Proposal, check_proposal
 from spec_adapt.ledger import KVLedger
 from spec_adapt.processors import ScoreProcessor

@@ -21,7 +21,7 @@ from ..tree import ancestry, from_branches, is_chain, pack_tree_lists, tree_prob
 
 if TYPE_CHECKING:
     from ..acceptor import Acceptor
-    from ..estimators import StopRule
+    from ..running_estimates import StopRule
     from ..ledger import KVLedger
     from ..noise import StepNoise
     from ..policies.cost import CostReader
@@ -41,7 +41,8 @@ class DraftRequest:
                                          # depths, gammas[b] counts the row's nodes (spec_adapt.tree)
     pooled: bool = False          # a tree plan's budget is sum(gammas), for the batch's likeliest nodes in any row
     stop: "StopRule | None" = None  # the plan's stopping rule: gammas are each row's most, and a drafter with
-                                    # probabilities stops a row where the rule says (spec_adapt.estimators.StopRule)
+                                    # probabilities stops a row where the rule says
+                                    # (spec_adapt.running_estimates.StopRule)
     free: torch.Tensor | None = None    # [B] long, for a drafter with `max_free`: the most tokens a row may take from a
                                         # model-free source (point masses that cost no draft forward), whatever its
                                         # gamma; None = gammas bound every row

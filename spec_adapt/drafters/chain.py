@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from ..accept import committed_tokens
+from ..acceptance_rules import committed_tokens
 from ..acceptor import Acceptor
 from .base import Drafter, DraftRequest, Proposal, with_drafts
 from .model import ModelDrafter

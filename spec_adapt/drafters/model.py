@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat
-from ..estimators import ema
+from ..running_estimates import ema
 from ..inputs import ModelInputs, encoder_decoder
 from ..ledger import KVLedger, positions_from_cache, worth_apart
 from .base import Drafter, DraftRequest, Proposal, left_padding, sample_drafts

@@ -10,15 +10,16 @@ Per row, starting from the draft's distribution after the last committed token:
    are compared by path probability calibrated per row, online: the ratio of the accepted tokens the row has had to
    what its drafts' path probabilities predicted (exponentially weighted, `ModelDrafter.calibration`).
 
-Ranking keys never grow along a path, and a later sibling's key never exceeds an earlier sibling's (ties go to the
-older node): so the best n nodes always include every chosen node's parent and earlier siblings, and the tree stays
-a tree. Greedy, a node's key is its path log-probability (EAGLE-2's). Sampling, recursive rejection sampling
-(spec_adapt.accept.tree_rejection_sample) stays exact only if whether a node is drafted does not depend on the token
-it turns out to be (else the tokens tried are not draws from q), so the key is the one the node's slot has before its
-token is drawn: its parent's path log-probability plus the log of the mass its earlier siblings left. Nothing that
-ranks above a node depends on that node's token. Under the default coupled rule (spec_adapt.accept.coupled_accept)
-the Gumbel-top-k draws use the step's keyed noise at the children's position, so a node's first child is the draft's
-noisy argmax, the token the target's walk compares with; that rule is exact whatever the tree holds.
+Ranking keys never grow along a path, and a later sibling's key never exceeds an earlier sibling's (ties go to the older
+node): so the best n nodes always include every chosen node's parent and earlier siblings, and the tree stays a tree.
+Greedy, a node's key is its path log-probability (EAGLE-2's). Sampling, recursive rejection sampling
+(spec_adapt.acceptance_rules.tree_rejection_sample) stays exact only if whether a node is drafted does not depend on the
+token it turns out to be (else the tokens tried are not draws from q), so the key is the one the node's slot has before
+its token is drawn: its parent's path log-probability plus the log of the mass its earlier siblings left. Nothing that
+ranks above a node depends on that node's token. Under the default coupled rule
+(spec_adapt.acceptance_rules.coupled_accept) the Gumbel-top-k draws use the step's keyed noise at the children's
+position, so a node's first child is the draft's noisy argmax, the token the target's walk compares with; that rule is
+exact whatever the tree holds.
 """
 
 from __future__ import annotations

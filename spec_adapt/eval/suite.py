@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .metrics import bertscore_f1, embedding_cosine, paired_stats, reward_scores, summary
+from .quality_metrics import bertscore_f1, embedding_cosine, paired_stats, reward_scores, summary
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Triton kernels for verification: greedy acceptance, lossless rejection sampling, and the rank test.
 
 References (the kernels must match them exactly; tests compare both):
-- greedy_verify     <-> spec_adapt.accept.greedy_accept
-- rejection_verify  <-> spec_adapt.accept.rejection_sample
+- greedy_verify     <-> spec_adapt.acceptance_rules.greedy_accept
+- rejection_verify  <-> spec_adapt.acceptance_rules.rejection_sample
 - token_rank        <-> token_rank_reference below
 Every kernel splits the vocabulary into chunks so that one row's scan spreads over the GPU at batch 1 too: greedy
 verification runs one program per (row, position, chunk) and then one per row to accept; rejection sampling runs one
@@ -198,8 +198,8 @@ def _residual(p_row, q_row, draft_at, offs, end, rejected, HAS_Q: tl.constexpr):
 
 def rejection_verify(target_probs, draft_tokens, draft_probs, lengths, uniforms, exponentials, block: int = 1024,
                      chunk: int = 8192):
-    """Same contract as spec_adapt.accept.rejection_sample (draft_probs None = point mass). Every (row, `chunk` of the
-    vocabulary) is its own program, so a row's scan spreads over the GPU at batch 1 too."""
+    """Same contract as spec_adapt.acceptance_rules.rejection_sample (draft_probs None = point mass). Every (row,
+    `chunk` of the vocabulary) is its own program, so a row's scan spreads over the GPU at batch 1 too."""
     batch, width = draft_tokens.shape
     vocab = target_probs.shape[-1]
     device = target_probs.device

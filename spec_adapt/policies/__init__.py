@@ -5,7 +5,7 @@ level chains). The research baselines (Nightjar, BanditSpecUCB, GoodputModel, El
 from .adaptive import Adaptive
 from .base import Plan, Policy, StepInfo, check_gammas, check_plan, check_policy
 from .baselines import BanditSpecUCB, ElasticEWMA, GoodputModel, Nightjar, PerRequest, goodput
-from .chain import ChainScheduler
+from .chain_scheduler import ChainScheduler
 from .estimators import LatencyTable, TreeShapes, bucket
 from .fixed import FixedLength, FixedTree, Heuristic
 

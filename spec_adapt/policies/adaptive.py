@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..estimators import Calibration, StopRule, ema
+from ..running_estimates import Calibration, StopRule, ema
 from ..metrics import StepRecord
 from .cost import StepCost
 from .estimators import (LatencyTable, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..estimators import StopRule
+from ..running_estimates import StopRule
 
 from ..metrics import StepRecord
 
@@ -99,7 +99,8 @@ class Plan:
                                   # likeliest nodes whatever their row (a drafter that cannot rank across rows keeps
                                   # gammas[b] per row)
     stop: StopRule | None = None  # a chain plan's gammas are then each row's most: a drafter with probabilities stops
-                                  # a row where the rule says (spec_adapt.estimators.StopRule); others draft gammas
+                                  # a row where the rule says (spec_adapt.running_estimates.StopRule); others draft
+                                  # gammas
 
 
 class Policy:
@@ -178,7 +179,7 @@ def check_plan(policy, value, batch_size: int) -> Plan:
                          "True or False, and True only for a tree plan (with a depth).")
     if value.stop is not None and (not isinstance(value.stop, StopRule) or depth is not None):
         raise ValueError(f"{type(policy).__name__}.choose returned a Plan with stop={value.stop!r}; expected None or a "
-                         "spec_adapt.estimators.StopRule, and only for a chain plan (no depth).")
+                         "spec_adapt.running_estimates.StopRule, and only for a chain plan (no depth).")
     return Plan(check_gammas(policy, value.gammas, batch_size), members, None if depth is None else int(depth),
                 value.pooled, value.stop)
 

@@ -11,7 +11,7 @@ import random
 from dataclasses import asdict, dataclass, field
 
 
-from ..estimators import ema
+from ..running_estimates import ema
 from ..metrics import StepRecord
 from .estimators import LatencyTable, OnlineLatency, PositionAcceptance, _listed, _tupled, bucket
 from .base import Policy, StepInfo

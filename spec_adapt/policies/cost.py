@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from ..estimators import bucket, ema, mean_then_ema
+from ..running_estimates import bucket, ema, mean_then_ema
 from .estimators import LatencyTable, LineFit, state_key
 
 STALL, STALL_AFTER = 3.0, 8

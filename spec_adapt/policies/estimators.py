@@ -9,7 +9,7 @@
   decayed once per observation), which `PositionAcceptance` and Adaptive's per-state counts both keep.
 - `TreeShapes`: which tree to grow around a chain, from the goodput each shape measured.
 The estimators the core and serving share too (moving averages, `bucket`, `ProbeBackoff`) are in
-`spec_adapt.estimators`.
+`spec_adapt.running_estimates`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..estimators import ProbeBackoff, bucket, ema, mean_then_ema
+from ..running_estimates import ProbeBackoff, bucket, ema, mean_then_ema
 from ..loading import cache_dir
 
 

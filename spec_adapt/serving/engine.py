@@ -56,7 +56,7 @@ from ..loop import SpeculativeLoop, Stopper, target_ledger
 from ..metrics import SpecStats
 from ..noise import call_seed, mix64
 from ..policies.adaptive import Adaptive
-from ..estimators import ProbeBackoff
+from ..running_estimates import ProbeBackoff
 from ..processors import ScoreProcessor
 
 

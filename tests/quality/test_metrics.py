@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import spec_adapt.eval  # noqa: E402
 
 from spec_adapt.eval import bertscore_f1, embedding_cosine, paired_stats  # noqa: E402
-from spec_adapt.eval.metrics import summary  # noqa: E402
+from spec_adapt.eval.quality_metrics import summary  # noqa: E402
 
 SAME = ["The cat sat on the mat.", "def add(a, b):\n    return a + b"]
 CLOSE = ["A cat was sitting on the mat.", "def add(x, y):\n    return x + y"]

@@ -4,7 +4,7 @@
 import datasets
 import evaluate
 
-from spec_adapt.eval.metrics import bertscore_f1
+from spec_adapt.eval.quality_metrics import bertscore_f1
 
 
 class SpecBertscore(evaluate.Metric):

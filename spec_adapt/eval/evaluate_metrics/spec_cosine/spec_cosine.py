@@ -3,7 +3,7 @@
 import datasets
 import evaluate
 
-from spec_adapt.eval.metrics import embedding_cosine
+from spec_adapt.eval.quality_metrics import embedding_cosine
 
 
 class SpecCosine(evaluate.Metric):

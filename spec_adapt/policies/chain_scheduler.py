@@ -36,7 +36,7 @@ import random
 
 from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
-from ..estimators import ema
+from ..running_estimates import ema
 from .base import USUAL_LAG, Plan, Policy, StepInfo
 from .cost import StepCost
 from .estimators import ProbeBackoff, _listed, _tupled

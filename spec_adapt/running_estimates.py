@@ -1,8 +1,11 @@
-"""Estimators the core, the policies and serving share: moving averages, the batch-size context, probe back-off.
+"""Running estimates the core, the policies and serving update step by step: moving averages, the batch-size
+context, probe back-off, and a draft's calibration with the stopping rule read from it.
 
 - `ema`: an exponential moving average; `mean_then_ema`: the plain mean of the first samples, then an EMA.
 - `bucket`: the batch-size context (powers of two) every per-batch-size estimate is kept under.
 - `ProbeBackoff`: when a switched-off option is tried again: after `gap` idle steps; a lost probe doubles the gap.
+- `Calibration`: how often a draft token is accepted, by the draft's confidence in it; `StopRule`: where a row stops
+  drafting within a step, from that calibration.
 
 The estimators only policies use (step-time fits, acceptance counts, tree shapes) are in
 `spec_adapt.policies.estimators`.
