@@ -48,10 +48,64 @@ def axk2():
     return AXK2ForCausalLM(config)
 
 
+# Shaped as transformers' own model testers build these families (CausalLMModelTester: two attention heads, two KV
+# heads, head dims unlike the tiny builders above), the shapes its generation tests check a returned cache against.
+# Stock's cache for them keeps a DummyLayer per KV-sharing layer (as many layers as num_hidden_layers) and, for the
+# MLA families, the compressed latents (keys [B, 1, T, kv_lora_rank], values [B, 1, T, qk_rope_head_dim]), not the
+# per-head keys; the returned cache must be that, whatever a check written for another layout expects.
+def gemma3n_tester_shaped():
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3nTextConfig(hidden_size=16, intermediate_size=21, num_hidden_layers=4, num_kv_shared_layers=2,
+                               layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=8,
+                               num_attention_heads=2, num_key_value_heads=2, head_dim=8, altup_num_inputs=2,
+                               hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+                               max_position_embeddings=512, attn_implementation="eager", **SMALL)
+    return Gemma3nForCausalLM(config)
+
+
+def gemma4_tester_shaped(unified: bool = False):
+    """Full layers with twice the sliding layers' head dim (per_layer_config), MoE blocks, the last two layers
+    sharing KV."""
+    from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, Gemma4UnifiedForCausalLM,
+                              Gemma4UnifiedTextConfig)
+
+    config_class, model_class = ((Gemma4UnifiedTextConfig, Gemma4UnifiedForCausalLM) if unified
+                                 else (Gemma4TextConfig, Gemma4ForCausalLM))
+    torch.manual_seed(0)
+    config = config_class(hidden_size=32, intermediate_size=37, num_hidden_layers=4, num_kv_shared_layers=2,
+                          layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                          per_layer_config={1: {"head_dim": 32}, 3: {"head_dim": 32}}, enable_moe_block=True,
+                          num_experts=4, moe_intermediate_size=16, top_k_experts=2, hidden_size_per_layer_input=16,
+                          vocab_size_per_layer_input=VOCAB, max_position_embeddings=512, attn_implementation="eager",
+                          **SMALL)
+    return model_class(config)
+
+
+def mla_tester_shaped(config_name: str, model_name: str):
+    """GLM-MoE-DSA or A.X-K2 with the tester's MLA dims: a 32-wide latent beside 64 + 64 wide per-head keys, two
+    KV heads. Eight indexer heads picking 6 tokens, as test_families.glm_dsa (a near-tie at the k-th score is rare)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(
+        hidden_size=32, intermediate_size=37, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=16,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=8, index_head_dim=96, index_topk=6,
+        mlp_layer_types=["sparse", "dense"], max_position_embeddings=512, **SMALL)
+    return getattr(transformers, model_name)(config)
+
+
 _BUILT: dict = {}
 BUILDERS = {"llama": lambda: tiny_model("llama"), "gemma3n": lambda: family("gemma3n"), "gemma4": gemma4,
             "gemma4_unified": lambda: gemma4(unified=True), "glm_moe_dsa": glm_dsa, "axk2": axk2,
-            "lfm2": lambda: family("lfm2"), "inkling": lambda: family("inkling"), "inkling2": lambda: family("inkling2")}
+            "lfm2": lambda: family("lfm2"), "inkling": lambda: family("inkling"), "inkling2": lambda: family("inkling2"),
+            "gemma3n_tester": gemma3n_tester_shaped, "gemma4_tester": gemma4_tester_shaped,
+            "gemma4_unified_tester": lambda: gemma4_tester_shaped(unified=True),
+            "glm_moe_dsa_tester": lambda: mla_tester_shaped("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+            "axk2_tester": lambda: mla_tester_shaped("AXK2Config", "AXK2ForCausalLM")}
 # Built here, not checked by the structure test (the cache cannot be laid out; see the last test).
 BUILT_ONLY = {"inkling2_loop": lambda: family("inkling2_loop")}
 
@@ -86,13 +140,31 @@ def layer_state(layer) -> dict:
     return state
 
 
+def attributes(value, depth: int = 0):
+    """Everything a check can read of a cache or a layer without its entries: each attribute, nested objects' own,
+    a tensor as its shape, dtype and device."""
+    if torch.is_tensor(value):
+        return "tensor", tuple(value.shape), value.dtype, str(value.device)
+    if isinstance(value, dict):
+        return {key: attributes(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, [attributes(item, depth + 1) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth < 3 and hasattr(value, "__dict__"):
+        return type(value).__name__, attributes(vars(value), depth + 1)
+    return type(value).__name__
+
+
 def check_same_structure(stock, mine, mask) -> None:
-    """As transformers' `_check_past_key_values_for_generate` reads a cache, plus the entries themselves: every
-    row's real tokens hold stock's keys and values (left padding is masked: any content serves)."""
+    """As transformers' `_check_past_key_values_for_generate` reads a cache (and anything else a check could read
+    of it: every attribute of the cache and its layers), plus the entries themselves: every row's real tokens hold
+    stock's keys and values (left padding is masked: any content serves)."""
     assert mine is not None, "no cache returned"
     assert type(mine) is type(stock)
     assert len(mine.layers) == len(stock.layers)
     assert mine.get_seq_length() == stock.get_seq_length()
+    assert attributes(mine) == attributes(stock)
     for a, b in zip(stock.layers, mine.layers):
         assert layer_state(b) == layer_state(a)
         for i, conv in getattr(a, "conv_states", {}).items():          # a convolution's last inputs
