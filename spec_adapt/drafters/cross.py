@@ -28,7 +28,7 @@ import torch
 from ..inputs import encoder_decoder
 from ..processors import ScoreProcessor
 from .base import Drafter, DraftRequest, Proposal, check_proposal, left_padding
-from .model import ModelDrafter, _vocab_size
+from .model import ModelDrafter, head_vocab_size
 
 KEEP = 8            # target tokens left in the window when its start moves forward
 MAX_WINDOW = 64     # target tokens after which the window's start moves forward even without a shared boundary
@@ -137,7 +137,7 @@ class CrossTokenizerDrafter(Drafter):
         self.vocab = None
 
     def validate(self, target) -> None:
-        target_vocab = _vocab_size(target)
+        target_vocab = head_vocab_size(target)
         if len(self.bridge.target) > target_vocab:
             raise ValueError(f"target_tokenizer has {len(self.bridge.target)} tokens but the target's head scores "
                              f"{target_vocab}: pass the target's own tokenizer as target_tokenizer (tokenizer=).")
@@ -147,7 +147,7 @@ class CrossTokenizerDrafter(Drafter):
                 raise ValueError(f"The draft {type(self.inner.model).__name__} is an encoder-decoder model with a "
                                  "tokenizer of its own: its encoder would need the call's source in its own tokens. "
                                  "Draft with an encoder-decoder model of the target's tokenizer, or a causal LM.")
-            draft_vocab = _vocab_size(self.inner.model)
+            draft_vocab = head_vocab_size(self.inner.model)
             if len(self.bridge.draft) > draft_vocab:
                 raise ValueError(f"draft_tokenizer has {len(self.bridge.draft)} tokens but the draft's head scores "
                                  f"{draft_vocab}: pass the draft's own tokenizer as draft_tokenizer "

@@ -12,7 +12,7 @@ from .base import Drafter, DraftRequest, Proposal, left_padding, sample_drafts
 from .head import ShortHead, check_short_head
 
 
-def _vocab_size(model) -> int:
+def head_vocab_size(model) -> int:
     """Rows of the model's output head (its logits' width); the config's vocabulary where this process holds no
     head (a pipeline stage before the last)."""
     weight = getattr(model.get_output_embeddings(), "weight", None)
@@ -97,7 +97,7 @@ class ModelDrafter(Drafter):
     def validate(self, target) -> None:
         if encoder_decoder(self.model):
             self._check_encoder_inputs(target)
-        target_vocab, draft_vocab = _vocab_size(target), _vocab_size(self.model)
+        target_vocab, draft_vocab = head_vocab_size(target), head_vocab_size(self.model)
         if draft_vocab < target_vocab:
             raise ValueError(
                 f"The draft model's vocabulary ({draft_vocab} tokens) is smaller than the target's ({target_vocab}): "

@@ -26,10 +26,8 @@ import torch
 from ..running_estimates import Calibration, StopRule, ema
 from ..metrics import StepRecord
 from .cost import StepCost
-from .estimators import (LatencyTable, ProbeBackoff, TreeShapes, _listed, _tupled, bucket, cached_profile,
-                         decay_counts, reach, state_key)
-from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo
-from .fixed import _check_int
+from .estimators import LatencyTable, ProbeBackoff, TreeShapes, bucket, cached_profile, decay_counts, reach, state_key
+from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo, check_int, from_json_lists, to_json_lists
 
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (docs/policies.md, rule 1)
 
@@ -49,7 +47,7 @@ class Adaptive(Policy):
                  baseline_steps: int = 2, probe_budget: float = 0.01, shape_margin: float = 0.05,
                  closed_batches: bool = True, trees: bool | tuple = False, recheck_every: int = 64,
                  max_recheck_gap: int = 1024, stop_rule: bool = False):
-        self.max_gamma = _check_int("Adaptive(max_gamma)", max_gamma, 1, MAX_WIDTH)
+        self.max_gamma = check_int("Adaptive(max_gamma)", max_gamma, 1, MAX_WIDTH)
         for name, value, low, high in (("explore", explore, 0, 1), ("explore_margin", explore_margin, 0, math.inf),
                                        ("row_floor", row_floor, 0, 1), ("shrink", shrink, 0, math.inf),
                                        ("decay", decay, 0, 1), ("ema", ema, 0, 1),
@@ -58,7 +56,7 @@ class Adaptive(Policy):
             _check_real(f"Adaptive({name})", value, low, high)
         for name, value, low in (("probe_every", probe_every, 1), ("max_probe_gap", max_probe_gap, 1),
                                  ("horizon", horizon, 1), ("baseline_steps", baseline_steps, 0)):
-            _check_int(f"Adaptive({name})", value, low)
+            check_int(f"Adaptive({name})", value, low)
         if not (0 <= explore <= 1 and explore_margin >= 0 and probe_every >= 1 and max_probe_gap >= probe_every):
             raise ValueError("Adaptive needs 0 <= explore <= 1, explore_margin >= 0 and 1 <= probe_every <= "
                              f"max_probe_gap; got {explore}, {explore_margin}, {probe_every}, {max_probe_gap}.")
@@ -71,8 +69,8 @@ class Adaptive(Policy):
         if not shape_margin >= 0:
             raise ValueError(f"Adaptive needs shape_margin >= 0 (a fraction of a forward's time); got {shape_margin}.")
         self.baseline_steps, self.probe_budget, self.shape_margin = baseline_steps, probe_budget, shape_margin
-        _check_int("Adaptive(recheck_every)", recheck_every, 1)
-        if not _check_int("Adaptive(max_recheck_gap)", max_recheck_gap, 1) >= recheck_every:
+        check_int("Adaptive(recheck_every)", recheck_every, 1)
+        if not check_int("Adaptive(max_recheck_gap)", max_recheck_gap, 1) >= recheck_every:
             raise ValueError(f"Adaptive needs recheck_every <= max_recheck_gap (drafting steps between plain steps "
                              f"that re-measure plain decoding); got {recheck_every}, {max_recheck_gap}.")
         self.recheck_every, self.max_recheck_gap = recheck_every, max_recheck_gap
@@ -489,7 +487,7 @@ class Adaptive(Policy):
             "row_states": [self.row_tried.tolist(), self.row_accepted.tolist(), self.row_state.tolist()],
             "probe_gap": self.probes.gap, "idle": self.probes.idle, "steps": self.steps,
             "recheck_gap": self.rechecks.gap, "recheck_idle": self.rechecks.idle,
-            "rng": _listed(self.rng.getstate()),
+            "rng": to_json_lists(self.rng.getstate()),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -548,7 +546,7 @@ class Adaptive(Policy):
         if rechecks[0] < 1 or rechecks[1] < 0:
             raise ValueError(f"recheck_gap {rechecks[0]} and recheck_idle {rechecks[1]} must be >= 1 and >= 0")
         rng = random.Random()
-        rng.setstate(_tupled(state["rng"]))
+        rng.setstate(from_json_lists(state["rng"]))
         return {"tried": tried, "accepted": accepted, "prior": prior, "cost": cost,
                 "span": {state_key(k, (int, bool, int), "span"): _finite(v, what="span")[0] for k, v in state["span"]},
                 "calibration": self._parse_calibration(state.get("calibration")),
@@ -601,7 +599,7 @@ class Adaptive(Policy):
     def to_vllm_schedule(self, max_batch: int = 256) -> list[tuple[int, int, int]]:
         """What was learned as vLLM's per-batch-size schedule: [(batch_lo, batch_hi, k), ...] over batch sizes
         1..max_batch (the width this policy would choose at each power-of-two bucket, runs of equal k merged)."""
-        _check_int("to_vllm_schedule(max_batch)", max_batch, 1, MAX_EXPORT_BATCH)
+        check_int("to_vllm_schedule(max_batch)", max_batch, 1, MAX_EXPORT_BATCH)
         out: list[list[int]] = []
         sizes = [1 << i for i in range(int(math.log2(max_batch)) + 1)]
         for lo in sizes:

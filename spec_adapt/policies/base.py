@@ -164,6 +164,26 @@ def check_rows(policy, value, live: int, held: int) -> int:
 MAX_WIDTH = 1024
 
 
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """`value` when it is an int (not a bool) at least `low` and at most `high` (None: no upper bound); else a
+    ValueError naming the argument `name`. What the policies' size and count arguments are checked with."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or high is not None and value > high:
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}.")
+    return value
+
+
+def to_json_lists(x):
+    """Nested tuples (a random.Random state, a table's tuple keys) as nested lists, for a JSON-friendly
+    `state_dict`; `from_json_lists` turns them back."""
+    return [to_json_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def from_json_lists(x):
+    """Nested lists (what `to_json_lists` made, read back from JSON) as the nested tuples they were."""
+    return tuple(from_json_lists(v) for v in x) if isinstance(x, list) else x
+
+
 def check_plan(policy, value, batch_size: int) -> Plan:
     """A policy's answer -> a Plan with gammas [B] long, or an error naming the policy and the fix."""
     if not isinstance(value, Plan):

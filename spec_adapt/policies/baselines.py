@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..running_estimates import ema
 from ..metrics import StepRecord
-from .estimators import LatencyTable, OnlineLatency, PositionAcceptance, _listed, _tupled, bucket
-from .base import Policy, StepInfo
-from .fixed import _check_int
+from .estimators import LatencyTable, OnlineLatency, PositionAcceptance, bucket
+from .base import Policy, StepInfo, check_int, from_json_lists, to_json_lists
 
 
 def goodput(record: StepRecord) -> float:
@@ -24,7 +23,7 @@ def goodput(record: StepRecord) -> float:
 
 def _arms(max_gamma, arms) -> list[int]:
     if arms is None:
-        arms = list(range(_check_int("max_gamma", max_gamma, 0) + 1))
+        arms = list(range(check_int("max_gamma", max_gamma, 0) + 1))
     arms = sorted(set(int(a) for a in arms))
     if not arms or arms[0] < 0:
         raise ValueError(f"arms must be non-negative ints, got {arms!r}.")
@@ -78,7 +77,7 @@ class Nightjar(Policy):
             raise ValueError(f"Nightjar(exploration) must be 'uniform' or 'local', got {exploration!r}.")
         self.exploration, self.radius = exploration, radius
         if memory is not None:
-            _check_int("Nightjar(memory)", memory, 1)
+            check_int("Nightjar(memory)", memory, 1)
         self.latency, self.switch_cost, self.memory, self.seed = latency, switch_cost, memory, seed
         self.reset()
 
@@ -212,7 +211,7 @@ class GoodputModel(Policy):
                  decay: float = 0.98, seed: int = 0):
         if not 0.0 <= explore <= 1.0:
             raise ValueError(f"GoodputModel(explore) must be within [0, 1], got {explore!r}.")
-        self.max_gamma = _check_int("max_gamma", max_gamma, 0)
+        self.max_gamma = check_int("max_gamma", max_gamma, 0)
         self.table, self.explore, self.decay, self.seed = latency, explore, decay, seed
         self.reset()
 
@@ -244,7 +243,7 @@ class GoodputModel(Policy):
     def state_dict(self):
         return {"max_gamma": self.max_gamma, "explore": self.explore, "tried": self.acceptance.tried,
                 "accepted": self.acceptance.accepted, "latency": self.latency.state_dict(),
-                "rng": _listed(self.rng.getstate())}
+                "rng": to_json_lists(self.rng.getstate())}
 
     def load_state_dict(self, state):
         self.max_gamma, self.explore = state["max_gamma"], state["explore"]
@@ -252,7 +251,7 @@ class GoodputModel(Policy):
         self.acceptance.tried, self.acceptance.accepted = list(state["tried"]), list(state["accepted"])
         self.latency.load_state_dict(state["latency"])
         if "rng" in state:
-            self.rng.setstate(_tupled(state["rng"]))
+            self.rng.setstate(from_json_lists(state["rng"]))
 
 
 class ElasticEWMA(Policy):
@@ -304,7 +303,7 @@ class PerRequest(Policy):
 
     def __init__(self, max_gamma: int = 8, latency: LatencyTable | None = None, beta: float = 1.0,
                  shrink: float = 4.0):
-        self.max_gamma = _check_int("max_gamma", max_gamma, 0)
+        self.max_gamma = check_int("max_gamma", max_gamma, 0)
         self.table, self.beta, self.shrink = latency, beta, shrink
         self.reset()
 

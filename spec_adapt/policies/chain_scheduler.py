@@ -37,9 +37,9 @@ import random
 from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
 from ..running_estimates import ema
-from .base import USUAL_LAG, Plan, Policy, StepInfo
+from .base import USUAL_LAG, Plan, Policy, StepInfo, from_json_lists, to_json_lists
 from .cost import StepCost
-from .estimators import ProbeBackoff, _listed, _tupled
+from .estimators import ProbeBackoff
 
 
 class ChainScheduler(Policy):
@@ -205,20 +205,20 @@ class ChainScheduler(Policy):
     _TABLES = ("alpha", "sim", "span")
 
     def state_dict(self):
-        tables = {name: [[_listed(k), v] for k, v in getattr(self, name).items()] for name in self._TABLES}
+        tables = {name: [[to_json_lists(k), v] for k, v in getattr(self, name).items()] for name in self._TABLES}
         return {**tables, "fill": [[k, v] for k, v in self.fill.items()], "cost": self.cost.state_dict(),
-                "current": _listed(self.current),
-                "idle": self.probes.idle, "probe_gap": self.probes.gap, "rng": _listed(self.rng.getstate())}
+                "current": to_json_lists(self.current),
+                "idle": self.probes.idle, "probe_gap": self.probes.gap, "rng": to_json_lists(self.rng.getstate())}
 
     def load_state_dict(self, state):
         self.reset()
         for name in self._TABLES:
-            setattr(self, name, {_tupled(k): v for k, v in state[name]})
+            setattr(self, name, {from_json_lists(k): v for k, v in state[name]})
         self.fill = {k: v for k, v in state["fill"]}
         self.cost.load_state_dict(state["cost"])
-        self.current = _tupled(state["current"])
+        self.current = from_json_lists(state["current"])
         self.probes.idle, self.probes.gap = state["idle"], state["probe_gap"]
-        self.rng.setstate(_tupled(state["rng"]))
+        self.rng.setstate(from_json_lists(state["rng"]))
 
 
 def _behind(lags, level) -> int:

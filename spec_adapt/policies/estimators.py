@@ -259,15 +259,6 @@ class PositionAcceptance:
         return [a / t for a, t in zip(self.accepted, self.tried)]
 
 
-def _listed(x):
-    """A random.Random state (nested tuples) as JSON-friendly nested lists, and back."""
-    return [_listed(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tupled(x):
-    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
-
-
 # -- profiles cached per model, dtype and device ------------------------------------------------------------------------
 def profile_key(model, draft=None) -> str:
     """Names what a latency table depends on: the model (its name and size), the draft, the dtype and the device

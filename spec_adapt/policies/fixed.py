@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MAX_WIDTH, Plan, Policy, StepInfo
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or high is not None and value > high:
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}.")
-    return value
+from .base import MAX_WIDTH, Plan, Policy, StepInfo, check_int
 
 
 class FixedLength(Policy):
@@ -22,7 +15,7 @@ class FixedLength(Policy):
     width_binds_free = True
 
     def __init__(self, k: int):
-        self.k = _check_int("FixedLength(k)", k, 0, MAX_WIDTH)
+        self.k = check_int("FixedLength(k)", k, 0, MAX_WIDTH)
 
     def choose(self, info: StepInfo):
         return self.k
@@ -31,7 +24,7 @@ class FixedLength(Policy):
         return {"k": self.k}
 
     def load_state_dict(self, state):
-        self.k = _check_int("FixedLength(k)", state["k"], 0, MAX_WIDTH)
+        self.k = check_int("FixedLength(k)", state["k"], 0, MAX_WIDTH)
 
     def __repr__(self):
         return f"FixedLength({self.k})"
@@ -47,8 +40,8 @@ class FixedTree(Policy):
     trees = True          # its plans have a depth: the call checks the target can verify trees
 
     def __init__(self, nodes: int, depth: int, pooled: bool = False):
-        self.nodes = _check_int("FixedTree(nodes)", nodes, 1, MAX_WIDTH)
-        self.depth = _check_int("FixedTree(depth)", depth, 1, MAX_WIDTH)
+        self.nodes = check_int("FixedTree(nodes)", nodes, 1, MAX_WIDTH)
+        self.depth = check_int("FixedTree(depth)", depth, 1, MAX_WIDTH)
         if depth > nodes:
             raise ValueError(f"FixedTree(nodes={nodes}, depth={depth}): a tree of {nodes} nodes is at most {nodes} "
                              "deep; use depth <= nodes.")
@@ -77,9 +70,9 @@ class Heuristic(Policy):
     needs_timing = False
 
     def __init__(self, initial: int = 20, minimum: int = 1, maximum: int = 64):
-        self.initial = _check_int("Heuristic(initial)", initial, 0)
-        self.minimum = _check_int("Heuristic(minimum)", minimum, 0)
-        self.maximum = _check_int("Heuristic(maximum)", maximum, max(self.minimum, 1), MAX_WIDTH)
+        self.initial = check_int("Heuristic(initial)", initial, 0)
+        self.minimum = check_int("Heuristic(minimum)", minimum, 0)
+        self.maximum = check_int("Heuristic(maximum)", maximum, max(self.minimum, 1), MAX_WIDTH)
         self.lengths: dict[int, int] = {}
 
     def begin(self, batch_size):
