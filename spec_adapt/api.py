@@ -24,7 +24,8 @@ from .drafters.sources import MultiSourceDrafter, SourceState
 from .drafters.suffix import SuffixDrafter, SuffixIndex
 from .acceptor import Acceptor, EnsembleAcceptor
 from .inputs import LEDGER_INPUTS, encoder_decoder
-from .ledger import check_model_kind, check_one_mask, check_rollback_cache
+from .ledger import check_rollback_cache
+from .model_kinds import check_model_kind, check_one_mask
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
 from .policies.base import MAX_WIDTH, Policy, check_policy

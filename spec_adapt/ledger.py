@@ -48,11 +48,12 @@ import weakref
 import torch
 
 from . import compat
-from .compat import (CONV_MASK_KEYS, CONV_TYPES, FULL_LAYER, MASK_KEYS, PER_ROW_LOGITS_TO_KEEP, DummyLayer,
-                     DynamicCache, DynamicIndexedLayer, DynamicLayer, EncoderDecoderCache,
-                     LinearAttentionAndFullAttentionLayer, LinearAttentionLayer, attn_implementation, layer_types,
-                     takes_4d_mask, with_cache)
+from .compat import (CONV_MASK_KEYS, FULL_LAYER, MASK_KEYS, PER_ROW_LOGITS_TO_KEEP, DummyLayer, DynamicCache,
+                     DynamicIndexedLayer, DynamicLayer, EncoderDecoderCache, LinearAttentionAndFullAttentionLayer,
+                     LinearAttentionLayer, attn_implementation, layer_types, with_cache)
 from .inputs import encoder_decoder
+from .model_kinds import (UnsupportedCacheError, check_no_convolutions, has_convolutions, has_layer,
+                          one_mask_refusal, sliding_windows)
 from .positions import offsets
 
 
@@ -69,10 +70,6 @@ def worth_apart(device, lengths: list[int], width: int | None = None) -> bool:
     padding = len(lengths) * (width if width is not None else max(lengths, default=0)) - sum(lengths)
     rows = len(lengths)
     return torch.device(device).type == "cpu" and rows > 1 and padding > PREFILL_APART_TOKENS * (rows - 1)
-
-
-class UnsupportedCacheError(ValueError):
-    pass
 
 
 def check_rollback_cache(cache) -> None:
@@ -175,58 +172,7 @@ def _reads_positions(model) -> bool | None:
     return not torch.equal(*outputs)
 
 
-# Layer types whose cache entries the ledger keeps per column: attention (a window is enforced by the mask) and
-# short convolutions (the ledger keeps their input columns), alone or beside attention.
-_ROLLBACK_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "dummy",
-                   *CONV_TYPES)
 CHUNKED = "chunked_attention"      # its "window" is a chunk: a token sees the earlier tokens of its own chunk only
-
-
-# Model types whose forward cannot take several new tokens over a filled cache, which every verification needs.
-_ONE_TOKEN_AT_A_TIME = {
-    "blt": "its global model runs over byte patches, and a forward of several new bytes over a filled cache does not "
-           "line up with them (it fails inside the model)",
-    "cpmant": "its forward reads the whole sequence at every step (it numbers, segments and masks the tokens from all "
-              "of input_ids, ignoring the attention mask, then keeps the columns past the cache), so it cannot take "
-              "new tokens alone, holes or rows of different lengths",
-    "prophetnet": "its decoder takes one token at a time over a cache (`use_cache` is only supported for "
-                  "`decoder_input_ids` of length 1, it asserts, in stock's assisted generation too)",
-    "voxtral_realtime": "its streaming audio encoder takes the next slice of audio with every generated token, by "
-                        "the cache length, and keeps a cache of its own that cannot go back (transformers' own "
-                        "tests skip assisted decoding for it: it does not fall in the paradigm of assisted decoding)",
-}
-
-
-def check_model_kind(model) -> None:
-    """Stock refuses assisted generation for stateful models (recurrent states cannot go back to an earlier
-    token); so does spec_adapt, with the same reason. Models that decode only one token per forward over a cache are
-    refused by name, with theirs."""
-    if compat.stateful(model):
-        raise UnsupportedCacheError(compat.stateful_reason(model))
-    reason = _ONE_TOKEN_AT_A_TIME.get(getattr(model.config, "model_type", None))
-    if reason is not None:
-        raise UnsupportedCacheError(f"spec_adapt cannot run {type(model).__name__}: {reason}. Generate with stock "
-                                    "`generate` and no drafter.")
-
-
-def sliding_windows(model) -> dict[str, int | None] | None:
-    """{layer type: its window (None: full attention)} for a model with sliding-window layers; None when every layer
-    attends fully. Layer types whose state cannot be rolled back per row are refused with the reason."""
-    check_model_kind(model)
-    types = layer_types(model)
-    bad = sorted({kind for kind, _ in types if kind not in _ROLLBACK_TYPES})
-    if bad:
-        raise UnsupportedCacheError(
-            f"spec_adapt cannot roll back the {bad} layers of {type(model).__name__} per row (their cache transforms "
-            "or shares state instead of keeping one entry per token). Generate without a drafter for this model.")
-    windows = {kind: kwargs.get("sliding_window") for kind, kwargs in types if kind not in ("conv", "dummy")}
-    if all(window is None for window in windows.values()):
-        return None
-    if not takes_4d_mask(model):
-        raise UnsupportedCacheError(
-            f"{type(model).__name__} has sliding-window layers, which spec_adapt enforces with 4-D attention masks: "
-            f"load it with attn_implementation='sdpa' or 'eager' (it uses {attn_implementation(model)!r}).")
-    return windows
 
 
 def new_cache(model, windows) -> DynamicCache | EncoderDecoderCache:
@@ -290,21 +236,6 @@ def _one_mask(model, masks: dict) -> torch.Tensor:
     return first
 
 
-def one_mask_refusal(model) -> str:
-    windows = [window for window in (sliding_windows(model) or {}).values() if window]
-    return (f"{type(model).__name__} builds the masks of its sliding-window layers (window {min(windows)}) from the one "
-            "attention mask it is given, which cannot carry both a full and a sliding mask: spec_adapt serves it "
-            f"while no window binds, up to {min(windows)} tokens in all (prompt and generated). Generate fewer tokens, "
-            "or without a drafter.")
-
-
-def check_one_mask(model, max_length: int | None) -> None:
-    """Refuse up front a call on a model that takes one mask (`compat.takes_one_mask`) where a window would bind."""
-    windows = [window for window in (sliding_windows(model) or {}).values() if window]
-    if windows and compat.takes_one_mask(model) and (max_length is None or max_length > min(windows)):
-        raise ValueError(one_mask_refusal(model))
-
-
 def _with_columns(tensor: torch.Tensor, n: int, dim: int = 2, after: bool = False) -> torch.Tensor:
     """`tensor` with n zero columns before (or after) the others along `dim`."""
     zeros = tensor.new_zeros(tensor.shape[:dim] + (n,) + tensor.shape[dim + 1:])
@@ -323,36 +254,6 @@ def _map_columns(layer, fn) -> None:
     """Replace each per-token tensor t of `layer` with fn(t, its column dim)."""
     for name, dim in _column_tensors(layer):
         setattr(layer, name, fn(getattr(layer, name), dim))
-
-
-def has_layer(model, kind: str) -> bool:
-    """Whether any decoder layer of `model` has this cache layer type."""
-    return any(each == kind for each, _ in layer_types(model))
-
-
-def has_convolutions(model) -> bool:
-    """Whether any decoder layer of `model` has short convolutions (alone or beside attention)."""
-    return any(kind in CONV_TYPES for kind, _ in layer_types(model))
-
-
-def check_no_convolutions(model, what: str) -> None:
-    """A convolution layer reads the tokens before it in column order: a tree's siblings would be its predecessors,
-    and a forward that stops mid-way leaves no input columns to keep."""
-    if has_convolutions(model):
-        raise ValueError(f"{type(model).__name__} has convolution layers, which read the previous tokens in order: "
-                         f"{what} cannot run on it. Draft chains (a policy without depth) with the FullVerifier.")
-
-
-def check_tree_attention(model) -> None:
-    """Trees need a model that takes a 4-D attention mask: attn_implementation 'sdpa' or 'eager', and no layer that
-    reads the tokens before it in column order (a convolution sees a sibling as a predecessor)."""
-    check_no_convolutions(model, "token trees")
-    if not takes_4d_mask(model):
-        raise ValueError(
-            f"Token trees need attn_implementation 'sdpa' or 'eager' (each node attends to its ancestors only, through "
-            f"a 4-D mask), but {type(model).__name__} uses {attn_implementation(model)!r}. Load it with "
-            "attn_implementation='sdpa', or draft chains (a policy without depth)."
-        )
 
 
 def attention_mask_4d(model, allowed: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from .acceptor import token_rank
 from .compat import attn_implementation, create_causal_mask, takes_4d_mask, with_cache
 from .running_estimates import ProbeBackoff, bucket, mean_then_ema
 from .policies.cost import StepCost
-from .ledger import check_tree_attention, on_device, positions_from_cache
+from .ledger import on_device, positions_from_cache
+from .model_kinds import check_tree_attention
 
 SUPPORTED = ("llama", "qwen2", "mistral")     # decoder layers with the Llama call signature and a final RMSNorm
 

@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "spec_adapt"
 TOOLS = "spec_adapt.tools"
 # docs/design.md's first layer.
 FOUNDATIONS = [f"spec_adapt.{name}" for name in ("compat", "metrics", "acceptance_rules", "noise", "tree",
-                                                  "running_estimates", "loading", "execution", "identity", "kernels",
-                                                  "kernels.compact", "kernels.verify")]
+                                                  "running_estimates", "model_kinds", "loading", "execution", "identity",
+                                                  "kernels", "kernels.compact", "kernels.verify")]
 
 
 def modules(root: Path) -> dict[str, Path]:

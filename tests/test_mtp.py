@@ -11,7 +11,7 @@ import torch
 import spec_adapt
 from spec_adapt import EarlyExitVerifier, FixedLength, MTPDrafter, ScriptedDrafter, compat
 from spec_adapt.drafters import MTPDrafter as ExportedMTPDrafter
-from spec_adapt.ledger import UnsupportedCacheError
+from spec_adapt.model_kinds import UnsupportedCacheError
 
 from mtp_models import FAMILIES, mtp_model
 from test_sampling import follows_target

@@ -24,7 +24,8 @@ from types import SimpleNamespace
 import torch
 
 from .. import compat
-from ..ledger import KVLedger, check_model_kind
+from ..ledger import KVLedger
+from ..model_kinds import check_model_kind
 from .base import Drafter, DraftRequest, Proposal, left_padding, sample_drafts
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from .. import compat
-from ..ledger import attention_mask_4d, takes_4d_mask
+from ..compat import takes_4d_mask
+from ..ledger import attention_mask_4d
 from .base import Drafter, DraftRequest, Proposal
 from .mtp import Drafting
 
