@@ -77,9 +77,9 @@ class SpeculativeLoop:
         model_inputs: dict | None = None, positions: torch.Tensor | None = None,
     ):
         cfg = generation_config
-        self._hold(model, drafter=drafter, policy=policy, processor=ScoreProcessor(logits_processor),
-                   sampling=bool(cfg.do_sample), acceptor=acceptor, verifier=verifier, stats=stats, streamer=streamer,
-                   strict=strict)
+        self._set_parts(model, drafter=drafter, policy=policy, processor=ScoreProcessor(logits_processor),
+                        sampling=bool(cfg.do_sample), acceptor=acceptor, verifier=verifier, stats=stats,
+                        streamer=streamer, strict=strict)
         self.input_ids = input_ids.to(self.device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         # Sampling's keyed noise (spec_adapt.noise): the call's seed, drawn once from torch's global generator, and
@@ -95,7 +95,7 @@ class SpeculativeLoop:
         lengths = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
         # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
         # with their own prompt widths and token budgets; one generate call has one of each).
-        self._hold_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
+        self._set_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
         self.target = target_ledger(model, drafter, self.acceptor.mode, cache)
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
@@ -107,8 +107,8 @@ class SpeculativeLoop:
         # The cache the call returns (stock's layout, spec_adapt.returned_cache): each row's entries as it leaves.
         self.returned = ReturnedCache(model) if cfg.return_dict_in_generate and cache is not None else None
 
-    def _hold(self, model, *, drafter, policy, processor, sampling, acceptor, verifier, stats, streamer=None,
-              strict=False):
+    def _set_parts(self, model, *, drafter, policy, processor, sampling, acceptor, verifier, stats, streamer=None,
+                   strict=False):
         """What a loop holds besides its rows: the models' roles, the rules and the counters (shared with serving)."""
         self.model, self.device = model, model.device
         self.ranks = ranks_of(model)   # a sharded target: the first rank takes every decision (spec_adapt.distributed)
@@ -133,7 +133,7 @@ class SpeculativeLoop:
         self.device_timing = self.device.type == "cuda" and policy.needs_timing   # phases timed by CUDA events
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
 
-    def _hold_rows(self, buffer, lengths, starts, limits) -> None:
+    def _set_rows(self, buffer, lengths, starts, limits) -> None:
         """The rows' state: token buffer, committed lengths, where each row's output starts and may end."""
         self.buffer, self.lengths, self.starts, self.limits = buffer, lengths, starts, limits
         self.rows = torch.arange(len(lengths), device=self.device)
@@ -249,8 +249,8 @@ class SpeculativeLoop:
         # The rows' lengths and what they may still generate, computed where something reads them: a policy that
         # answers 0 without reading them, beside a drafter with no catch-up, costs no tensor operation here.
         rows = self.rows
-        lengths = _Once(lambda: self.lengths[rows])
-        remaining = _Once(lambda: self._row_limits() - lengths())
+        lengths = _ComputedOnce(lambda: self.lengths[rows])
+        remaining = _ComputedOnce(lambda: self._row_limits() - lengths())
         lag = level_lags = None
         if _overrides(self.drafter, "lag"):
             lag = self._guard("lag", self.drafter.lag, lengths())
@@ -268,7 +268,7 @@ class SpeculativeLoop:
         if type(answer) is int and answer == 0 and (binds or not self.drafter.max_free):   # valid: a plain step
             return StepPlan(self._widths(len(rows), 0), True, plain=True)
         if type(answer) is int and 0 < answer <= MAX_WIDTH and not self.drafter.max_free \
-                and self._least_left() > answer:
+                and self._min_tokens_left() > answer:
             # One width for every row, and every row has room for it and the bonus: nothing to cap, nothing to read.
             return StepPlan(self._widths(len(rows), answer), True, most=answer, some=True)
         remaining = remaining()
@@ -289,20 +289,20 @@ class SpeculativeLoop:
             none = (free is None or binds) and (most == 0 if most is not None else not bool(plan.gammas.any()))
             room = remaining if self.drafter.fills_budget else remaining - 1   # the bonus is cut past the budget
             # One width for every row, and room for a draft in every row: some row drafts, with no read.
-            some = type(answer) is int and answer > 0 and self._least_left() >= 2
+            some = type(answer) is int and answer > 0 and self._min_tokens_left() >= 2
             return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
                             free=free, plain=none, most=most, some=some)
         return self._tree_plan(gammas, plan, remaining)
 
-    def _settle(self, rows, old, n_keep, finished):
+    def _align_row_ends(self, rows, old, n_keep, finished):
         """`Stopper.settle` over the loop's own lengths and limits; the limits it may write are gathered again."""
         if self.stopper.waits:           # only then does settle write limits
             self._limits_written()
         return self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits, self.lengths, self.pad_id)
 
     def _limits_written(self) -> None:
-        """Whoever writes limits in place, or brings rows in (`_settle`, a serving admission), says so here: what
-        the loop keeps of them (`_row_limits`, `_least_left`) is made again."""
+        """Whoever writes limits in place, or brings rows in (`_align_row_ends`, a serving admission), says so here:
+        what the loop keeps of them (`_row_limits`, `_min_tokens_left`) is made again."""
         self._limits_of = self._left = None
 
     def _row_limits(self) -> torch.Tensor:
@@ -312,7 +312,7 @@ class SpeculativeLoop:
             self._limits_of = (self.rows, self.limits, self.limits[self.rows])
         return self._limits_of[2]
 
-    def _least_left(self) -> int:
+    def _min_tokens_left(self) -> int:
         """A bound, known on the host, below what every row in the batch may still generate: read once, then
         lowered by each commit's width (no row gains more), so a drafting step need not read whether a row drafts.
         Rows that leave keep it a bound; rows that join, or limits written, make it read again."""
@@ -322,9 +322,9 @@ class SpeculativeLoop:
             known = self._left = [self.limits, least]
         return known[1]
 
-    def _grow(self, rows, lengths, width: int) -> None:
+    def _set_lengths(self, rows, lengths, width: int) -> None:
         """The rows' new lengths, from a commit of at most `width` tokens a row (the one writer of lengths in a step):
-        what every row may still generate falls by at most that (`_least_left`)."""
+        what every row may still generate falls by at most that (`_min_tokens_left`)."""
         self.lengths[rows] = lengths
         if getattr(self, "_left", None) is not None:
             self._left[1] -= width
@@ -462,9 +462,9 @@ class SpeculativeLoop:
         every_one = plain and n_new is self.target.ones(len(rows))     # each row keeps its one token
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self._row_limits(),
                                             every_one)
-        n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
+        n_keep, finished, taken = self._align_row_ends(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
-        self._grow(rows, old + n_keep, new.shape[1])
+        self._set_lengths(rows, old + n_keep, new.shape[1])
         self.finished = finished
         for row, k in taken:     # rows that had left past where the batch ends (Stopper.settle)
             self._take_back(row, k)
@@ -499,9 +499,9 @@ class SpeculativeLoop:
         new = next_token[:, None]
         n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, torch.ones_like(old), self.pad_id,
                                             self.limits[rows])
-        n_keep, finished, taken = self._settle(rows, old, n_keep, finished)
+        n_keep, finished, taken = self._align_row_ends(rows, old, n_keep, finished)
         n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
-        self._grow(rows, old + n_keep, 1)
+        self._set_lengths(rows, old + n_keep, 1)
         self._count_first_token(rows, n_keep)
         for row, k in taken:
             self._take_back(row, k)
@@ -550,7 +550,7 @@ class SpeculativeLoop:
         zeros = plan.gammas
         record = StepRecord(len(row_ids), row_ids, zeros, zeros, zeros, kept, t3 - t0, t1 - t0, t2 - t1,  # 5. observe
                             held=self.target.held_rows)
-        self._tell(plan, record, plain=True)
+        self._send_record(plan, record, plain=True)
         self._retire(finished)
 
     def _observe(self, proposal, counts: "StepCounts", plan: StepPlan, step_time, draft_time,
@@ -562,10 +562,10 @@ class SpeculativeLoop:
             verify_time=verify_time, telemetry=proposal.telemetry, held=self.target.held_rows,
             confidence=proposal.confidence, free=proposal.free.tolist() if proposal.free is not None else None,
         )
-        self._tell(plan, record)
+        self._send_record(plan, record)
         return counts.finished
 
-    def _tell(self, plan: StepPlan, record: StepRecord, plain: bool = False) -> None:
+    def _send_record(self, plan: StepPlan, record: StepRecord, plain: bool = False) -> None:
         """The step's record to the statistics, the policy (if it planned the step), the verifier and the drafter."""
         self.stats.record(record, plain)
         if plan.asked:
@@ -755,7 +755,7 @@ def _along_path(proposal: Proposal, path, scores, logits, hidden=None):
     return chain, scores.gather(1, index), logits.gather(1, index), hidden
 
 
-class _Once:
+class _ComputedOnce:
     """A value computed on first call and kept."""
 
     __slots__ = ("make", "value")

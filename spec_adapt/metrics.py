@@ -154,7 +154,7 @@ class SpecStats:
             self.drafted += d
             self.accepted += a
             self.new_tokens += c
-            self._grow(d)
+            self._extend_positions(d)
             for i in range(d):
                 self.per_position_drafted[i] += 1
                 self.per_position_accepted[i] += int(i < a)
@@ -190,7 +190,7 @@ class SpecStats:
                 entry["drafted"] += d
                 entry["accepted"] += a
 
-    def _grow(self, n: int) -> None:
+    def _extend_positions(self, n: int) -> None:
         missing = n - len(self.per_position_drafted)
         if missing > 0:
             self.per_position_drafted.extend([0] * missing)

@@ -129,12 +129,12 @@ class Adaptive(Policy):
     def admit(self, rows) -> None:
         """Serving: these slots hold new requests; their rows start from the pooled estimates again."""
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        self._grow(rows)
+        self._extend_rows(rows)
         self.row_tried[rows], self.row_accepted[rows], self.row_state[rows] = 0.0, 0.0, PLAIN
         self.row_full[rows] = 0
         self._refresh()
 
-    def _grow(self, rows: torch.Tensor) -> None:
+    def _extend_rows(self, rows: torch.Tensor) -> None:
         need = int(rows.max()) + 1 if len(rows) else 0
         have = self.row_tried.shape[0]
         if need > have:
@@ -167,7 +167,7 @@ class Adaptive(Policy):
         Row values are recomputed when counts change (`observe`), so a decision only gathers them."""
         if rows is None:
             return _tokens(prior_rates(self.tried.sum(0), self.accepted.sum(0), self.prior.sum(0))[None])[0]
-        self._grow(rows)
+        self._extend_rows(rows)
         return self.row_expected[rows]
 
     def _refresh(self) -> None:
@@ -416,7 +416,7 @@ class Adaptive(Policy):
         stop rule (`ruled`), drafted: the positions the rule declined were not tried."""
         gammas, accepted = torch.tensor(record.gammas), torch.tensor(record.accepted)
         drafted, rows = torch.tensor(record.drafted), torch.tensor(record.rows)
-        self._grow(rows)
+        self._extend_rows(rows)
         state = self.row_state[rows]                                                     # [B] as chosen
         reached, hits = reach(drafted if ruled else gammas, accepted, self.max_gamma)    # [B, S]
         self._add_counts(rows, state, reached, hits)
@@ -452,7 +452,7 @@ class Adaptive(Policy):
         measured one position further: a state whose next position once read low stayed at its width through long
         runs of full acceptance (width 1 for thirty steps on ShareGPT)."""
         rows = torch.tensor(record.rows, dtype=torch.long)
-        self._grow(rows)
+        self._extend_rows(rows)
         seen = (record.telemetry or {}).get("hindsight")
         width, chosen = self.row_full[rows], self.row_chosen[rows]
         self.row_full[rows] = 0              # the next step's hindsight is about this step's drafts, if any

@@ -146,14 +146,14 @@ class ServingLoop(SpeculativeLoop):
 
     def __init__(self, model, *, drafter, policy, processor, sampling, eos, pad_id, max_length, acceptor,
                  verifier, step_timeout: float | None = None):
-        self._hold(model, drafter=drafter, policy=policy, processor=processor, sampling=sampling, acceptor=acceptor,
-                   verifier=verifier, stats=SpecStats())
+        self._set_parts(model, drafter=drafter, policy=policy, processor=processor, sampling=sampling,
+                        acceptor=acceptor, verifier=verifier, stats=SpecStats())
         self.stopper = Stopper([], max_length, self.device)
         self.stopper.eos = eos
         self.pad_id = pad_id
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._hold_rows(torch.full((0, 1), pad_id, dtype=torch.long, device=self.device), empty, empty.clone(),
-                        empty.clone())
+        self._set_rows(torch.full((0, 1), pad_id, dtype=torch.long, device=self.device), empty, empty.clone(),
+                       empty.clone())
         self.pads = empty.clone()                    # per slot: the left padding of its buffer row
         # Sampling's keyed noise (spec_adapt.noise): the engine's seed, drawn once from torch's global generator, and
         # per slot the key of the request it holds: the seed and the request's admission number, so a request's
