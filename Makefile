@@ -15,6 +15,8 @@ TORCH_NEWEST := 2.15.0
 # included), contracts, entry points, compat.
 COMPAT_SUITE := tests/test_identity.py tests/test_families.py tests/test_processors.py tests/test_contracts.py \
 	tests/test_entry_points.py tests/test_compat.py tests/test_multimodal.py
+# At the ends of the torch range also `prepare`, whose oneDNN operations are torch's private ones.
+ENDS_SUITE := $(COMPAT_SUITE) tests/test_prepare.py
 OLDEST := .venv-oldest
 LATEST := .venv-latest
 # The ends of both ranges: venvs over the installed packages with torch and transformers replaced. torch releases past
@@ -62,15 +64,15 @@ $(OLDEST)/.stamp: Makefile
 test-oldest: $(OLDEST)/.stamp
 	$(OLDEST)/bin/python -m pytest -q -x $(COMPAT_SUITE)
 
-# The compatibility subset on the newest torch with the newest transformers, and on the oldest torch with the oldest
-# transformers; then the install check against the real newest releases: pip, asked to install spec_adapt into the
+# The compatibility subset and `prepare`'s tests on the newest torch with the newest transformers, and on the oldest
+# torch with the oldest transformers; then the install check against the real newest releases: pip, asked to install spec_adapt into the
 # newest venv, plans no change to its torch or transformers. Not in CI (each venv is gigabytes of downloads once);
 # docs/compatibility.md records each run. Every line of the run is also written to test-ends.log.
 test-ends: setup $(NEWEST_STAMP) $(ENDS_OLDEST_STAMP)
 	@set -o pipefail; for venv in $(NEWEST) $(ENDS_OLDEST); do \
 		$$venv/bin/python -c "import datetime, torch, transformers; print('==', datetime.date.today(), 'torch', \
 			torch.__version__, 'transformers', transformers.__version__)"; \
-		$$venv/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_SUITE) || exit 1; \
+		$$venv/bin/python -m pytest -q -p no:cacheprovider $(ENDS_SUITE) || exit 1; \
 	done 2>&1 | tee test-ends.log
 	set -o pipefail; SPEC_ADAPT_STACK_PYTHON=$(NEWEST)/bin/python $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/test_install.py 2>&1 | tee -a test-ends.log

@@ -96,6 +96,18 @@ def storage_use_count(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
+@functools.cache
+def _use_count_alone() -> int:
+    """What `storage_use_count` reads for a tensor no other holds: 1 on torch 2.6, 2 on later releases (whose
+    `untyped_storage()` object holds a reference of its own while the count is read)."""
+    return storage_use_count(torch.empty(1))
+
+
+def storage_shared(tensor: torch.Tensor) -> bool:
+    """Whether another tensor shares `tensor`'s storage (a view, a detached alias, a `state_dict` entry)."""
+    return storage_use_count(tensor) > _use_count_alone()
+
+
 # The ends of the declared ranges (pyproject.toml) the compatibility subset ran on (docs/compatibility.md records
 # each run); the Makefile installs the same versions (TORCH_OLDEST, TORCH_NEWEST, TRANSFORMERS_OLDEST,
 # TRANSFORMERS_NEWEST; tests/test_install.py checks they agree).

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .compat import mkldnn_op, storage_use_count
+from .compat import mkldnn_op, storage_shared
 
 _PACKED = "_spec_adapt_packed"          # a _Packed on a prepared layer
 _PREPARED = "_spec_adapt_prepared"      # what prepare did, on the model
@@ -321,7 +321,7 @@ def _shared(weight) -> bool:
     moving the weight to another storage would cut that alias off, and a write through it would reach the model no
     more. (Where PyTorch does not tell, assume shared.)"""
     try:
-        return storage_use_count(weight) > 2     # the weight, and this call's
+        return storage_shared(weight)
     except (AttributeError, RuntimeError):
         return True
 
