@@ -450,6 +450,28 @@ def _page_out(tensor) -> None:
             pass
 
 
+def convert_paging_out(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model.to(dtype)` one tensor at a time, in place, handing each converted tensor's file pages back to the kernel
+    at once. For a model whose weights live in a file mapping (`from_pretrained` over a float32 safetensors file):
+    converting it whole would hold the whole file's pages resident beside the copy; this holds one tensor's."""
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:      # a tied weight is converted once
+                    old = param.data
+                    param.data = old.to(dtype)
+                    _page_out_if_mapped(old)
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.is_floating_point() and buffer.dtype != dtype:
+                    module._buffers[name] = buffer.to(dtype)
+    return model
+
+
+def _page_out_if_mapped(tensor) -> None:
+    if tensor.numel() and _file_mapped(tensor.data_ptr()):
+        _page_out(tensor)
+
+
 _MADV_RANDOM = 1
 
 

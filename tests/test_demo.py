@@ -3,6 +3,8 @@ natively it times a bf16 copy of the target beside the float32 one, each judged 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -21,7 +23,8 @@ def tiny_demo(monkeypatch):
     monkeypatch.setattr(cli, "DEMOS", {"smollm2-135m": plan})
     tok = char_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"     # ShareGPT's prompts are chats
-    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: (cached_model("llama"), tok))
+    # A fresh model per load, as the real loader gives: the demo converts its bfloat16 phase's copy in place.
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: (copy.deepcopy(cached_model("llama")), tok))
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -108,9 +108,13 @@ def _demo_phases(name: str, plan: dict, dtype, twin: bool, prepare: bool):
 
     def loader(as_dtype, packed):
         def load():
-            model = load_model(name, dtype=as_dtype)[0]
-            if next(model.parameters()).dtype != as_dtype:      # a loader that kept its own dtype: a copy
-                model = b.bf16_twin(model) if as_dtype == torch.bfloat16 else model.to(as_dtype)
+            # The cached checkpoint is float32: another dtype is converted tensor by tensor, each float32 tensor's
+            # file pages handed back as it goes (from_pretrained would hold the whole file resident beside the copy).
+            model = load_model(name, dtype=torch.float32)[0]
+            if as_dtype != torch.float32:
+                from spec_adapt.execution import convert_paging_out
+
+                convert_paging_out(model, as_dtype)
             if packed:
                 from spec_adapt import prepare
 
