@@ -12,7 +12,7 @@ import spec_adapt
 from spec_adapt import FixedLength, PromptLookupDrafter
 from spec_adapt.execution import eager, prepare, prepared, unprepare, why_not_packed
 
-from conftest import PAD, Oracle, ragged_batch, spec_generate, stock_greedy, tiny_model
+from conftest import PAD, Oracle, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
 
 needs_packing = pytest.mark.skipif(why_not_packed(torch.float32) is not None, reason="no oneDNN linear ops")
 
@@ -542,3 +542,25 @@ def test_a_checkpoint_mapped_from_its_file_stays_there_and_leaves_resident_memor
         model(ids)                                      # the fingerprint reads its samples' pages alone
         assert _mapping_kib(*span)["Rss"] - after < 0.1 * linear_kib, (after, _mapping_kib(*span), linear_kib)
     assert torch.equal(weight, copy)
+
+
+def test_converting_a_mapped_checkpoint_tensor_by_tensor_is_to_dtype(tmp_path):
+    """convert_paging_out gives what `.to(dtype)` gives (parameters, the tied embedding once, buffers), in place,
+    on a model whose weights live in its safetensors file's mapping."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_adapt.execution import convert_paging_out
+
+    cached_model("llama").save_pretrained(tmp_path)
+    mapped = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval().to(torch.bfloat16)
+    assert convert_paging_out(mapped, torch.bfloat16) is mapped
+    got, want = dict(mapped.named_parameters()), dict(expected.named_parameters())
+    assert got.keys() == want.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want[name]), name
+    for (name, buffer), (_, reference) in zip(mapped.named_buffers(), expected.named_buffers()):
+        assert buffer.dtype == reference.dtype and torch.equal(buffer, reference), name
+    ids = torch.tensor([[3, 7, 9, 4]])
+    assert torch.equal(mapped.generate(ids, max_new_tokens=4, do_sample=False),
+                       expected.generate(ids, max_new_tokens=4, do_sample=False))
