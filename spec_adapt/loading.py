@@ -100,20 +100,33 @@ def load_model(name_or_path: str = SMOLLM2, dtype: torch.dtype = torch.float32, 
 
     `placement`: more `from_pretrained` arguments that place the model, e.g. `distributed_config=` (tensor or
     pipeline parallelism under torchrun) or `device_map=` with `max_memory=` and `offload_folder=` (accelerate)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     extra = {"quantization_config": bnb_config(quantization, dtype), "device_map": device or "cpu"} \
         if quantization is not None else {}
-    source = known(name_or_path)
-    path = cached_safetensors(source) if source is not None else name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    path = _path(name_or_path)
+    tokenizer = load_tokenizer(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra, **placement).eval()
     if device is not None and quantization is None:
         model.to(device)
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str = SMOLLM2):
+    """The tokenizer `load_model` returns beside the model (left padding, a pad token), without the model."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_path(name_or_path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _path(name_or_path: str):
+    """A known name's cached safetensors folder (made on first use), else the path or hub id as given."""
+    source = known(name_or_path)
+    return cached_safetensors(source) if source is not None else name_or_path
 
 
 def bnb_config(quantization: str, dtype: torch.dtype):

@@ -30,7 +30,7 @@ def demo(args) -> None:
     """Stock generate vs stock speculation vs spec_adapt on HumanEval and ShareGPT prompts, through the one bench
     harness (interleaved repeats, identity against stock generate, one way of counting tokens)."""
     from spec_adapt.tools import bench as b
-    from spec_adapt.tools.models import known, load_model
+    from spec_adapt.tools.models import known, load_model, load_tokenizer
     from spec_adapt.recipes import workloads
 
     name = next(k for k, v in DEMOS.items() if known(k) == known(args.model))
@@ -39,7 +39,7 @@ def demo(args) -> None:
     print(f"CPU: {cpu_name()}")
     print(f"Loading {name}" + (f" with the draft {plan['draft']}" if plan["draft"] else "") + "...")
     dtype = getattr(torch, args.dtype)
-    tok = load_model(name, dtype=dtype)[1]
+    tok = load_tokenizer(name)          # the targets load in their phases
     # Where this CPU computes bf16 natively, a bf16 target is what its users run: its cells sit beside float32's.
     twin = dtype == torch.float32 and bf16_capability(torch.device("cpu"))[0] == torch.bfloat16
     print(f"target dtype: {args.dtype}" + (" (prepared)" if args.prepare else "") + (
