@@ -127,8 +127,8 @@ class SpeculativeLoop:
         self.generator = None
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
-        cost = getattr(policy, "cost", None)     # the policy's step-cost model, which a drafter may read
-        self.policy_cost = CostReader(cost, self.policy_lock) if isinstance(cost, StepCost) else None
+        # The policy's step-cost model (`Policy.cost`), which a drafter may read.
+        self.policy_cost = CostReader(policy.cost, self.policy_lock) if isinstance(policy.cost, StepCost) else None
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.device_timing = self.device.type == "cuda" and policy.needs_timing   # phases timed by CUDA events
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back

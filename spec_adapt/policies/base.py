@@ -10,7 +10,9 @@ A policy is an object, never a config string, and keeps its state to itself (nev
 - `reset()`: forget everything learned; `state_dict()` / `load_state_dict()`: save and restore what was learned;
 - `batch_rows(live, held) -> int`: when rows finish, how many rows the target's batch keeps, from `live` (compact:
   the default) to `held` (the rows it runs now); the extra ones stay as spare rows whose outputs are dropped, for a
-  machine that runs the bigger batch faster (on a CPU, some batch sizes run slower than a larger one).
+  machine that runs the bigger batch faster (on a CPU, some batch sizes run slower than a larger one);
+- `cost`: the call's step-cost model (a `spec_adapt.policies.cost.StepCost`, which the policy observes into), or
+  None for a policy that weighs no step times. The loop hands it, read-only, to the drafter (`DraftRequest.cost`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from ..running_estimates import StopRule
 
 from ..metrics import StepRecord
+from .cost import StepCost
 
 
 class StepInfo:
@@ -113,6 +116,7 @@ class Policy:
     # False: the widths bound the draft model; `allows_free` may let model-free sources draft up to `max_free`
     # tokens beyond them (they cost no forward, and the router takes them only where they pay).
     width_binds_free = False
+    cost: StepCost | None = None     # the step-cost model it learns step times into (module docstring)
 
     def begin(self, batch_size: int) -> None:
         pass
