@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from spec_adapt.verifiers import head_cost_in_layers, predicted_gain
-
 import _smoke
 
 SHAPES = {   # (vocab, hidden, intermediate, heads, kv heads, layers)
@@ -36,6 +34,26 @@ SHAPES = {   # (vocab, hidden, intermediate, heads, kv heads, layers)
     "llama-7b": (32000, 4096, 11008, 32, 32, 32),
 }
 TINY_SHAPE = {"tiny": (256, 64, 128, 4, 2, 4)}     # the smoke run's
+
+
+def _layer_weights(config) -> int:
+    """Weights of one decoder layer (attention projections with grouped KV heads, gated MLP): its compute per position."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    return 2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * inter
+
+
+def head_cost_in_layers(config) -> float:
+    """The LM head's compute per position in units of one decoder layer's."""
+    return config.vocab_size * config.hidden_size / _layer_weights(config)
+
+
+def predicted_gain(config, width: int, kept: float, checkpoint: int) -> float:
+    """Shape-only cost model, in decoder-layer units of compute per row: (layers the dropped positions skip) minus
+    (the head projections of the tested positions). `kept`: mean positions a row keeps after the checkpoint. Positive
+    = pruning should pay where the device is compute-bound (it never pays where a forward costs the weights' read)."""
+    saved = (width - kept) * (config.num_hidden_layers - checkpoint - 1)     # position-layers skipped
+    return saved - (width - 1) * head_cost_in_layers(config)                 # tested positions, a head each
 
 
 def draft_fn(name, target, tok):

@@ -138,8 +138,7 @@ class EarlyExitVerifier(Verifier):
     verification time by batch size and width ("full" and "pruned") and the rest of a step, and the gate keeps each
     path's mean committed tokens per step; per (batch bucket, chunk width) it takes the path with the fewer seconds
     per committed token, trying the other path after 8 steps, then after twice as many each time the other path
-    loses again (`ProbeBackoff`), so a change of regime is still seen. `predicted_gain` is the shape-only prediction
-    reported beside the measurements.
+    loses again (`ProbeBackoff`), so a change of regime is still seen.
     """
 
     rank_local = True
@@ -304,22 +303,3 @@ class EarlyExitVerifier(Verifier):
         return {"pruned_steps": s.steps, "full_steps": s.full_steps, "tested": s.tested, "pruned": s.pruned,
                 "layers_saved": s.layers_saved, "per_layer": {k: dict(v) for k, v in s.per_layer.items()}}
 
-
-def _layer_weights(config) -> int:
-    """Weights of one decoder layer (attention projections with grouped KV heads, gated MLP): its compute per position."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
-    return 2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * inter
-
-
-def head_cost_in_layers(config) -> float:
-    """The LM head's compute per position in units of one decoder layer's."""
-    return config.vocab_size * config.hidden_size / _layer_weights(config)
-
-
-def predicted_gain(config, width: int, kept: float, checkpoint: int) -> float:
-    """Shape-only cost model, in decoder-layer units of compute per row: (layers the dropped positions skip) minus
-    (the head projections of the tested positions). `kept`: mean positions a row keeps after the checkpoint. Positive
-    = pruning should pay where the device is compute-bound (it never pays where a forward costs the weights' read)."""
-    saved = (width - kept) * (config.num_hidden_layers - checkpoint - 1)     # position-layers skipped
-    return saved - (width - 1) * head_cost_in_layers(config)                 # tested positions, a head each

@@ -14,7 +14,6 @@ import torch
 
 import spec_adapt
 from spec_adapt import Adaptive, EarlyExitVerifier, FixedLength, FullVerifier, ModelDrafter, ScriptedDrafter
-from spec_adapt.verifiers import head_cost_in_layers, predicted_gain
 
 from conftest import PAD, Oracle, ragged_batch, stock_greedy, tiny_model
 
@@ -213,20 +212,3 @@ def test_gate_weighs_the_tokens_a_path_drops():
         verifier.cost.observe_verify(1, 5, {"full": 1.0, "pruned": 0.8}[path], path)
         verifier._observe(key, path, 1, {"full": 4.0, "pruned": 2.0}[path])
     assert verifier._choose(key, 1) == "full"
-
-
-def test_cost_model_head_in_layers():
-    from transformers import LlamaConfig, Qwen2Config
-
-    smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                       num_key_value_heads=3, num_hidden_layers=30)
-    qwen = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-                       num_key_value_heads=2, num_hidden_layers=28)
-    llama7b = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
-                          num_key_value_heads=32, num_hidden_layers=32)
-    assert 6 < head_cost_in_layers(smol) < 10
-    assert 4 < head_cost_in_layers(qwen) < 7
-    assert head_cost_in_layers(llama7b) < 1
-    # 7B, checkpoint at layer 16, width 6, rows keep 2 positions on average: pruning pays; SmolLM2 at layer 15 not.
-    assert predicted_gain(llama7b, 6, 2.0, 16) > 0
-    assert predicted_gain(smol, 6, 4.0, 15) < 0
