@@ -141,28 +141,41 @@ class SpeculativeLoop:
 
     # -- the call ----------------------------------------------------------------------------------------------------
     def run(self) -> torch.Tensor:
-        start = self._now()
-        self.stats.start(self.buffer.shape[0])
-        self.verifier.begin()
+        self.started = self._now()
+        self._begin(self.buffer.shape[0])
         logits = self._prefill(self.target, self.input_ids, self.attention_mask)
         self.vocab = logits.shape[-1]
         self._reserve(1)
         self.finished = self._first_tokens(self.rows, logits)
         self._drafter_joins("prefill", self.input_ids, self.attention_mask)   # then follows the rows that leave
         self._retire()
-        with self.policy_lock:
-            self.policy.begin(len(self.rows))
+        self._policy_begins(len(self.rows))
         while len(self.rows):
             self.step()
+        self.end()
+        return self.buffer[:, : int(self.lengths.max())]
+
+    # -- the lifecycle a generate call and a serving engine share ------------------------------------------------------
+    def _begin(self, batch: int) -> None:
+        """The counters (a generate call's `batch` rows; a serving engine's none yet) and the verifier start."""
+        self.stats.start(batch)
+        self.verifier.begin()
+
+    def _policy_begins(self, batch: int) -> None:
+        """The policy starts on the rows that still generate after the first token (a serving engine's: none)."""
+        with self.policy_lock:
+            self.policy.begin(batch)
+
+    def end(self) -> None:
+        """The drafter ends (its failure there only says so in the statistics), the streamer ends, and the
+        statistics are final: the report and the time since the loop began."""
         if self.drafter is not None:
             self._guard("end", self.drafter.end, self.buffer, self.lengths)
         if self.streamer is not None:
             self.streamer.end()
         self.report()
-        self.stats.time_total = self._now() - start
-        return self.buffer[:, : int(self.lengths.max())]
+        self.stats.time_total = self._now() - self.started
 
-    # -- the lifecycle a generate call and a serving engine share ------------------------------------------------------
     def _prefill(self, ledger: KVLedger, ids, mask) -> torch.Tensor:
         """The prompts' forward (a call's batch, or requests joining a running one) into `ledger`: the logits after
         each prompt [n, 1, V]. Its time counts as prefill."""

@@ -33,7 +33,10 @@ class ScoreProcessor:
 
     def __init__(self, processors: LogitsProcessorList | None):
         self.processors = processors if processors is not None else LogitsProcessorList()
-        self.context_free = all(isinstance(p, _CONTEXT_FREE) for p in self.processors)
+        self.context_free = all(isinstance(p, _CONTEXT_FREE) or getattr(p, "context_free", False)
+                                for p in self.processors)
+        # A processor that keeps per-row parameters of its own (serving's RowSampling) answers `for_rows`.
+        self.row_aware = any(hasattr(p, "for_rows") for p in self.processors)
 
     def __bool__(self) -> bool:
         return len(self.processors) > 0
@@ -47,8 +50,12 @@ class ScoreProcessor:
     ) -> torch.Tensor:
         if not self.processors:
             return scores
-        if self.context_free:
+        if self.context_free and not self.row_aware:
             return self.processors(contexts[:, :1], scores)
+        if self.context_free:
+            for processor in self.processors:
+                scores = _for_rows(processor, rows)(contexts[:, :1], scores)
+            return scores
         out = torch.empty_like(scores)
         for length in lengths.unique().tolist():
             idx = (lengths == length).nonzero().squeeze(1)
@@ -82,7 +89,10 @@ class ScoreProcessor:
 def _for_rows(processor, rows: torch.Tensor):
     """A view of a processor that keeps per-row state, restricted to `rows` of the user's batch. The processors
     transformers builds from a generation config that hold per-row state are these four; the others read only
-    input_ids and the scores (tests/test_processors.py runs each at batch 3)."""
+    input_ids and the scores (tests/test_processors.py runs each at batch 3). A processor of spec_adapt's own that
+    keeps per-row state gives its view by `for_rows`."""
+    if hasattr(processor, "for_rows"):
+        return processor.for_rows(rows)
     if isinstance(processor, lp.EncoderNoRepeatNGramLogitsProcessor):
         view = copy.copy(processor)
         view.batch_size, view.generated_ngrams = len(rows), [processor.generated_ngrams[r] for r in rows.tolist()]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import spec_adapt
 from spec_adapt import FixedLength, ScriptedDrafter
 
-from conftest import PAD, tiny_model
+from conftest import PAD, stock_greedy, tiny_model
 
 VOCAB_SMALL = 16
 TEMPERATURE, TOP_K = 0.9, 12
@@ -25,21 +27,25 @@ def small():
     return target, draft
 
 
-def processed_probs(model, prefixes):
-    """Target distributions [N, V] after each prefix [N, L], under temperature + top-k."""
+def processed_probs(model, prefixes, temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0):
+    """Target distributions [N, V] after each prefix [N, L], under temperature + top-k (+ top-p)."""
     with torch.no_grad():
         logits = model(prefixes, use_cache=False).logits[:, -1].float()
-    logits = TopKLogitsWarper(TOP_K)(prefixes, TemperatureLogitsWarper(TEMPERATURE)(prefixes, logits))
+    logits = TemperatureLogitsWarper(temperature)(prefixes, logits)
+    if top_k:
+        logits = TopKLogitsWarper(top_k)(prefixes, logits)
+    if top_p < 1.0:
+        logits = TopPLogitsWarper(top_p)(prefixes, logits)
     return logits.softmax(-1)
 
 
-def exact_marginals(model, prompt, depth=3):
+def exact_marginals(model, prompt, depth=3, **warp):
     """Marginal distribution of each of the first `depth` generated tokens, by enumerating all prefixes."""
     prefixes = torch.tensor([prompt])
     joint = torch.ones(1)                                       # probability of each prefix
     marginals = []
     for _ in range(depth):
-        probs = processed_probs(model, prefixes)                 # [N, V]
+        probs = processed_probs(model, prefixes, **warp)         # [N, V]
         step = joint[:, None] * probs                            # [N, V]
         marginals.append(step.sum(0))
         joint = step.flatten()
@@ -297,3 +303,30 @@ def test_the_serving_engine_follows_target_distribution(small):
     stats = engine.stats
     assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
     assert marginals_miss(tokens, marginals) is None
+
+
+def test_the_serving_engine_samples_each_request_by_its_own_parameters(small):
+    """The enumerated test with per-request sampling in one running batch: requests at temperature 0.9 with top-k 12,
+    at temperature 1.4 with top-p 0.8, and greedy ones, interleaved, drafted by the draft model. Each sampled group
+    follows its own exact marginals; every greedy request gives the argmax continuation."""
+    from spec_adapt import ModelDrafter
+    from spec_adapt.serving.engine import Engine
+
+    target, draft = small
+    prompt = [3, 7, 9, 4]
+    groups = {"a": dict(temperature=TEMPERATURE, top_k=TOP_K), "b": dict(temperature=1.4, top_p=0.8)}
+    engine = Engine(target, drafter=ModelDrafter(draft), assistant_policy=FixedLength(3), max_batch=1000,
+                    max_new_tokens=5, eos_token_id=None, pad_token_id=PAD, seed=0)
+    kinds = ["a", "b"] * 1500 + ["greedy"] * 100
+    random.Random(0).shuffle(kinds)
+    handles = [engine.submit(prompt, **groups.get(kind, {})) for kind in kinds]
+    engine.run_until_idle()
+    stats = engine.stats
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+    for name, warp in groups.items():
+        tokens = torch.tensor([h.result()[:3] for h, kind in zip(handles, kinds) if kind == name])
+        marginals = exact_marginals(target, prompt, **{"top_k": 0, **warp})
+        assert marginals_miss(tokens, marginals) is None, name
+    ids = torch.tensor([prompt])
+    greedy = stock_greedy(target, ids, torch.ones_like(ids), eos_token_id=None, max_new_tokens=5)[0, 4:].tolist()
+    assert all(h.result() == greedy for h, kind in zip(handles, kinds) if kind == "greedy")

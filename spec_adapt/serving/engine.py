@@ -26,15 +26,21 @@ The loop's step never sees admission: the phases read the active rows, whatever 
 slot) is its request's for the request's life; drafters and policies key per-row state by it, and a later request
 may reuse it.
 
-Limits, said plainly: one generation config per engine (greedy, or sampling with temperature / top-k / top-p, one
-set of EOS ids); per request only the prompt and max_new_tokens. Under sampling a request's tokens depend on the
-engine's seed and its admission number (spec_adapt.noise), not on which requests share its steps nor on the widths;
-when threads submit, the admission order follows arrival, so seeded runs repeat where requests are admitted in the
-same order (a deterministic drive: `step()` with a fixed submission schedule).
+Per request: the prompt, max_new_tokens, and its sampling (`submit(..., temperature=, top_k=, top_p=, seed=)`,
+defaulting to the engine's `do_sample` / `temperature` / `top_k` / `top_p`): greedy and sampled requests share one
+batch, each row processed by its own parameters (spec_adapt.serving.sampling). Per engine: one set of EOS ids. Under
+sampling a request's tokens depend on its seed and prompt, or without a seed on the engine's seed and its admission
+number (spec_adapt.noise), never on which requests share its steps nor on the widths; so a seeded request repeats
+exactly, and unseeded runs repeat where requests are admitted in the same order (a deterministic drive: `step()` with
+a fixed submission schedule).
+
+The end (`stop()`): the requests not finished fail, the drafter ends and the statistics are final (`stats.time_total`
+counts from the engine's construction), as at the end of a generate call; a later `start()` begins the drafter again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import numbers
@@ -44,9 +50,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessorList
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
 
 from ..api import check_parts
 from ..distributed import ranks_of
@@ -54,14 +57,19 @@ from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
 from ..loop import SpeculativeLoop, Stopper, target_ledger
 from ..metrics import SpecStats
-from ..noise import call_seed, mix64
+from ..noise import call_seed, mix64, prompt_digest, prompt_key
 from ..policies.adaptive import Adaptive
 from ..running_estimates import ProbeBackoff
 from ..processors import ScoreProcessor
+from .sampling import RowSampling, Sampling
 
 
 class RequestError(ValueError):
     """A request the engine refused; it is set on the request's handle and raised by `result()`."""
+
+
+class QueueFull(RequestError):
+    """A request refused because the waiting queue holds `Engine(max_waiting=...)` requests: retry later."""
 
 
 class EngineError(RuntimeError):
@@ -77,6 +85,7 @@ class Handle:
     prompt: torch.Tensor
     max_new_tokens: int
     engine: "Engine"
+    sampling: Sampling = Sampling()
     state: str = "waiting"
     tokens: list = field(default_factory=list)
     error: Exception | None = None
@@ -144,10 +153,13 @@ class ServingLoop(SpeculativeLoop):
 
     closed = False    # requests join as others leave: a step is worth the tokens it commits (throughput)
 
-    def __init__(self, model, *, drafter, policy, processor, sampling, eos, pad_id, max_length, acceptor,
-                 verifier, step_timeout: float | None = None):
-        self._set_parts(model, drafter=drafter, policy=policy, processor=processor, sampling=sampling,
+    def __init__(self, model, *, drafter, policy, eos, pad_id, max_length, acceptor, verifier,
+                 step_timeout: float | None = None, samples: bool = False):
+        self._set_parts(model, drafter=drafter, policy=policy, processor=ScoreProcessor(None), sampling=False,
                         acceptor=acceptor, verifier=verifier, stats=SpecStats())
+        # Each request's own sampling parameters, per slot; the loop samples while some running row does.
+        self.row_sampling = RowSampling(self.device)
+        self.sampled = ScoreProcessor([self.row_sampling])
         self.stopper = Stopper([], max_length, self.device)
         self.stopper.eos = eos
         self.pad_id = pad_id
@@ -155,17 +167,19 @@ class ServingLoop(SpeculativeLoop):
         self._set_rows(torch.full((0, 1), pad_id, dtype=torch.long, device=self.device), empty, empty.clone(),
                        empty.clone())
         self.pads = empty.clone()                    # per slot: the left padding of its buffer row
-        # Sampling's keyed noise (spec_adapt.noise): the engine's seed, drawn once from torch's global generator, and
-        # per slot the key of the request it holds: the seed and the request's admission number, so a request's
-        # tokens do not depend on which requests shared its steps, nor on the widths they were drafted at.
-        self.seed = call_seed() if self.keyed else None
+        # Sampling's keyed noise (spec_adapt.noise): per slot the key of the request it holds: from the request's
+        # own seed and prompt, or else from the engine's seed (drawn once from torch's global generator) and the
+        # request's admission number, so a request's tokens do not depend on which requests shared its steps, nor on
+        # the widths they were drafted at. `samples`: whether requests sample unless they say otherwise (the seed is
+        # then drawn now, else when the first request that samples without a seed of its own is admitted).
+        self.seed = call_seed() if samples else None
         self.keys: list[int] = []
         self.admitted = 0
         self.target: KVLedger | None = None          # made by the first admission
         self.scores, self.raw_logits = None, None
-        self.verifier.begin()
-        self.stats.start(0)
-        self.policy.begin(0)
+        self.started = self._now()
+        self._begin(0)
+        self._policy_begins(0)
         self.vocab = model.get_output_embeddings().weight.shape[0]
         # After a drafter fails: steps to wait before restarting it (doubling while it keeps failing soon after a
         # restart) and the steps it has run since its last (re)start.
@@ -178,9 +192,19 @@ class ServingLoop(SpeculativeLoop):
         self.calls = _DrafterThread() if step_timeout is not None else None
         self.late: _DrafterThread | None = None
 
-    def admit(self, prompts: list[torch.Tensor], budgets: list[int]) -> torch.Tensor:
+    def set_sampling(self, on: bool) -> None:
+        """Sample (each row by its own parameters, greedy rows by their argmax) or run the greedy path, from the next
+        phase on: the engine samples while some running or joining request does."""
+        self.sampling = bool(on)
+        self.keyed = self.sampling and self.acceptor.rule == "coupled"
+        self.process = self.sampled if self.sampling else ScoreProcessor(None)
+
+    def admit(self, prompts: list[torch.Tensor], budgets: list[int],
+              samplings: list[Sampling] | None = None) -> torch.Tensor:
         """Prefill `prompts` (1-D token tensors) together, commit their first token and append their rows to the
-        running batch. Returns the slots (user-row numbers) they take."""
+        running batch. `samplings`: each request's parameters (default greedy). Returns the slots (user-row numbers)
+        they take."""
+        samplings = samplings or [Sampling()] * len(prompts)
         n, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
@@ -195,7 +219,8 @@ class ServingLoop(SpeculativeLoop):
         self.stats.admit(new_rows.tolist())
         with self.policy_lock:
             self.policy.admit(new_rows.tolist())
-        self._key_rows(new_rows.tolist())
+        self.row_sampling.set(new_rows.tolist(), samplings)
+        self._key_rows(new_rows.tolist(), prompts, samplings)
         finished = self._first_tokens(new_rows, logits)
         first_rows = self.target is None
         if first_rows:
@@ -210,13 +235,17 @@ class ServingLoop(SpeculativeLoop):
         self._retire()
         return new_rows
 
-    def _key_rows(self, slots: list[int]) -> None:
-        """Each admitted request's noise key in its slot (sampling by the coupled rule)."""
-        if not self.keyed:
-            return
+    def _key_rows(self, slots: list[int], prompts, samplings) -> None:
+        """Each admitted request's noise key in its slot: a seeded request's is the key its prompt has in a generate
+        call with that seed (so it repeats whatever runs beside it); the others' the engine's seed and their
+        admission number."""
         self.keys.extend([0] * (max(slots) + 1 - len(self.keys)))
-        for slot in slots:
-            self.keys[slot] = mix64(self.seed ^ mix64(self.admitted))
+        for slot, prompt, sampling in zip(slots, prompts, samplings):
+            seed = sampling.seed
+            if seed is None and sampling.samples and self.seed is None:
+                self.seed = call_seed()
+            self.keys[slot] = (mix64((self.seed or 0) ^ mix64(self.admitted)) if seed is None
+                               else prompt_key(seed, prompt_digest(prompt), 0))
             self.admitted += 1
 
     def _take_slots(self, n: int) -> torch.Tensor:
@@ -327,6 +356,19 @@ class ServingLoop(SpeculativeLoop):
         if self.drafter is not None:
             self._drop_drafter("the batch was reset after a failure")
 
+    def end(self) -> None:
+        """The engine stopped, no row running: the drafter ends and the statistics are final as at the end of a
+        generate call; the next admission starts a new target batch and begins the drafter again. Nothing begun
+        since the last end (no admission): only the statistics."""
+        if self.target is None:
+            self.report()
+            self.stats.time_total = self._now() - self.started
+            return
+        count, path = self.compacted          # what the batch compacted stays counted (`report`)
+        self.compacted = (count + self.target.compactions, self.target.compact_path or path)
+        self.target = None
+        super().end()
+
     def drop(self, rows: list[int]) -> None:
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
         self.finished = self.finished | torch.isin(self.rows, torch.tensor(rows, device=self.device))
@@ -340,8 +382,18 @@ class Engine:
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id="model", pad_token_id: int | None = None,
                  verifier=None, acceptor: Acceptor | None = None, tokenizer=None, seed: int | None = None,
-                 memory=None, timeline: bool = False, step_timeout: float | None = None):
+                 memory=None, timeline: bool = False, step_timeout: float | None = None,
+                 max_waiting: int | None = None):
         step_timeout = _check_step_timeout(step_timeout)
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 0):
+            raise ValueError(f"max_waiting must be None (no bound) or an int >= 0, got {max_waiting!r}.")
+        if do_sample and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                          or not temperature > 0):
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}.")
+        # What a request samples with unless it says otherwise (greedy when do_sample is False).
+        self.sampling = Sampling(float(temperature) if do_sample else 0.0, top_k or 0,
+                                 1.0 if top_p is None else top_p)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}.")
         if ranks_of(model).sharded:
@@ -366,10 +418,10 @@ class Engine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.loop = ServingLoop(
-            model, drafter=drafter, policy=policy, processor=ScoreProcessor(_warpers(do_sample, temperature, top_k,
-                                                                                     top_p)),
-            sampling=do_sample, eos=torch.tensor(eos, device=model.device) if eos else None, pad_id=int(pad),
-            max_length=1 << 30, acceptor=acceptor or Acceptor(), verifier=verifier, step_timeout=step_timeout)
+            model, drafter=drafter, policy=policy, eos=torch.tensor(eos, device=model.device) if eos else None,
+            pad_id=int(pad), max_length=1 << 30, acceptor=acceptor or Acceptor(), verifier=verifier,
+            step_timeout=step_timeout, samples=self.sampling.samples)
+        self.max_waiting = max_waiting
         self.waiting: list[Handle] = []
         self.running: dict[int, Handle] = {}        # user row -> handle
         self.delivered: dict[int, int] = {}         # user row -> buffer length already delivered
@@ -391,18 +443,25 @@ class Engine:
             memory.bind(self)
 
     # -- the user's side -----------------------------------------------------------------------------------------------
-    def submit(self, prompt, max_new_tokens: int | None = None) -> Handle:
-        """Queue a request: a 1-D token tensor / list of ids, or text when the engine has a tokenizer. A request
-        the engine cannot serve is returned already failed, with the reason in `handle.error`."""
+    def submit(self, prompt, max_new_tokens: int | None = None, **sampling) -> Handle:
+        """Queue a request: a 1-D token tensor / list of ids, or text when the engine has a tokenizer. `sampling`:
+        this request's own `temperature` (0 = greedy), `top_k`, `top_p` and `seed` (spec_adapt.serving.sampling),
+        each defaulting to the engine's. A request the engine cannot serve is returned already failed, with the reason
+        in `handle.error` (QueueFull when `max_waiting` requests wait already)."""
         handle = Handle(next(self.ids), torch.zeros(0, dtype=torch.long), self.max_new_tokens, self)
         try:
             handle.prompt, handle.max_new_tokens = self._check(prompt, max_new_tokens)
+            handle.sampling = self._check_sampling(sampling)
         except RequestError as exc:
             handle._finish("failed", exc)
             return handle
         with self.lock:
             if self._closed is not None:
                 handle._finish("failed", EngineError(f"the engine takes no requests: {self._closed}"))
+                return handle
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                handle._finish("failed", QueueFull(f"{len(self.waiting)} requests wait already (max_waiting="
+                                                   f"{self.max_waiting}): retry later."))
                 return handle
             self.waiting.append(handle)
         self._wake.set()
@@ -415,6 +474,16 @@ class Engine:
                 handle._finish("cancelled")
             elif not handle.done:
                 self.cancelled.add(handle.id)
+
+    def _check_sampling(self, given: dict) -> Sampling:
+        unknown = set(given) - {"temperature", "top_k", "top_p", "seed"}
+        if unknown:
+            raise RequestError(f"Unknown request parameters {sorted(unknown)}: a request takes temperature, top_k, "
+                               "top_p and seed besides its prompt and max_new_tokens.")
+        try:
+            return dataclasses.replace(self.sampling, **{k: v for k, v in given.items() if v is not None})
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
 
     def _check(self, prompt, max_new_tokens):
         if isinstance(prompt, str):
@@ -480,9 +549,11 @@ class Engine:
                 room = self.memory.admissible(self.waiting[:room])
             joining, self.waiting = self.waiting[:room], self.waiting[room:]
         self._cancel_running(cancelled)
+        self.loop.set_sampling(any(h.sampling.samples for h in [*joining, *self.running.values()]))
         if joining:
             try:
-                rows = self.loop.admit([h.prompt for h in joining], [h.max_new_tokens for h in joining])
+                rows = self.loop.admit([h.prompt for h in joining], [h.max_new_tokens for h in joining],
+                                       [h.sampling for h in joining])
             except Exception as exc:  # noqa: BLE001 - the requests of this admission fail; the rest go on
                 for handle in joining:
                     handle._finish("failed", EngineError(f"admission failed ({type(exc).__name__}: {exc})"))
@@ -590,6 +661,7 @@ class Engine:
             handle._finish("failed", EngineError(f"request not served: {why}"))
         if self.running:
             self._fail_running(EngineError(f"request not finished: {why}"))
+        self.loop.end()          # the drafter ends and the statistics are final, as at a generate call's end
 
     def _fail_running(self, error: EngineError) -> None:
         """Every running request ends with `error` (the tokens it was given so far stay on its handle), and its
@@ -730,18 +802,3 @@ def _check_step_timeout(seconds) -> float | None:
             or seconds <= 0:
         raise ValueError(f"step_timeout must be None or a positive, finite number of seconds, got {seconds!r}.")
     return float(seconds)
-
-
-def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:
-    out = LogitsProcessorList()
-    if not do_sample:
-        return out
-    if not temperature or temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}.")
-    if temperature != 1.0:
-        out.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        out.append(TopKLogitsWarper(top_k))
-    if top_p is not None and top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p))
-    return out
