@@ -246,9 +246,10 @@ def synthetic_requests(n: int, length: int, alpha: float, seed: int = 0, cap: in
 
 
 def expected_goodput(alpha: float, gamma: int, batch: int, table: LatencyTable) -> float:
-    """Analytic goodput of fixed γ on i.i.d. acceptance alpha: B (1 - alpha^(γ+1)) / (1 - alpha) / T(B, γ)."""
+    """Analytic goodput of fixed γ on i.i.d. acceptance alpha: B (1 - alpha^(γ+1)) / (1 - alpha) / T(B, γ), T the
+    simulated clock's (`StepCost` over the table)."""
     tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1
-    return batch * tokens / table.step_time(batch, gamma)
+    return batch * tokens / StepCost(table).step_time(batch, gamma + 1, {"model": gamma})
 
 
 def record_traces(model, tok, prompts: list[str], drafter, new_tokens: int = 128, max_run: int = 16,
