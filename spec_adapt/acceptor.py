@@ -60,6 +60,8 @@ class Acceptor:
     draft_probs = False   # whether the accept phase reads the draft's distributions when greedy too (a drafter that
                           # has them then returns them: DraftRequest.acceptor)
     lossy = None          # None: the target's own tokens (greedy) or distribution (sampling); else what the rule is
+    judges_first = False  # True: a generate call's first token is judged with the first step's drafts, drafted from
+                          # the prompt (stock's ensemble verification); False: it is the prefill's own
 
     def __init__(self, kernels: str | None = None, rule: str = "coupled"):
         self.mode = check_mode(kernels or os.environ.get("SPEC_ADAPT_KERNELS", "auto"))
@@ -159,9 +161,12 @@ class EnsembleAcceptor(Acceptor):
     samples from max(0, v - q), which normalizes to stock's max(0, p - q)). Needs the draft's distributions
     (`draft_probs`): a proposal without them is verified exactly. Its sampling rule is stock's, rejection sampling
     over torch's global generator: the coupled rule's keyed noise would judge drafts by another rule than the one
-    the user asked for."""
+    the user asked for. As stock's first assisted step drafts from the prompt, the first token too is judged by the
+    mix (`judges_first`): the loop commits none after the prefill, whose logits score the first step's first
+    draft."""
 
     draft_probs = True
+    judges_first = True
 
     def __init__(self, weight: float, kernels: str | None = None):
         super().__init__(kernels, rule="rejection")

@@ -6,7 +6,9 @@ State, for the user's batch of B0 rows (tensors on the target's device):
 - `lengths` [B0]: committed tokens per row (a buffer prefix), so row b's last committed token is buffer[b, len-1];
 - `rows` [B]: the rows still generating (the active batch; it shrinks as rows finish).
 The target's cache always holds each active row's buffer up to, not including, its last committed token: every step
-feeds that token plus the drafts, so p_0 (which scores d_1) comes from the last committed token.
+feeds that token plus the drafts, so p_0 (which scores d_1) comes from the last committed token. Where a call's first
+token waits for the first step's drafts (`SpeculativeLoop._commit_first`), the cache holds the whole prompt until that
+step, which feeds the drafts alone after the prefill's p_0.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .positions import offsets
 from .processors import ScoreProcessor, tree_positions
 from .returned_cache import ReturnedCache
 from .tree import ancestry, chunk_tree, path_nodes
-from .verifiers import FullVerifier, Verifier, check_trees
+from .verifiers import FullVerifier, Verification, Verifier, check_trees
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class StepPlan:
 
 class SpeculativeLoop:
     closed = True     # one generate call: no row joins, the call ends with its slowest row (StepInfo.closed)
+    first = None      # [B, 1, V] the prefill's logits, where the first token waits for the first step (`_commit_first`)
 
     def __init__(
         self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
@@ -193,9 +196,9 @@ class SpeculativeLoop:
         began = self._now()
         committed, finished, scores = self._commit_first(rows, logits)
         self._record_outputs(committed, scores, logits, rows)
-        if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
+        if self.streamer is not None and int(rows[0]) == 0 and int(committed[0]) > 0:   # it follows the user's row 0
             start = int(self.starts[0])
-            self.streamer.put(self.buffer[0, start : start + max(int(committed[0]), 0)].cpu())
+            self.streamer.put(self.buffer[0, start : start + int(committed[0])].cpu())
         self.stats.time_prefill += self._now() - began
         return finished
 
@@ -411,7 +414,8 @@ class SpeculativeLoop:
         # Every row drafting the full width (known from the proposal check's read): the ledger knows that tensor and
         # appends the columns without a hole check.
         n_valid = self.target.filled(len(lengths), chunk.shape[1]) if proposal.dense else proposal.lengths + 1
-        result = self.verifier.verify(self.target, chunk, n_valid)
+        result = self.verifier.verify(self.target, chunk, n_valid) if self.first is None \
+            else self._verify_first(proposal, n_valid)
         bonus = None                     # every position kept (a full verification): every row has its bonus
         if result.kept is not n_valid:
             bonus = result.kept > proposal.lengths
@@ -422,6 +426,18 @@ class SpeculativeLoop:
         context = with_drafts(self.buffer[self.rows], lengths, proposal.tokens)
         scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows)
         return proposal, bonus, scores, logits, result.hidden
+
+    def _verify_first(self, proposal: Proposal, n_valid) -> Verification:
+        """The first step's verification where the first token waited for it (`_commit_first`): the prefill already
+        fed each prompt's last token and gave the logits after it, so the drafts alone follow, in one full forward
+        (stock's first assisted step feeds the prompt and its drafts in one). Every position is kept (`n_valid`)."""
+        first, self.first = self.first, None
+        width = proposal.tokens.shape[1]
+        if not width:                    # no row drafted (a drafter that failed): the prefill's logits alone
+            return Verification(first, n_valid)
+        drafted = self.target.filled(len(n_valid), width) if proposal.dense else proposal.lengths
+        logits = self.target.forward(proposal.tokens, drafted)
+        return Verification(torch.cat([first, _as_float(logits)], dim=1), n_valid)
 
     def _verify_tree(self, proposal: Proposal, chunk, lengths):
         """A tree: one forward where each node sees its ancestors; every position is kept (a bonus for every row)."""
@@ -505,8 +521,18 @@ class SpeculativeLoop:
     def _commit_first(self, rows, logits):
         """The first token of freshly prefilled rows (`logits` [n, 1, V] after each prompt), as a step without drafts:
         processed, chosen by the accept phase, written, stopped and counted. A generate call's rows and requests that
-        join a running batch both start here. Returns (tokens kept [n], finished [n], scores [n, 1, V])."""
+        join a running batch both start here. Returns (tokens kept [n], finished [n], scores [n, 1, V]).
+
+        Where the first token waits for the first step's drafts (`_first_waits`), none is committed here: the
+        prefill's logits wait (`first`) as the first position of the first step, which drafts from the prompt and
+        verifies its drafts alone (`_verify_first`; `_plain_step` where no row drafts), so the accept phase chooses
+        the first token over them, as stock's first assisted step does. Returns then (zeros, none finished,
+        scores [n, 0, V])."""
         old = self.lengths[rows].clone()
+        if self._first_waits():
+            self.first = logits
+            kept = torch.zeros_like(old)
+            return kept, kept.bool(), logits[:, :0]
         scores = self.process.positions(logits, self.buffer[rows], old, torch.ones_like(old), rows)
         _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), self._noise(rows))
         new = next_token[:, None]
@@ -519,6 +545,17 @@ class SpeculativeLoop:
         for row, k in taken:
             self._take_back(row, k)
         return n_keep, finished, scores
+
+    def _first_waits(self) -> bool:
+        """Whether a call's first token waits for the first step's drafts: the acceptor judges it with drafts
+        (`Acceptor.judges_first`), every row has room for a token (a generate call's rows share one prompt width and
+        one budget), and the drafter drafts from the prompt (a feature drafter, `Drafter.wants_hidden`, drafts from
+        the target's hidden states of the first token, as stock's MTP, whose first step drafts nothing). A serving
+        engine's rows commit theirs after their prefill. The leading rank's answer."""
+        if not (self.closed and self.acceptor.judges_first and self.drafter is not None
+                and self.stopper.max_length > self.prompt_length):
+            return False
+        return self.ranks.decide(lambda: not self.drafter.wants_hidden)
 
     def _agree_stop(self, rows, old, new, n_keep, finished):
         """The stopping criteria's verdict is the leading rank's (a time limit reads each rank's own clock); a rank
@@ -545,7 +582,10 @@ class SpeculativeLoop:
         self._reserve(1)
         t1 = self._now()
         ones = self.target.ones(len(rows))
-        result = self.verifier.verify(self.target, self.buffer[rows, old - 1][:, None], ones)   # 2. verify
+        if self.first is not None:       # the first token waited (`_commit_first`): the prefill's logits score it
+            result, self.first = Verification(self.first, ones), None
+        else:
+            result = self.verifier.verify(self.target, self.buffer[rows, old - 1][:, None], ones)  # 2. verify
         logits = _pad_positions(_as_float(result.logits), 1)                                     # [B, 1, V]
         n_new = ones if result.kept is ones else (result.kept > 0).long()    # a bonus where the position was kept
         scores = self.process.positions(logits, self.buffer[rows], old, ones, rows) if self.process.processors \
