@@ -13,7 +13,7 @@ import torch
 
 from . import compat
 from .compat import GenerateDecoderOnlyOutput, cache_holds_tokens
-from .drafters.base import Drafter
+from .drafters.base import ChecksTarget, Drafter, Features, Trees
 from .drafters.cross import CrossTokenizerDrafter
 from .drafters.early_exit import early_exit_model
 from .drafters.lookup import PromptLookupDrafter
@@ -277,14 +277,14 @@ def check_parts(model, drafter, policy, verifier) -> tuple:
     contract, the verifier against the target, and token trees where both the policy and the drafter plan them.
     Returns (drafter, policy, verifier) as the loop uses them."""
     drafter = as_drafter(drafter)
-    if drafter is not None:
+    if isinstance(drafter, ChecksTarget):
         drafter.validate(model)
     policy = check_policy(policy)
     verifier = check_verifier(verifier)
     verifier.check(model)
-    if policy.trees and drafter is not None and drafter.trees:
+    if policy.trees and isinstance(drafter, Trees):
         check_trees(model, verifier)
-    if drafter is not None and drafter.wants_hidden and not verifier.hands_hidden:
+    if isinstance(drafter, Features) and not verifier.hands_hidden:
         raise ValueError(f"{drafter!r} drafts from the target's hidden states, which {verifier!r} does not hand over "
                          "(it may stop a position before the last layer): verify with FullVerifier().")
     return drafter, policy, verifier

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .drafters.base import Drafter, Proposal
+from .drafters.base import JoinsRows, Proposal, Trees
 from .policies.base import Policy
 
 
@@ -75,10 +75,8 @@ def ranks_of(model) -> Solo:
     return Ranks(group, model.device)
 
 
-class FollowerDrafter(Drafter):
+class FollowerDrafter(Trees, JoinsRows):
     """A follower's drafter: it never drafts (the leader's proposal is broadcast) and keeps no state."""
-
-    trees = True
 
     def propose(self, request):
         return Proposal.empty(len(request.gammas), request.tokens.device)

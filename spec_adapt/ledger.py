@@ -330,7 +330,7 @@ class KVLedger:
         # `full_masks`: a model that takes only a 4-D mask (the MTP layers' runner, which builds no mask of its own).
         stage = getattr(model, "_pp_stage", None)
         self._full_masks = full_masks or stage is not None and stage.pp_size > 1
-        # Feature drafters (Drafter.wants_hidden) draft from the model's last hidden states: with `want_hidden` every
+        # Feature drafters (`Features`) draft from the model's last hidden states: with `want_hidden` every
         # forward keeps them in `hidden` [B, W, H] (all its columns, whatever logits it keeps); None otherwise.
         self.want_hidden = False
         self.hidden: torch.Tensor | None = None

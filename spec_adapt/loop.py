@@ -23,7 +23,9 @@ from .compat import EosTokenCriteria, MaxLengthCriteria, pad_token_tensor
 
 from .acceptance_rules import committed_tokens
 from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
-from .drafters.base import Drafter, DraftRequest, Proposal, check_proposal, with_drafts
+from .drafters.base import (CatchUp, Chains, DraftRequest, Drafter, Features, FillsBudget, Observes, Offloads, Proposal,
+                            ReadsTarget, TakesInputs, Trees, check_chain_members, check_proposal, join_rows,
+                            with_drafts)
 from .acceptor import Acceptor
 from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
@@ -48,7 +50,7 @@ class StepPlan:
     pooled: bool = False                 # a tree budget pooled over the rows
     members: tuple | None = None         # a chain drafter's levels to run; None = the drafter's own
     stop: object = None                  # a chain plan's StopRule (gammas are each row's most), or None
-    free: torch.Tensor | None = None     # [B] the most drafts a row may take from a model-free source (Drafter.max_free)
+    free: torch.Tensor | None = None     # [B] the most drafts a row may take from a model-free source (FreeSources)
     plain: bool = False                  # known without reading a device tensor: no row drafts (every width 0)
     most: int | None = None              # known without reading a tensor: a bound on `deepest` (None: read them)
     some: bool = False                   # known without reading a tensor: some row drafts
@@ -205,17 +207,17 @@ class SpeculativeLoop:
     def _drafter_joins(self, what: str, ids, mask, rows: torch.Tensor | None = None, hidden=None) -> None:
         """Prompts [n, L] (left padded, `mask`) enter the drafter: the first rows begin it, with the target's inputs
         and the hidden states of the prefill; `rows` (their row numbers, the last of the active rows) join a running
-        batch (`Drafter.add_rows`), with `hidden` [n, W, H], their prefill's last hidden states, for a feature
+        batch (`JoinsRows.add_rows`), with `hidden` [n, W, H], their prefill's last hidden states, for a feature
         drafter. A failure in any of these drops the drafter, as anywhere else (`_guard`: `what` names the phase)."""
         if self.drafter is not None and rows is not None:
-            self._guard(what, self.drafter.add_rows, ids, mask, rows.tolist())
+            self._guard(what, join_rows, self.drafter, ids, mask, rows.tolist())
             if hidden is not None:        # the running rows get nothing new (count 0), the joining ones their prompt
                 running = len(self.rows) - len(rows)
                 count = torch.cat([torch.zeros(running, dtype=torch.long, device=self.device),
                                    torch.full((len(rows),), ids.shape[1], device=self.device)])
                 self._hand_hidden(torch.cat([hidden.new_zeros((running,) + tuple(hidden.shape[1:])), hidden]), count)
             return
-        if self.drafter is not None:
+        if isinstance(self.drafter, TakesInputs):
             self._guard(what, self.drafter.share_inputs, self.target.inputs)
         if self.drafter is not None:         # not dropped by share_inputs
             self._guard(what, self.drafter.begin, ids, mask)
@@ -260,7 +262,8 @@ class SpeculativeLoop:
     def _plan(self) -> StepPlan:
         """This step's plan: the policy's answer, validated and capped by what each row may still generate; a plain
         step without asking the policy when there is no drafter or it is away."""
-        if self.drafter is None or not self._guard("available", self.drafter.available):
+        away = isinstance(self.drafter, Offloads) and not self._guard("available", self.drafter.available)
+        if self.drafter is None or away:
             return StepPlan(self._widths(len(self.rows), 0), plain=True)
         # The rows' lengths and what they may still generate, computed where something reads them: a policy that
         # answers 0 without reading them, beside a drafter with no catch-up, costs no tensor operation here.
@@ -268,9 +271,9 @@ class SpeculativeLoop:
         lengths = _ComputedOnce(lambda: self.lengths[rows])
         remaining = _ComputedOnce(lambda: self._row_limits() - lengths())
         lag = level_lags = None
-        if _overrides(self.drafter, "lag"):
+        if isinstance(self.drafter, CatchUp):
             lag = self._guard("lag", self.drafter.lag, lengths())
-        if self.drafter is not None and _overrides(self.drafter, "level_lags"):
+        if isinstance(self.drafter, Chains):
             level_lags = self._guard("lag", self.drafter.level_lags, lengths())
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
             return StepPlan(self._widths(len(rows), 0), plain=True)
@@ -290,7 +293,7 @@ class SpeculativeLoop:
         remaining = remaining()
         plan = check_plan(self.policy, answer, len(self.rows))
         if plan.members is not None:
-            self.drafter.check_members(plan.members)
+            check_chain_members(self.drafter, plan.members)
         gammas = plan.gammas.to(self.device)
         if plan.depth is None:          # a step commits up to gamma + 1 tokens
             free = None
@@ -303,7 +306,8 @@ class SpeculativeLoop:
             if most is not None and free is not None and not binds:
                 most = max(most, self.drafter.max_free)
             none = (free is None or binds) and (most == 0 if most is not None else not bool(plan.gammas.any()))
-            room = remaining if self.drafter.fills_budget else remaining - 1   # the bonus is cut past the budget
+            # The bonus is cut past the budget.
+            room = remaining if isinstance(self.drafter, FillsBudget) else remaining - 1
             # One width for every row, and room for a draft in every row: some row drafts, with no read.
             some = type(answer) is int and answer > 0 and self._min_tokens_left() >= 2
             return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
@@ -364,7 +368,7 @@ class SpeculativeLoop:
         """A tree plan: each row's depth capped by what it may still generate (a path commits depth + 1 tokens); a
         drafter that cannot branch is asked for the chain of min(nodes, depth)."""
         depths = torch.minimum(torch.full_like(nodes, plan.depth), remaining - 1)
-        if not self.drafter.trees:
+        if not isinstance(self.drafter, Trees):
             return StepPlan(torch.minimum(nodes, depths), True, members=plan.members)
         if not self.trees_checked:       # once per call: a policy may plan trees the call did not announce
             check_trees(self.model, self.verifier)
@@ -392,7 +396,7 @@ class SpeculativeLoop:
         request = DraftRequest(
             self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
             self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy_cost,
-            self.target if self.drafter.reads_target else None, noise,
+            self.target if isinstance(self.drafter, ReadsTarget) else None, noise,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
         return proposal if proposal is not None else Proposal.empty(batch, self.device)
@@ -478,7 +482,7 @@ class SpeculativeLoop:
         drafted, given = (0 if plain else proposal.tokens.shape[1]), proposal    # a tree's record counts its nodes
         if path is not None:
             self.target.keep_tree(torch.cat([torch.ones_like(path[:, :1]), path], dim=1))   # the root stays
-            if self.drafter is not None:
+            if isinstance(self.drafter, Trees):
                 self._guard("keep_tree", self.drafter.keep_tree, path)
             proposal, scores, logits, hidden = _along_path(proposal, path, scores, logits, hidden)
         rows = self.rows
@@ -625,7 +629,7 @@ class SpeculativeLoop:
             with self.policy_lock:
                 self.policy.observe(record)
         self.verifier.observe(record)
-        if self.drafter is not None:
+        if isinstance(self.drafter, Observes):
             self._guard("observe", self.drafter.observe, record)
 
     def _retire(self, finished: list | None = None) -> None:
@@ -651,9 +655,9 @@ class SpeculativeLoop:
             self._guard("select_rows", self.drafter.select_rows, keep)
 
     def _hand_hidden(self, hidden, count) -> None:
-        """A feature drafter (Drafter.wants_hidden) gets the target's last hidden states of the positions just
+        """A feature drafter (`Features`) gets the target's last hidden states of the positions just
         committed: row b's first count[b] positions of `hidden` [B, W, H]."""
-        if hidden is not None and self.drafter is not None and self.drafter.wants_hidden and len(self.rows):
+        if hidden is not None and isinstance(self.drafter, Features) and len(self.rows):
             self._guard("take_hidden", self.drafter.take_hidden, hidden, count)
 
     def _batch_rows(self, live: int, held: int) -> int:
@@ -822,12 +826,6 @@ class _ComputedOnce:
         return self.value
 
 
-def _overrides(drafter, method: str) -> bool:
-    """Whether this drafter has its own `method` (a catch-up lag): the base one answers None without reading the
-    lengths it is given."""
-    return getattr(type(drafter), method, None) is not getattr(Drafter, method)
-
-
 def _as_float(logits: torch.Tensor) -> torch.Tensor:
     """float32 logits (no dispatch where they are already)."""
     return logits if logits.dtype == torch.float32 else logits.float()
@@ -840,10 +838,11 @@ def _first_argmax(scores: torch.Tensor) -> torch.Tensor:
 def target_ledger(model, drafter, kernels: str, cache=None) -> KVLedger:
     """A ledger for the target's forwards (a call's, or prompts joining a serving batch) as `drafter` (the user's,
     the same on every rank) needs it: rolled back never below a commit, its sliding layers keeping the extra
-    positions a drafter that reads the target's keys asks for (Drafter.reads_target), and the last hidden states
-    kept for a feature drafter (Drafter.wants_hidden)."""
-    ledger = KVLedger(model, cache, kernels=kernels, rewind=int(drafter.reads_target) if drafter is not None else 0)
-    ledger.want_hidden = drafter is not None and drafter.wants_hidden
+    positions a drafter that reads the target's keys asks for (`ReadsTarget`), and the last hidden states kept for a
+    feature drafter (`Features`)."""
+    rewind = drafter.reads_target if isinstance(drafter, ReadsTarget) else 0
+    ledger = KVLedger(model, cache, kernels=kernels, rewind=rewind)
+    ledger.want_hidden = isinstance(drafter, Features)
     return ledger
 
 

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 import spec_adapt
 from spec_adapt import ChainDrafter, ChainScheduler, Drafter, FixedLength, Policy, PromptLookupDrafter, ScriptedDrafter
 from spec_adapt.policies import GoodputModel, PerRequest
-from spec_adapt.drafters import Proposal
+from spec_adapt.drafters import CatchUp, Proposal
 from spec_adapt.tools.synthetic import perturbed_copy
 
 from conftest import PAD, VOCAB, Collect, Oracle, cached_model, ragged_batch, stock_greedy
@@ -120,7 +120,7 @@ def test_scripted_drafter_out_of_vocabulary_is_caught():
     assert torch.equal(out, reference)
 
 
-class LagFails(Drafter):
+class LagFails(CatchUp):
     def propose(self, request):
         return Proposal.empty(_batch(request), request.tokens.device)
 
@@ -383,3 +383,93 @@ def test_a_proposals_confidences_are_probabilities_where_the_kept_width_reads_th
         assert torch.equal(check_proposal(proposal, req, VOCAB).confidence, confidence[:, :width])
     with pytest.raises(InvalidProposal, match="confidence must be a float tensor"):
         check_proposal(Proposal(torch.full((batch, columns), 5), lengths, confidence=confidence.long()), req, VOCAB)
+
+
+# -- the drafter contract's shape: a core of five methods, and capabilities a drafter inherits -------------------------
+def test_the_drafter_core_is_five_methods_and_each_capability_holds_its_own_members():
+    from spec_adapt.drafters import base
+
+    core = {name for name, value in vars(Drafter).items() if not name.startswith("_") and callable(value)}
+    assert core == {"begin", "propose", "rollback", "select_rows", "end"}
+    derived = {name for name, value in vars(Drafter).items() if isinstance(value, base._Derived)}
+    assert derived == {"trees", "wants_hidden", "fills_budget", "reads_target", "max_free", "offloaded", "events"}
+    assert {c.__name__: base.members_of(c) for c in base.CAPABILITIES} == {
+        "Trees": ["keep_tree", "trees"], "Features": ["take_hidden", "wants_hidden"], "ReadsTarget": ["reads_target"],
+        "JoinsRows": ["add_rows"], "CatchUp": ["lag"], "Chains": ["level_lags", "check_members"],
+        "Offloads": ["offloaded", "available"], "Observes": ["observe"], "FreeSources": ["max_free"],
+        "FillsBudget": ["fills_budget"], "Events": ["events"], "ChecksTarget": ["validate"],
+        "TakesInputs": ["share_inputs"], "Forwards": ["offers"]}
+
+
+def test_every_drafter_has_the_capabilities_it_declares():
+    from spec_adapt.distributed import FollowerDrafter
+    from spec_adapt.drafters import base, CandidateGeneratorDrafter, CrossTokenizerDrafter, MTPDrafter, SharedKVDrafter
+    from spec_adapt.drafters import SuffixDrafter
+
+    def has(cls):
+        return {c.__name__ for c in base.CAPABILITIES if issubclass(cls, c)}
+
+    model_drafter = {"Trees", "CatchUp", "JoinsRows", "ChecksTarget", "TakesInputs"}
+    assert has(spec_adapt.ModelDrafter) == model_drafter
+    for cls in (PromptLookupDrafter, SuffixDrafter, ScriptedDrafter, FollowerDrafter):
+        assert has(cls) == {"Trees", "JoinsRows"}, cls
+    assert has(CandidateGeneratorDrafter) == set()
+    assert has(MTPDrafter) == {"Features", "FillsBudget", "JoinsRows", "ChecksTarget"}
+    assert has(SharedKVDrafter) == {"Features", "ReadsTarget", "JoinsRows", "ChecksTarget"}
+    assert has(CrossTokenizerDrafter) == {"CatchUp", "JoinsRows", "Offloads", "Observes", "ChecksTarget"}
+    assert has(ChainDrafter) == {"CatchUp", "Chains", "JoinsRows", "Events", "ChecksTarget", "TakesInputs"}
+    assert has(spec_adapt.DraftOffload) == model_drafter | {"Offloads", "Observes", "Events"}
+    assert has(spec_adapt.MultiSourceDrafter) == model_drafter | {"Features", "ReadsTarget", "FreeSources", "Observes",
+                                                                  "Forwards"}
+    # A wrapper has those of its inner drafters: model-free sources draft trees and want no hidden states.
+    free = spec_adapt.MultiSourceDrafter(None, [PromptLookupDrafter()])
+    assert isinstance(free, base.Trees) and not isinstance(free, (base.Features, base.ReadsTarget))
+    assert free.trees and not free.wants_hidden and free.reads_target == 0 and free.max_free == 32
+    plain = spec_adapt.MultiSourceDrafter(None, [CandidateGeneratorDrafter.prompt_lookup()])
+    assert not isinstance(plain, base.Trees) and not plain.trees
+    assert not isinstance(ScriptedDrafter(lambda *a: []), (base.CatchUp, base.Features, base.Offloads, base.Chains))
+
+
+def test_a_drafter_declaring_a_capability_by_its_member_has_it():
+    """A Drafter subclass that sets a capability's flag or defines its method has the capability (the members it
+    lacks are the capability's); one that sets an inherited flag false has it no more; setting a capability's
+    attribute on a drafter without it raises, naming the capability to inherit."""
+    from spec_adapt.drafters import base
+
+    class Declares(Drafter):
+        trees = True
+        reads_target = 8
+
+        def add_rows(self, input_ids, attention_mask, rows):
+            pass
+
+        def lag(self, lengths):
+            return None
+
+        def observe(self, record):
+            super().observe(record)
+
+    drafter = Declares()
+    for capability in (base.Trees, base.ReadsTarget, base.JoinsRows, base.CatchUp, base.Observes):
+        assert isinstance(drafter, capability), capability
+    assert not isinstance(drafter, (base.Features, base.Chains, base.Offloads))
+    drafter.keep_tree(None)
+    drafter.observe(None)
+    assert drafter.trees and drafter.reads_target == 8 and not drafter.wants_hidden
+
+    class Chains(ScriptedDrafter):
+        trees = False
+
+    class TreesAgain(Chains):
+        trees = True
+
+    assert not isinstance(Chains(lambda *a: []), base.Trees) and isinstance(TreesAgain(lambda *a: []), base.Trees)
+
+    class SetsFree(Drafter):
+        def __init__(self):
+            self.max_free = 4
+
+    with pytest.raises(TypeError, match="inheriting spec_adapt.drafters.FreeSources"):
+        SetsFree()
+    with pytest.raises(TypeError, match="inheriting spec_adapt.drafters.Trees"):
+        ScriptedDrafter(lambda *a: []).trees = False

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spec_adapt import ChainDrafter, EarlyExitVerifier, FixedLength, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
-from spec_adapt.drafters.base import Drafter, Proposal
+from spec_adapt.drafters.base import Drafter, Proposal, TakesInputs
 from spec_adapt.serving.engine import Engine
 
 from conftest import PAD, Breaks, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
@@ -118,7 +118,7 @@ def test_engine_reports_the_drafters_events_as_a_generate_call_does():
     assert any("OutOfMemoryError" in e for e in engine.stats.drafter_events)
 
 
-class NoInputs(ScriptedDrafter):
+class NoInputs(TakesInputs, ScriptedDrafter):
     """A drafter that fails on the target's inputs, before its begin."""
 
     def share_inputs(self, inputs):

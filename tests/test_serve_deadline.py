@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from spec_adapt import FixedLength, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
+from spec_adapt.drafters import Observes
 from spec_adapt.serving.engine import Engine
 
 from conftest import PAD, cached_model, tiny_model
@@ -50,7 +51,7 @@ def right(row, context, gamma):
     return full[len(context): len(context) + gamma] + [3] * max(0, len(context) + gamma - len(full))
 
 
-class Stalling(ScriptedDrafter):
+class Stalling(Observes, ScriptedDrafter):
     """Drafts the stock continuation; the `at`-th call of method `stalls` sleeps `seconds` first (and then raises,
     with `then_raise`). Records every method call (start and end), and whether two calls were ever inside the
     drafter at once."""

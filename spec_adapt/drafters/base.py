@@ -43,13 +43,13 @@ class DraftRequest:
     stop: "StopRule | None" = None  # the plan's stopping rule: gammas are each row's most, and a drafter with
                                     # probabilities stops a row where the rule says
                                     # (spec_adapt.running_estimates.StopRule)
-    free: torch.Tensor | None = None    # [B] long, for a drafter with `max_free`: the most tokens a row may take from a
+    free: torch.Tensor | None = None    # [B] long, for a `FreeSources` drafter: the most tokens a row may take from a
                                         # model-free source (point masses that cost no draft forward), whatever its
                                         # gamma; None = gammas bound every row
     cost: "CostReader | None" = None    # the policy's step-cost model, read-only (spec_adapt.policies.cost.CostReader),
                                         # for a drafter that weighs step times; None = the policy keeps none
     target: "KVLedger | None" = None    # the target's ledger, read-only, for a drafter that attends to the target's
-                                        # own keys and values (`Drafter.reads_target`); None for the others
+                                        # own keys and values (`ReadsTarget`); None for the others
     noise: "StepNoise | None" = None    # sampling: the step's keyed Gumbel noise (spec_adapt.noise); a drafter that
                                         # samples draft k of a row as argmax(scores + noise.at(k)) agrees with the
                                         # target's coupled rule most often. None when greedy
@@ -165,83 +165,71 @@ def pack_lists(drafts: list[list[int]], device) -> Proposal:
     return Proposal(tokens.to(device), lengths.to(device))
 
 
-class Drafter:
-    """Base class. Model-free drafters override `propose` only."""
+CAPABILITIES: tuple = ()      # the capabilities, in docs/design.md's order (filled below)
+_FLAGS = ("trees", "wants_hidden", "fills_budget")     # the core's attributes that say whether a drafter has one
 
-    trees = False     # True: given DraftRequest.depths, may propose trees (else the loop asks it for chains)
-    max_free = 0      # > 0: has model-free sources; the loop lets a row draft up to this many tokens from them
-                      # (DraftRequest.free), even on a step the policy planned plain
-    offloaded = False  # True while the draft's weights are away from its device (a DraftOffload)
-    events: tuple = ()  # what went wrong inside the drafter this call (a ChainDrafter's dropped levels)
-    wants_hidden = False  # True: a feature drafter, which drafts from the target's own last hidden states: the loop
-                          # has the target's forwards keep them and hands those of committed positions to `take_hidden`
-                          # (other drafters cost the target nothing of it)
-    fills_budget = False  # True: drafts up to a row's whole remaining budget, the step's bonus token then cut (stock's
-                          # MTP drafts its depth to the end: under a lossy ensemble acceptor the last token is the
-                          # mix's at a draft's position, not the target's bonus); False: leaves room for the bonus
-    reads_target = 0    # > 0: attends to the target's cached keys and values (a Gemma 4 assistant): each request
-                        # carries the target's ledger (DraftRequest.target), whose sliding layers keep this many
-                        # positions more than the target's windows need
 
-    def validate(self, target) -> None:
-        """Raise a clear error if this drafter cannot serve `target` (tokenizer, vocabulary). Called once per call."""
+class _DrafterType(type):
+    """The drafters' metaclass. `isinstance(drafter, Trees)` asks whether a drafter has a capability: a wrapper
+    (`Forwards`) has one of those it inherits only where it `offers` it. A class that declares a capability's member
+    without inheriting the capability (sets `trees = True`, defines `add_rows`) inherits it; one that sets an
+    inherited capability's flag false (`trees = False`) has it no more."""
+
+    def __new__(mcls, name, bases, namespace, **kwargs):
+        implied = tuple(c for c in CAPABILITIES if not any(issubclass(b, c) for b in bases)
+                        and any(_declares(namespace, member) for member in members_of(c)))
+        cls = super().__new__(mcls, name, implied + bases, namespace, **kwargs)
+        said = {c: namespace[m] for c in CAPABILITIES for m in members_of(c) if m in namespace and m in _FLAGS}
+        inherited = getattr(cls, "_withdrawn", frozenset())
+        cls._withdrawn = frozenset(c for c in CAPABILITIES if not said.get(c, c not in inherited))
+        return cls
+
+    def __instancecheck__(cls, drafter) -> bool:
+        return type.__instancecheck__(cls, drafter) and (cls not in CAPABILITIES or cls not in type(drafter)._withdrawn
+                                                         and (not type.__instancecheck__(Forwards, drafter)
+                                                              or drafter.offers(cls)))
+
+
+def _declares(namespace: dict, member: str) -> bool:
+    value = namespace.get(member)
+    return member in namespace and (callable(value) or isinstance(value, property) or bool(value))
+
+
+class _Derived:
+    """A capability's attribute, readable on every drafter: without the capability, whether it has it (a flag) or
+    `absent`. A drafter has it by inheriting the capability; setting it on one without raises, naming it."""
+
+    def __init__(self, capability: str, absent=None):
+        self.capability, self.absent = capability, absent
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, drafter, owner=None):
+        if drafter is None:
+            return self
+        return isinstance(drafter, globals()[self.capability]) if self.absent is None else self.absent
+
+    def __set__(self, drafter, value):
+        raise TypeError(f"{type(drafter).__name__} sets `{self.name}`: a drafter has it by inheriting "
+                        f"spec_adapt.drafters.{self.capability}.")
+
+
+class Drafter(metaclass=_DrafterType):
+    """The core contract: a drafter proposes drafts for the active rows and follows the rows' commits and exits.
+    A model-free drafter overrides `propose` only; everything else a drafter may do is a capability it inherits
+    (`Trees`, `JoinsRows`, ... below; docs/design.md's table)."""
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Start of a generate call: the (left padded) prompt [B, L] and its mask."""
 
-    def share_inputs(self, inputs) -> None:
-        """Before `begin`: what the target's forwards take besides token ids (a `spec_adapt.inputs.ModelInputs`:
-        images, encoder outputs), or None. A draft decoder that attends to the target's encoder outputs reads them
-        here; every other drafter drafts from the tokens alone (the default)."""
-
     def propose(self, request: DraftRequest) -> Proposal:
+        """Up to `request.gammas[b]` drafts per active row after its committed tokens (`Proposal.lengths` says how
+        many: fewer is fine); their distributions where `request.wants_probs`, else None (point masses)."""
         raise NotImplementedError
-
-    def available(self) -> bool:
-        """False while the drafter cannot draft (an offloaded draft): the loop then runs plain steps without asking
-        the policy."""
-        return True
-
-    def observe(self, record) -> None:
-        """After every step: the StepRecord (γ chosen, drafted, accepted, times), e.g. to decide an offload."""
-
-    def add_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: list[int]) -> None:
-        """Serving: rows join the running batch after its active rows: their tokens [n, L], laid out as in the
-        loop's buffer (left padding, then the prompt, and for a drafter restarted on running rows what they have
-        generated; `attention_mask` marks the padding), and the row numbers they take in `DraftRequest.rows`. Row
-        numbers are slots: one that a request which left had used is reused, so state kept per row number is
-        replaced here. A drafter that cannot take rows raises, and the engine goes on without speculation (nothing
-        is lost)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take rows joining a running batch.")
-
-    def lag(self, lengths: torch.Tensor) -> torch.Tensor | None:
-        """[B] committed tokens (of `lengths`) this drafter would have to catch up on first; None = no such cost."""
-        return None
-
-    def level_lags(self, lengths: torch.Tensor) -> list[int] | None:
-        """Multi-level drafters: the largest lag of each level (index = level). None for single-level drafters."""
-        return None
-
-    def check_members(self, members: tuple) -> None:
-        """Raise a clear error unless `members` (a policy's plan) names levels this drafter has."""
-        raise ValueError(
-            f"The policy's plan names chain members {members!r}, but {type(self).__name__} is not a ChainDrafter: "
-            "pass the ChainDrafter the policy schedules as drafter=."
-        )
-
-    def take_hidden(self, hidden: torch.Tensor, count: torch.Tensor) -> None:
-        """Feature drafters (`wants_hidden`): after each target forward (the prefill, every step), once its tokens are
-        committed and after `rollback`, the target's last hidden states [B, W, H] of the active rows, row b's first
-        count[b] being those of positions now committed (a tree's: its root and accepted path). They continue the
-        row's earlier ones: the drafter then holds the hidden state of every buffer position the target has cached
-        (its first row's prefill: every prompt position, left padding included)."""
 
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Buffer tokens [0, keep_len[b]) of each active row are committed; anything drafted past them is not."""
-
-    def keep_tree(self, path: torch.Tensor) -> None:
-        """After a tree proposal was verified, before `rollback`: path [B, S] bool marks the accepted nodes (a chain
-        from the root per row). A drafter that cached its tree keeps the path's entries here."""
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Only these active rows remain (indices into the current active batch)."""
@@ -249,6 +237,172 @@ class Drafter:
     def end(self, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
         """End of the call: free per-call state. `tokens` [B0, L] / `lengths` [B0] are the final sequences of the
         user's whole batch (None after a failure), for drafters that learn from outputs."""
+
+    # Read-only, derived from the capabilities, for whoever reads them; a drafter never sets these.
+    trees = _Derived("Trees")
+    wants_hidden = _Derived("Features")
+    fills_budget = _Derived("FillsBudget")
+    reads_target = _Derived("ReadsTarget", 0)
+    max_free = _Derived("FreeSources", 0)
+    offloaded = _Derived("Offloads", False)
+    events = _Derived("Events", ())
+
+
+# -- capabilities: what a drafter may do beyond the core, each opted into by inheriting it --------------------------
+class Trees(Drafter):
+    """Proposes token trees: given `DraftRequest.depths` (a tree plan) it may return `Proposal.parents`
+    (spec_adapt.tree). A drafter without it is asked for the chain of min(nodes, depth)."""
+
+    def keep_tree(self, path: torch.Tensor) -> None:
+        """After a tree proposal was verified, before `rollback`: path [B, S] bool marks the accepted nodes (a chain
+        from the root per row). A drafter that cached its tree keeps the path's entries here."""
+
+
+class Features(Drafter):
+    """A feature drafter: drafts from the target's own last hidden states. The target's forwards keep them only for
+    such a drafter (the verifier must hand them over: `Verifier.hands_hidden`)."""
+
+    def take_hidden(self, hidden: torch.Tensor, count: torch.Tensor) -> None:
+        """After each target forward (the prefill, every step), once its tokens are committed and after `rollback`,
+        the target's last hidden states [B, W, H] of the active rows, row b's first count[b] being those of positions
+        now committed (a tree's: its root and accepted path). They continue the row's earlier ones: the drafter then
+        holds the hidden state of every buffer position the target has cached (its first row's prefill: every prompt
+        position, left padding included); rows joining a serving batch get their prefill's."""
+
+
+class ReadsTarget(Drafter):
+    """Attends to the target's cached keys and values (a Gemma 4 assistant): each request carries the target's ledger
+    (`DraftRequest.target`, read-only), whose sliding layers keep `reads_target` positions more than the target's
+    windows need."""
+
+    reads_target = 0
+
+
+class JoinsRows(Drafter):
+    """Serving: takes requests joining a running batch. Without it the engine goes on without speculation when one
+    joins (nothing committed is lost)."""
+
+    def add_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: list[int]) -> None:
+        """Rows join after the active rows: their tokens [n, L], laid out as in the loop's buffer (left padding,
+        then the prompt, and for a drafter restarted on running rows what they have generated; `attention_mask` marks
+        the padding), and the row numbers they take in `DraftRequest.rows`. Row numbers are slots that earlier
+        requests may have used: per-row state kept by row number is replaced here. A drafter that cannot take these
+        rows raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take rows joining a running batch.")
+
+
+class CatchUp(Drafter):
+    """Has committed tokens to catch up on before it drafts (a draft model after plain steps): the policy reads the
+    lag (`StepInfo.lag`) and learns its cost apart from the cost per drafted token."""
+
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """[B] committed tokens (of `lengths`) this drafter would have to catch up on first; None = none."""
+        return None
+
+
+class Chains(Drafter):
+    """Several levels (a draft and intermediate verifiers) among which a policy's plan chooses (`Plan.members`,
+    `DraftRequest.members`)."""
+
+    def level_lags(self, lengths: torch.Tensor) -> list[int] | None:
+        """The largest lag of each level (index = level)."""
+        return None
+
+    def check_members(self, members: tuple) -> None:
+        """Raise a clear error unless `members` (a policy's plan) names levels this drafter has."""
+
+
+class Offloads(Drafter):
+    """Its draft's weights may leave their device: while they are away (`offloaded`) it is not `available` and the
+    loop runs plain steps without asking the policy."""
+
+    offloaded = False
+
+    def available(self) -> bool:
+        """False while the drafter cannot draft."""
+        return True
+
+
+class Observes(Drafter):
+    """Learns from the steps: `observe` gets every step's record."""
+
+    def observe(self, record) -> None:
+        """After every step: the StepRecord (widths, drafted, accepted, times), e.g. to decide an offload."""
+
+
+class FreeSources(Drafter):
+    """Has model-free sources: the loop lets a row draft up to `max_free` tokens from them (`DraftRequest.free`,
+    `Proposal.free`), even on a step the policy planned plain."""
+
+    max_free = 0
+
+
+class FillsBudget(Drafter):
+    """Drafts up to a row's whole remaining budget, the step's bonus token then cut (stock's MTP drafts its depth to
+    the end: under a lossy ensemble acceptor the last token is the mix's at a draft's position, not the target's
+    bonus). A drafter without it is asked to leave room for the bonus."""
+
+
+class Events(Drafter):
+    """Says what went wrong inside it this call (a ChainDrafter's dropped levels, a DraftOffload's moves):
+    `events`, which the statistics carry (`SpecStats.drafter_events`)."""
+
+    events: tuple | list = ()
+
+
+class ChecksTarget(Drafter):
+    """Checks the target it drafts for, once per call where the call's parts enter (`api.check_parts`)."""
+
+    def validate(self, target) -> None:
+        """Raise a clear error if this drafter cannot serve `target` (tokenizer, vocabulary)."""
+
+
+class TakesInputs(Drafter):
+    """Reads what the target's forwards take besides token ids (a draft decoder attending to the target's encoder
+    outputs)."""
+
+    def share_inputs(self, inputs) -> None:
+        """Before `begin`: a `spec_adapt.inputs.ModelInputs` (images, encoder outputs), or None."""
+
+
+class Forwards(Drafter):
+    """A wrapper of inner drafters: of the capabilities it inherits, it has those it `offers` (its inner drafters')."""
+
+    def offers(self, capability: type) -> bool:
+        """Whether this drafter has `capability`, one of the capabilities its class inherits."""
+        return True
+
+
+CAPABILITIES = (Trees, Features, ReadsTarget, JoinsRows, CatchUp, Chains, Offloads, Observes, FreeSources,
+                FillsBudget, Events, ChecksTarget, TakesInputs, Forwards)
+
+
+def members_of(capability: type) -> list[str]:
+    """A capability's members: its own methods and attributes, and the core's attribute derived from it."""
+    own = [name for name in vars(capability) if not name.startswith("_")]
+    derived = [name for name, value in vars(Drafter).items()
+               if isinstance(value, _Derived) and value.capability == capability.__name__]
+    return own + [name for name in derived if name not in own]
+
+
+def lag_of(drafter: Drafter, lengths: torch.Tensor) -> torch.Tensor | None:
+    """A drafter's catch-up lag (`CatchUp.lag`); None for a drafter without one."""
+    return drafter.lag(lengths) if isinstance(drafter, CatchUp) else None
+
+
+def join_rows(drafter: Drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: list[int]) -> None:
+    """`JoinsRows.add_rows`; a drafter without it raises (it cannot take the rows)."""
+    if not isinstance(drafter, JoinsRows):
+        raise NotImplementedError(f"{type(drafter).__name__} cannot take rows joining a running batch.")
+    drafter.add_rows(input_ids, attention_mask, rows)
+
+
+def check_chain_members(drafter: Drafter, members: tuple) -> None:
+    """Raise a clear error unless `drafter` has the levels a policy's plan names (`Chains.check_members`)."""
+    if not isinstance(drafter, Chains):
+        raise ValueError(f"The policy's plan names chain members {members!r}, but {type(drafter).__name__} is not a "
+                         "ChainDrafter: pass the ChainDrafter the policy schedules as drafter=.")
+    drafter.check_members(members)
 
 
 class InvalidProposal(ValueError):

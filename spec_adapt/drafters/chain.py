@@ -31,7 +31,8 @@ import torch
 
 from ..acceptance_rules import committed_tokens
 from ..acceptor import Acceptor
-from .base import Drafter, DraftRequest, Proposal, with_drafts
+from .base import (CatchUp, Chains, ChecksTarget, Drafter, DraftRequest, Events, JoinsRows, Proposal, TakesInputs,
+                   join_rows, lag_of, with_drafts)
 from .model import ModelDrafter
 
 
@@ -79,7 +80,7 @@ def _total_variation(p, q, n):
     return float(tv[mask].mean()) if bool(mask.any()) else 0.0
 
 
-class ChainDrafter(Drafter):
+class ChainDrafter(CatchUp, Chains, JoinsRows, Events, ChecksTarget, TakesInputs):
     """levels[0]: any drafter (a model becomes a ModelDrafter); levels[1:]: intermediate verifier models, in order
     of capability. The target is the model `generate` is called on."""
 
@@ -118,13 +119,15 @@ class ChainDrafter(Drafter):
         return members or [0]
 
     def validate(self, target):
-        self.first.validate(target)
+        if isinstance(self.first, ChecksTarget):
+            self.first.validate(target)
         for level in self.verifiers:
             level.validate(target)
 
     def share_inputs(self, inputs):
         for level in (self.first, *self.verifiers):
-            level.share_inputs(inputs)
+            if isinstance(level, TakesInputs):
+                level.share_inputs(inputs)
 
     def begin(self, input_ids, attention_mask):
         self.failed.clear()
@@ -172,7 +175,7 @@ class ChainDrafter(Drafter):
         return proposal, members
 
     def add_rows(self, input_ids, attention_mask, rows):
-        self.first.add_rows(input_ids, attention_mask, rows)
+        join_rows(self.first, input_ids, attention_mask, rows)
         for i, level in enumerate(self.verifiers, start=1):
             if i not in self.failed:
                 self._guarded(i, level.add_rows, input_ids, attention_mask, rows)
@@ -190,7 +193,7 @@ class ChainDrafter(Drafter):
                 self._guarded(i, level.select_rows, index)
 
     def _lags(self, lengths) -> list:
-        return [self.first.lag(lengths)] + [None if i in self.failed else level.lag(lengths)
+        return [lag_of(self.first, lengths)] + [None if i in self.failed else level.lag(lengths)
                                             for i, level in enumerate(self.verifiers, start=1)]
 
     def lag(self, lengths):

@@ -27,7 +27,8 @@ import torch
 
 from ..inputs import encoder_decoder
 from ..processors import ScoreProcessor
-from .base import Drafter, DraftRequest, Proposal, check_proposal, left_padding
+from .base import (CatchUp, ChecksTarget, Drafter, DraftRequest, JoinsRows, Observes, Offloads, Proposal,
+                   check_proposal, join_rows, left_padding)
 from .model import ModelDrafter, head_vocab_size
 
 KEEP = 8            # target tokens left in the window when its start moves forward
@@ -107,7 +108,7 @@ class _Row:
     buffered: list[int] = field(default_factory=list) # the row's tokens in the draft's buffer
 
 
-class CrossTokenizerDrafter(Drafter):
+class CrossTokenizerDrafter(CatchUp, JoinsRows, Offloads, Observes, ChecksTarget):
     """Drafts with `draft` (a causal LM, or any Drafter working in the draft tokenizer's ids) for a target whose
     tokenizer differs. `generate` builds one when it is given stock's `assistant_tokenizer=` and `tokenizer=`
     (with `custom_generate=spec_adapt.generate` or after `spec_adapt.enable`). As the first level of a ChainDrafter it drafts for a model that shares the target's
@@ -155,7 +156,7 @@ class CrossTokenizerDrafter(Drafter):
             self.inner.vocab = self.vocab = draft_vocab
 
     def available(self) -> bool:
-        return self.inner.available()
+        return not isinstance(self.inner, Offloads) or self.inner.available()
 
     def begin(self, input_ids, attention_mask):
         pad = left_padding(input_ids, attention_mask)
@@ -170,7 +171,7 @@ class CrossTokenizerDrafter(Drafter):
         pad = left_padding(input_ids, attention_mask)
         new = [self._new_row(input_ids[b, pad[b]:].tolist()) for b in range(len(pad))]
         tokens, mask = self._draft_batch(new)
-        self.inner.add_rows(tokens, mask, rows)
+        join_rows(self.inner, tokens, mask, rows)
         self.rows += new
         self.pad = torch.cat([self.pad, torch.tensor(pad, dtype=torch.long)])
         self.draft_pad = torch.cat([self.draft_pad, torch.tensor(left_padding(tokens, mask), dtype=torch.long)])
@@ -282,7 +283,8 @@ class CrossTokenizerDrafter(Drafter):
         return (lengths.cpu() - self.pad - seen).clamp(min=0).to(lengths.device)
 
     def observe(self, record) -> None:
-        self.inner.observe(record)
+        if isinstance(self.inner, Observes):
+            self.inner.observe(record)
 
     def rollback(self, keep_len):
         """Nothing to do here: the next proposal aligns each row with its committed tokens."""

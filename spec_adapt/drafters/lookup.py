@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal, branches_proposal, left_padding, place
+from .base import DraftRequest, JoinsRows, Proposal, branches_proposal, left_padding, place, Trees
 
 
 def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
@@ -92,10 +92,8 @@ def _copy_on(context: torch.Tensor, start: int, depth: int) -> list[int]:
     return tokens
 
 
-class PromptLookupDrafter(Drafter):
+class PromptLookupDrafter(Trees, JoinsRows):
     """Batched, per row: every row searches its own prompt and generated tokens. Proposals are point masses."""
-
-    trees = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):

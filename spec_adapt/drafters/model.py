@@ -8,7 +8,8 @@ from .. import compat
 from ..running_estimates import ema
 from ..inputs import ModelInputs, encoder_decoder
 from ..ledger import KVLedger, positions_from_cache, worth_apart
-from .base import Drafter, DraftRequest, Proposal, left_padding, sample_drafts
+from .base import (CatchUp, ChecksTarget, DraftRequest, JoinsRows, Proposal, TakesInputs, Trees, left_padding,
+                   sample_drafts)
 from .head import ShortHead, check_short_head
 
 
@@ -19,7 +20,7 @@ def head_vocab_size(model) -> int:
     return weight.shape[0] if weight is not None else model.config.get_text_config().vocab_size
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(Trees, CatchUp, JoinsRows, ChecksTarget, TakesInputs):
     """Drafts autoregressively with `model`, keeping its cache in step with the committed tokens.
 
     The draft's cache holds a prefix of each row's buffer (`ledger.n_cached`). Proposing first feeds the tokens it
@@ -28,8 +29,6 @@ class ModelDrafter(Drafter):
     forward. Inputs move to the draft's
     device and proposals move back, so a draft on another device (or offloaded) works the same.
     """
-
-    trees = True
 
     def __init__(self, model, confidence_threshold: float | None = None, head_tokens: int | None = None,
                  branch: int = 4, prompt_inputs: dict | None = None):

@@ -26,16 +26,13 @@ import torch
 from .. import compat
 from ..ledger import KVLedger
 from ..model_kinds import check_model_kind
-from .base import Drafter, DraftRequest, Proposal, left_padding, sample_drafts
+from .base import ChecksTarget, DraftRequest, Features, FillsBudget, JoinsRows, Proposal, left_padding, sample_drafts
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(Features, FillsBudget, JoinsRows, ChecksTarget):
     """Drafts with the MTP layers of `model`'s checkpoint (loaded as stock's use_mtp=True loads them), or with
     `mtp` (an `MtpModel` already loaded for `model`). Any batch size, greedy or sampling (the drafts' own
     distributions go to the lossless rejection rule)."""
-
-    wants_hidden = True
-    fills_budget = True     # as stock's MTP, which drafts its depth whatever the budget left
 
     def __init__(self, model, mtp=None):
         self.model = model

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal
+from .base import (CatchUp, ChecksTarget, Drafter, DraftRequest, Events, JoinsRows, Observes, Offloads, Proposal,
+                   TakesInputs, Trees)
 from .model import ModelDrafter
 
 
@@ -39,10 +40,8 @@ def _free_memory(device) -> int:
     return _available_ram()
 
 
-class DraftOffload(Drafter):
+class DraftOffload(Trees, CatchUp, JoinsRows, Offloads, Observes, Events, ChecksTarget, TakesInputs):
     """Wrap a model drafter (or a draft model) so its weights can leave and come back. See the module docstring."""
-
-    trees = True          # the draft model's trees (ModelDrafter)
 
     def __init__(self, drafter, low: int = 1 << 30, persist: int = 8, free_memory=None, folder=None):
         _check_movable(drafter)
@@ -147,7 +146,7 @@ class DraftOffload(Drafter):
         self.offloaded = False
         self.events.append({"event": "reload", "step": self._steps, "seconds": time.perf_counter() - start})
 
-    # -- the Drafter contract: everything goes to the inner drafter while resident --------------------------------------
+    # -- the drafter's members: everything goes to the inner drafter while resident ----------------------------------
     def available(self) -> bool:
         return not self.offloaded
 

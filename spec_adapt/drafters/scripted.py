@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import Drafter, DraftRequest, Proposal, branches_proposal, left_padding, place
+from .base import DraftRequest, JoinsRows, Proposal, Trees, branches_proposal, left_padding, place
 
 # script(row, context, gamma) -> up to gamma token ids, or a tree as a list of branches (token lists from the
 # last committed token, best first; shared prefixes merge). `row` is the row's index in the user's batch, `context`
@@ -13,12 +13,10 @@ from .base import Drafter, DraftRequest, Proposal, branches_proposal, left_paddi
 Script = Callable[[int, list, int], list]
 
 
-class ScriptedDrafter(Drafter):
+class ScriptedDrafter(Trees, JoinsRows):
     """Proposes whatever `script` returns, as a point-mass draft (no probabilities). Under a tree plan (FixedTree),
     branches become a tree of up to gamma nodes and the plan's depth; under a chain plan only the first branch
     counts."""
-
-    trees = True
 
     def __init__(self, script: Script):
         self.script = script

@@ -26,17 +26,16 @@ import torch
 from .. import compat
 from ..compat import takes_4d_mask
 from ..ledger import attention_mask_4d
-from .base import Drafter, DraftRequest, Proposal
+from .base import ChecksTarget, DraftRequest, Features, JoinsRows, Proposal, ReadsTarget
 from .mtp import Drafting
 
 TARGET_MARGIN = 2   # stock's assistant sees window + 1 keys; the target's own sliding layers need window - 1
 
 
-class SharedKVDrafter(Drafter):
+class SharedKVDrafter(Features, ReadsTarget, JoinsRows, ChecksTarget):
     """Drafts with a Gemma 4 assistant, which attends to the target's own keys and values, at any batch size, greedy
     or sampling (its distributions go to the lossless rejection rule)."""
 
-    wants_hidden = True
     reads_target = TARGET_MARGIN
 
     def __init__(self, assistant):

@@ -42,7 +42,8 @@ import torch
 from ..policies.base import USUAL_LAG
 from ..policies.cost import CostReader, StepCost
 from ..policies.estimators import SourceAcceptance, widened
-from .base import Drafter, DraftRequest, Proposal, place
+from .base import (CatchUp, ChecksTarget, Drafter, DraftRequest, Features, Forwards, FreeSources, JoinsRows, Observes,
+                   Offloads, Proposal, ReadsTarget, TakesInputs, Trees, join_rows, lag_of, place)
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
 from .suffix import SuffixDrafter
@@ -63,7 +64,8 @@ class SourceState:
         self.lock = threading.Lock()
 
 
-class MultiSourceDrafter(Drafter):
+class MultiSourceDrafter(Forwards, Trees, Features, ReadsTarget, JoinsRows, CatchUp, FreeSources, Observes,
+                         ChecksTarget, TakesInputs):
     """The draft model and model-free sources, chosen per row and step (module docstring).
 
     `model`: a draft model (or a `ModelDrafter`, or any Drafter whose drafts cost time per token: the source the
@@ -91,7 +93,7 @@ class MultiSourceDrafter(Drafter):
         self.state = state if state is not None else SourceState(max_free)
         with self.state.lock:       # a state kept across calls serves this drafter's width too, wider or not
             self.state.acceptance.grow(max_free)
-        self.trees = model.trees if model is not None else all(s.trees for s in free)
+        self._trees = isinstance(model, Trees) if model is not None else all(isinstance(s, Trees) for s in free)
         self._offers = None      # the last step's model-free offers, judged at the next step against what committed
         self._chosen = None      # the last step's choice per row and the model's time
         self.row_counts: dict = {}    # (source, user row) -> [2, positions] decayed counts of this call's steps
@@ -106,30 +108,34 @@ class MultiSourceDrafter(Drafter):
     def sources(self) -> list[Drafter]:
         return ([self.model_drafter] if self.model_drafter is not None else []) + self.free
 
-    # A model source that drafts from the target's own states (a Gemma 4 assistant: the target's hidden states and
-    # keys) asks the loop for them through the drafter it is given: these follow the model source.
-    @property
-    def wants_hidden(self) -> bool:
-        return self.model_drafter is not None and self.model_drafter.wants_hidden
+    # Trees where its sources draft them; a model source that drafts from the target's own states (a Gemma 4
+    # assistant: the target's hidden states and keys) asks the loop for them through the drafter it is given.
+    def offers(self, capability) -> bool:
+        if capability is Trees:
+            return self._trees
+        if capability in (Features, ReadsTarget):
+            return isinstance(self.model_drafter, capability)
+        return True
 
     @property
     def reads_target(self) -> int:
         return self.model_drafter.reads_target if self.model_drafter is not None else 0
 
     def take_hidden(self, hidden, count) -> None:
-        if self.wants_hidden:
+        if isinstance(self.model_drafter, Features):
             self.model_drafter.take_hidden(hidden, count)
 
     # -- the lifecycle: every source follows the rows -------------------------------------------------------------
-    def _each(self, method: str, *args) -> None:
+    def _each(self, method: str, *args, having: type = Drafter) -> None:
         for source in self.sources:
-            getattr(source, method)(*args)
+            if isinstance(source, having):
+                getattr(source, method)(*args)
 
     def validate(self, target) -> None:
-        self._each("validate", target)
+        self._each("validate", target, having=ChecksTarget)
 
     def share_inputs(self, inputs) -> None:
-        self._each("share_inputs", inputs)
+        self._each("share_inputs", inputs, having=TakesInputs)
 
     def begin(self, input_ids, attention_mask) -> None:
         self._offers = self._chosen = None
@@ -141,21 +147,20 @@ class MultiSourceDrafter(Drafter):
         for key in [k for k in self.row_counts if k[1] in {int(r) for r in rows}]:    # a slot's new request
             del self.row_counts[key]
         self.prompt_end = place(self.prompt_end, rows, [input_ids.shape[1]] * len(input_ids))
-        self._each("add_rows", input_ids, attention_mask, rows)
+        for source in self.sources:
+            join_rows(source, input_ids, attention_mask, rows)
 
     def lag(self, lengths):
         """The draft model's catch-up per row: its prompt where it has not read it, and the tokens free sources and
         plain steps committed since it last drafted. The policy learns that catch-up apart from the model's time per
         drafted token (`Adaptive._measure`), and the router charges it beyond the usual token or two."""
-        if self.model_drafter is None:
-            return None
-        return self.model_drafter.lag(lengths)
+        return lag_of(self.model_drafter, lengths) if self.model_drafter is not None else None
 
     def rollback(self, keep_len) -> None:
         self._each("rollback", keep_len)
 
     def keep_tree(self, path) -> None:
-        self._each("keep_tree", path)
+        self._each("keep_tree", path, having=Trees)
 
     def select_rows(self, index) -> None:
         self._each("select_rows", index)
@@ -174,7 +179,7 @@ class MultiSourceDrafter(Drafter):
         offers = [source.propose(free_request) for source in self.free]
         features = [(offer.telemetry or {}).get("feature") or [0] * batch for offer in offers]
         features = self._with_opening(features, request)
-        model_here = self.model_drafter is not None and self.model_drafter.available()   # not while offloaded
+        model_here = self.model_drafter is not None and _available(self.model_drafter)   # not while offloaded
         gammas = request.gammas if model_here else torch.zeros_like(request.gammas)
         lags = self.lag(request.lengths) if model_here else None
         choice, cut = self.route(batch, gammas.tolist(), [o.lengths.tolist() for o in offers], features,
@@ -283,7 +288,7 @@ class MultiSourceDrafter(Drafter):
     def _single(self, request: DraftRequest) -> Proposal:
         """Tree plans and loops that allow no free drafts: the draft model (else the first free source) as one
         source would draft."""
-        model = self.model_drafter is not None and (self.model_drafter.available() or not self.free)
+        model = self.model_drafter is not None and (_available(self.model_drafter) or not self.free)
         source = self.model_drafter if model else self.free[0]
         request = dataclasses.replace(request, free=None)
         proposal = source.propose(request)
@@ -344,8 +349,7 @@ class MultiSourceDrafter(Drafter):
 
     # -- learning -------------------------------------------------------------------------------------------------
     def observe(self, record) -> None:
-        for source in self.sources:
-            source.observe(record)
+        self._each("observe", record, having=Observes)
         cost = self.state.cost
         chosen, self._chosen = self._chosen, None
         widest = max(record.drafted, default=0)
@@ -411,3 +415,8 @@ def _name(source: Drafter) -> str:
     if isinstance(source, SuffixDrafter):
         return "suffix"
     return type(source).__name__
+
+
+def _available(drafter) -> bool:
+    """Whether a source can draft now (not while an offloaded draft's weights are away)."""
+    return not isinstance(drafter, Offloads) or drafter.available()

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal, left_padding, pack_trees, place
+from .base import DraftRequest, JoinsRows, Proposal, Trees, left_padding, pack_trees, place
 
 
 class SuffixIndex:
@@ -130,7 +130,7 @@ def _level(parents: list[int], node: int) -> int:
     return level
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(Trees, JoinsRows):
     """Batched, per row. Every row's prompt and committed tokens are indexed as they appear, so the drafter also
     does prompt lookup; the index outlives the call. Each drafter has its own index unless one is passed: sharing is
     explicit (`index = SuffixIndex(); SuffixDrafter(index); SuffixDrafter(index)`), so one caller's text never
@@ -142,8 +142,6 @@ class SuffixDrafter(Drafter):
         self.index = index if index is not None else SuffixIndex()
         self.min_share, self.min_depth = min_share, min_depth
         self.pad, self.indexed = None, None
-
-    trees = True
 
     def begin(self, input_ids, attention_mask):
         self.pad = left_padding(input_ids, attention_mask)

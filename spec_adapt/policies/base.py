@@ -111,7 +111,7 @@ class Policy:
     # once per step for the last (a policy that only counts tokens sets it False and saves that wait).
     needs_timing = True
     trees = False        # True: `choose` may answer with tree plans (the call then checks the target can verify them)
-    # What a row's width bounds, with a drafter that has model-free sources (`Drafter.max_free`: the default
+    # What a row's width bounds, with a drafter that has model-free sources (`FreeSources.max_free`: the default
     # several-source drafter). True: every source, so a row drafts at most its width from any of them (0: nothing).
     # False: the widths bound the draft model; `allows_free` may let model-free sources draft up to `max_free`
     # tokens beyond them (they cost no forward, and the router takes them only where they pay).

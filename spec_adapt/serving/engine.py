@@ -9,7 +9,7 @@ One engine iteration:
 2. admission (`ServingLoop.admit`): up to `max_batch - running` waiting requests are prefilled together (their own
    KV ledger, left padded), take the lowest free slots, their first token is committed, and their rows are appended
    to the running batch: the target's ledger and every draft ledger gain rows (`KVLedger.add_rows`,
-   `Drafter.add_rows`), and the policy forgets what it kept for those slots (`Policy.admit`). The prefill, the first
+   `JoinsRows.add_rows`), and the policy forgets what it kept for those slots (`Policy.admit`). The prefill, the first
    token and the drafter's begin are a generate call's own (`SpeculativeLoop._prefill`, `_first_tokens`,
    `_drafter_joins`);
 3. one speculative step, exactly `SpeculativeLoop.step` (choose, propose, verify, accept, commit, observe, retire);
@@ -53,6 +53,7 @@ import torch
 
 from ..api import check_parts
 from ..distributed import ranks_of
+from ..drafters.base import join_rows
 from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
 from ..loop import SpeculativeLoop, Stopper, target_ledger
@@ -337,7 +338,7 @@ class ServingLoop(SpeculativeLoop):
     @staticmethod
     def _begin_drafter(drafter, ids, mask, rows) -> bool:
         drafter.begin(ids[:0], mask[:0])
-        drafter.add_rows(ids, mask, rows)
+        join_rows(drafter, ids, mask, rows)
         return True
 
     def drafter_idle(self) -> bool:
