@@ -17,7 +17,8 @@ tests/models) is its worst test's:
 
 - pass: every test that ran passed (skipped tests are transformers' own skips);
 - differs: a test's assertion failed (output or outputs' structure other than stock's);
-- refused: spec_adapt refused the call by name (a ValueError or NotImplementedError raised in spec_adapt);
+- refused: spec_adapt refused the call by name (a ValueError or NotImplementedError, spec_adapt's own subclasses
+  such as UnsupportedCacheError included, raised in spec_adapt);
 - crash: any other error, a timeout included.
 
 Prints a table and writes the counts, each architecture's outcome and its first failure's message as JSON.
@@ -28,6 +29,7 @@ one test in transformers' style) and skips transformers' own tests.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -120,6 +122,21 @@ class TinyModelTest(unittest.TestCase):
 '''
 
 
+def _refusal(message: str) -> bool:
+    """Whether a failure's message names a ValueError or NotImplementedError: the built-in ones, or spec_adapt's own
+    subclasses, which junit names by module path (`spec_adapt.model_kinds.UnsupportedCacheError: ...`)."""
+    if "ValueError" in message or "NotImplementedError" in message:
+        return True
+    module, _, name = message.split(":", 1)[0].strip().rpartition(".")
+    if not module.startswith("spec_adapt"):
+        return False
+    try:
+        error = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(error, type) and issubclass(error, (ValueError, NotImplementedError))
+
+
 def classify(case) -> tuple[str, str]:
     """(outcome, message) of one junit testcase."""
     for tag in ("error", "failure"):
@@ -129,7 +146,7 @@ def classify(case) -> tuple[str, str]:
             text = node.text or ""
             if tag == "failure" and message.startswith(("AssertionError", "assert")):
                 return "differs", message
-            refused = ("ValueError" in message or "NotImplementedError" in message) and "spec_adapt" in text
+            refused = _refusal(message) and "spec_adapt" in text
             return ("refused" if refused else "crash"), message
     if case.find("skipped") is not None:
         return "skipped", ""
