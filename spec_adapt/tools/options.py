@@ -73,6 +73,7 @@ cycles = whole(1, MAX_CYCLES, what="a number of cycles")
 bound_width = whole(1, 32, what="the widest draft of the bound's schedules")      # bench --bound
 seed = whole(0, MAX_SEED, what="a seed")
 megabytes = whole(1, what="a number of MiB")
+port = whole(0, 65535, what="a TCP port (0 = any free one)")
 rate = finite("a rate in requests per second")
 seconds = finite("a number of seconds")
 budget_mb = finite("a number of MB")
