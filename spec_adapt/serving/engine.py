@@ -56,7 +56,8 @@ from ..distributed import ranks_of
 from ..drafters.base import join_rows
 from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
-from ..loop import SpeculativeLoop, Stopper, target_ledger
+from ..loop import SpeculativeLoop, target_ledger
+from ..stopping import Stopper
 from ..metrics import SpecStats
 from ..noise import call_seed, mix64, prompt_digest, prompt_key
 from ..policies.adaptive import Adaptive
