@@ -96,6 +96,9 @@ class Handle:
     finished: float | None = None
     _done: threading.Event = field(default_factory=threading.Event)
     _stream: queue.Queue = field(default_factory=queue.Queue)
+    # Called (in the engine's thread, without arguments) after new tokens or the end reach the handle: an event loop
+    # waiting on the request wakes then instead of polling (spec_adapt.serving.openai_api).
+    on_update: object = None
 
     def result(self, timeout: float | None = None) -> list[int]:
         """The generated tokens (up to and including EOS), once the request is done or cancelled. Raises the
@@ -137,6 +140,8 @@ class Handle:
         self.tokens.extend(tokens)
         for t in tokens:
             self._stream.put(t)
+        if tokens:
+            self._notify()
 
     def _finish(self, state: str, error: Exception | None = None) -> None:
         if self._done.is_set():           # the first end a request is given is its end
@@ -144,6 +149,15 @@ class Handle:
         self.state, self.error, self.finished = state, error, time.perf_counter()
         self._stream.put(None)
         self._done.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_update is None:
+            return
+        try:
+            self.on_update()
+        except Exception:  # noqa: BLE001 - a listener that is gone (its event loop closed) never reaches the engine
+            self.on_update = None
 
 
 class ServingLoop(SpeculativeLoop):

@@ -36,7 +36,7 @@ UNSERVED = {"tools", "tool_choice", "functions", "function_call", "response_form
             "logit_bias", "presence_penalty", "frequency_penalty", "best_of", "echo", "suffix", "audio",
             "modalities", "prediction", "parallel_tool_calls", "reasoning_effort", "web_search_options"}
 DRAIN = 64 << 20     # bytes of an over-long body read (and dropped) before its 413, so the client reads the answer
-POLL = 0.005          # seconds between looks at a request's queue of tokens
+WAKE = 0.25           # seconds a request waits for tokens before it looks whether its client left
 
 
 class ApiError(Exception):
@@ -274,6 +274,8 @@ class Server:
         """Yield (text delta, done) as the request's tokens come: text decoded from the start each time (multi-byte
         characters whole), held back while it may end in a stop string; at a stop string the request is cancelled."""
         text, sent, reply = "", 0, Reply(self, handle, query)
+        woken, loop = asyncio.Event(), asyncio.get_running_loop()
+        handle.on_update = lambda: loop.call_soon_threadsafe(woken.set)
         hold = max((len(s) for s in query.stop), default=1) - 1
         while True:
             got = reply.drain()
@@ -297,8 +299,12 @@ class Server:
                 handle.cancel()
                 self.counters.count("cancelled", len(query.ids), len(reply.tokens))
                 return
-            else:
-                await asyncio.sleep(POLL)
+            else:                        # until the engine hands tokens, or a while to look for a disconnect
+                try:
+                    await asyncio.wait_for(woken.wait(), WAKE)
+                except asyncio.TimeoutError:
+                    pass
+                woken.clear()
 
     async def whole(self, handle, query: Query, request) -> dict:
         parts, reply = [], None
