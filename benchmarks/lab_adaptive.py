@@ -42,7 +42,7 @@ import _smoke
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=5)
-    parser.add_argument("--latency", default="results/latency-float32.json")
+    parser.add_argument("--latency", default="results/lab-suffix/latency-float32.json")
     parser.add_argument("--workloads", nargs="+", default=["humaneval", "sharegpt"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--synthetic", action="store_true", help="the synthetic workloads instead of the traces")
