@@ -45,6 +45,18 @@ IN_SPEC_ADAPT = 'File "/work/main/spec_adapt/api.py", line 504, in _check_genera
     ("ValueError: Image features and image tokens do not match", 'File "modeling_x.py", line 3', "crash"),
     ("RuntimeError: shape mismatch", IN_SPEC_ADAPT, "crash"),
     ("spec_adapt.serving.engine.EngineError: the engine stopped", IN_SPEC_ADAPT, "crash"),
+    # pytest's report ends with the raising frame: a model's own ValueError under spec_adapt's call is a crash
+    ("ValueError: Image features and image tokens do not match",
+     "spec_adapt/loop.py:150: in run\n    out = model(**inputs)\n"
+     "E       ValueError: Image features and image tokens do not match\n\n"
+     "/usr/lib/python3.11/site-packages/transformers/models/x/modeling_x.py:1750: ValueError", "crash"),
+    ("ValueError: spec_adapt does not know these generate inputs",
+     "tests/generation/test_utils.py:739: in test\n"
+     "E       ValueError: spec_adapt does not know these generate inputs\n\n"
+     "../sa/spec_adapt/api.py:70: ValueError", "refused"),
+    ("spec_adapt.model_kinds.UnsupportedCacheError: cannot roll back",
+     "E       spec_adapt.model_kinds.UnsupportedCacheError: cannot roll back\n\n"
+     "/work/main/spec_adapt/model_kinds.py:66: UnsupportedCacheError", "refused"),
 ])
 def test_errors_raised_in_spec_adapt_as_refusals_are_refused(tool, message, text, outcome):
     assert tool.classify(case("error", message, text)) == (outcome, message)
