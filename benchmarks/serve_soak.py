@@ -1,15 +1,16 @@
 """`spec-adapt serve` under a load above its capacity for a long time: resident memory, requests lost, requests hung.
 
-    python benchmarks/serve_soak.py --seconds 600 --out results/serve-http
+    python benchmarks/serve_soak.py --seconds 600 --rate 40 --out results/soak-tiny/http
     python benchmarks/serve_soak.py --smoke
 
 The server (a tiny random-weight pair with a draft model beside prompt lookup and the suffix index, max batch 8,
 64 waiting) gets Poisson arrivals of greedy streamed and non-streamed chat and completion requests at `--rate` per
-second through the `openai` client, about twice what it finishes, for `--seconds`. Every request ends in an answer,
-a 429 (the queue is full) or a failure; a request with no end after `--timeout` seconds counts as hung. Every 10 s
+second through the `openai` client, above what it finishes, for `--seconds`. Every request ends in an answer,
+a 429 (the queue is full) or a failure; a request with no end after `--timeout` seconds counts as hung.
+`--drafter lookup` serves without the draft model and the suffix index, which grows with the tokens served up to
+its bound (`SuffixIndex.max_contexts`; /metrics reports its size, sampled beside the memory). Every 10 s
 the server process's resident memory is read (psutil); the report gives its least-squares slope over the second
-half of the run (after the caches and the suffix index have grown to their working size), the counts, and
-soak.png (memory and requests over time). Writes soak.json beside it.
+half of the run, the counts, and soak.png (memory and requests over time). Writes soak.json beside it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ async def soak(url: str, seconds: float, rate: float, timeout: float, proc_pid: 
 
     async def sample():
         while time.perf_counter() - start < seconds:
-            memory.append((time.perf_counter() - start, process.memory_info().rss / 2**20, dict(counts)))
+            memory.append((time.perf_counter() - start, process.memory_info().rss / 2**20,
+                           {**counts, "suffix_contexts": suffix_contexts(url)}))
             await asyncio.sleep(min(10.0, seconds / 10))
 
     sampler = asyncio.create_task(sample())
@@ -79,13 +81,20 @@ async def soak(url: str, seconds: float, rate: float, timeout: float, proc_pid: 
         tasks.append(asyncio.create_task(request(counts["sent"])))
     await asyncio.gather(*tasks)
     await sampler
-    memory.append((time.perf_counter() - start, process.memory_info().rss / 2**20, dict(counts)))
+    memory.append((time.perf_counter() - start, process.memory_info().rss / 2**20,
+                   {**counts, "suffix_contexts": suffix_contexts(url)}))
     await client.close()
     half = [(x, y) for x, y, _ in memory if x >= seconds / 2]
     return {"seconds": seconds, "rate": rate, **counts, "lost": counts["sent"] - sum(
         counts[k] for k in ("answered", "refused", "failed", "hung")),
         "rss_mib_first": memory[0][1], "rss_mib_last": memory[-1][1],
         "rss_slope_mib_per_hour_second_half": slope(half) * 3600, "samples": memory}
+
+
+def suffix_contexts(url: str) -> float:
+    from spec_adapt.tools.http_bench import scrape
+
+    return scrape(url).get("spec_adapt_suffix_index_contexts", 0.0)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -109,9 +118,11 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=600.0)
-    p.add_argument("--rate", type=float, default=12.0, help="requests per second (about twice what it finishes)")
+    p.add_argument("--rate", type=float, default=40.0, help="requests per second (above what it finishes)")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--out", default="results/serve-http")
+    p.add_argument("--drafter", choices=["default", "lookup"], default="default",
+                   help="default: the draft model beside prompt lookup and the suffix index; lookup: prompt lookup alone")
+    p.add_argument("--out", default="results/soak-tiny/http")
     _smoke.add(p)
     args = p.parse_args()
     if args.smoke:
@@ -128,7 +139,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     with open(out / "soak-server.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "spec_adapt.tools.cli", "serve", "--model", str(folder),
-                                 "--draft", str(folder), "--served-name", "served", "--port", str(port),
+                                 *(["--draft", str(folder)] if args.drafter == "default" else ["--drafter", "lookup"]),
+                                 "--served-name", "served", "--port", str(port),
                                  "--max-batch", "8", "--max-waiting", "64"], stdout=log, stderr=log,
                                 env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         try:
@@ -139,7 +151,7 @@ def main() -> None:
             report_exit = proc.wait(60)
     from spec_adapt.tools.cli import cpu_name
 
-    report.update(command="python " + " ".join(sys.argv), cpu=cpu_name(), server_exit=report_exit)
+    report.update(drafter=args.drafter, command="python " + " ".join(sys.argv), cpu=cpu_name(), server_exit=report_exit)
     (out / "soak.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "soak.png")
     print({k: v for k, v in report.items() if k != "samples"})

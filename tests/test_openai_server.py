@@ -284,6 +284,9 @@ HOSTILE = [
                                          "tools": [{"type": "function"}]}), 400, "tools"),
     ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": "a"}],
                                          "seed": -4}), 400, "seed"),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": None}]}), 400,
+     "messages[0].content"),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": ["a", "b"]}), 400, "prompt"),
     ("/v1/chat/completions", b'{"model": "' + NAME.encode() + b'", "messages": "' + b"a" * (10 << 20) + b'"}',
      413, None),
 ]

@@ -251,8 +251,13 @@ class Server:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ApiError(400, "This model's tokenizer has no chat template: use /v1/completions.",
                            param="messages")
-        return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+        try:
+            ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]
+        except Exception as exc:  # noqa: BLE001 - a template's own rule (e.g. roles that must alternate)
+            raise ApiError(400, f"The model's chat template refused these messages: {exc}", param="messages") \
+                from None
+        return list(ids)
 
     # -- the engine's side ------------------------------------------------------------------------------------------
     def submit(self, query: Query):
@@ -401,6 +406,9 @@ class Server:
                          "the policy chose.", [({"width": str(w)}, n) for w, n in sorted(dict(stats.widths).items())])
         lines += _family("spec_adapt_speculation_fallback", "gauge", "1 when the drafter was dropped.",
                          [({}, int(engine.fallback is not None))])
+        lines += _family("spec_adapt_suffix_index_contexts", "gauge", "Contexts the suffix index holds (it grows "
+                         "with the tokens served, up to its max_contexts, then starts afresh).",
+                         [({}, sum(len(index.next) for index in _suffix_indexes(engine.loop.given_drafter)))])
         return "\n".join(lines) + "\n"
 
 
@@ -460,6 +468,14 @@ class Reply:
     def usage(self) -> dict:
         p, n = len(self.query.ids), len(self.tokens)
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def _suffix_indexes(drafter) -> list:
+    """The suffix indexes a drafter (or the sources of a several-source drafter) drafts from."""
+    from ..drafters.suffix import SuffixIndex
+
+    sources = [drafter, *getattr(drafter, "free", [])]
+    return [s.index for s in sources if isinstance(getattr(s, "index", None), SuffixIndex)]
 
 
 def _family(name: str, kind: str, help_text: str, samples: list) -> list[str]:
