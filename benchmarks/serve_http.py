@@ -10,7 +10,7 @@
 The servers run one at a time (each alone on the machine: two at once would share its cores), each started, loaded
 and warmed by one request before its loads. Every server gets the same client (spec_adapt.tools.http_bench: the
 `openai` client, streamed chat completions, greedy), the same prompts (HumanEval as chat, ShareGPT first turns and
-the `edit` workload, interleaved) and the same loads: closed loops at concurrency 1, 4 and 16, then Poisson arrivals
+the `edit` workload, interleaved; each load its own, so no load repeats an earlier one's) and the same loads: closed loops at concurrency 1, 4 and 16, then Poisson arrivals
 at each rate. Writes summary.json (every row, the command, the CPU) and serve_http.png (throughput against arrival
 rate; time per output token at p50/p90/p99 against concurrency).
 """
@@ -30,6 +30,7 @@ from pathlib import Path
 import _smoke
 
 SERVERS = ("spec", "off", "tf")
+WARM = "Say hello."           # the request each server answers before its loads (no workload prompt)
 
 
 def free_port() -> int:
@@ -71,7 +72,7 @@ def serve_and_load(kind, args, prompts, model_path, draft_path, log) -> list[dic
     try:
         wait_healthy(url, proc)
         name = "served" if kind != "tf" else model_path
-        http_bench.run(url, name, prompts[:1], args.new_tokens, concurrencies=(1,), requests_per_load=1)  # warm
+        http_bench.run(url, name, [WARM], args.new_tokens, concurrencies=(1,), requests_per_load=1)  # warm up
         loads = len(args.concurrency) + len(args.rates)
         with tqdm(total=loads, desc=kind, unit="load") as bar:
             rows = http_bench.run(url, name, prompts, args.new_tokens, args.concurrency, args.rates,
@@ -121,7 +122,7 @@ def main() -> None:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     p.add_argument("--workloads", nargs="+", default=["humaneval-chat", "sharegpt", "edit"])
-    p.add_argument("--num-prompts", type=int, default=16, help="per workload")
+    p.add_argument("--num-prompts", type=int, default=16, help="per workload (enough for every load's own)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.2, 0.8])
     p.add_argument("--requests", type=int, default=16, help="requests per load (at least the concurrency)")

@@ -122,13 +122,18 @@ def run(url: str, model: str, prompts: list[str], new_tokens: int, concurrencies
 
     async def main():
         client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=3600)
+        used = 0
         for kind, value in loads:
             before = scrape(url)
             n = max(requests_per_load, int(value)) if kind == "concurrency" else requests_per_load
+            # Each load its own prompts (the next n, cycling only when the list runs out): a server that learns
+            # from what it answered (the suffix index) is not handed the answers of an earlier load.
+            batch = [prompts[(used + i) % len(prompts)] for i in range(n)]
+            used += n
             if kind == "concurrency":
-                results = await closed_loop(client, model, prompts, new_tokens, int(value), n)
+                results = await closed_loop(client, model, batch, new_tokens, int(value), n)
             else:
-                results = await open_loop(client, model, prompts, new_tokens, value, n, seed)
+                results = await open_loop(client, model, batch, new_tokens, value, n, seed)
             rows.append({"load": kind, "value": value, **summarize(results),
                          "speculation": speculation(before, scrape(url))})
             if progress is not None:
