@@ -179,7 +179,7 @@ def _returned_cache(loop, sequences):
     if loop.returned is None:
         return None
     with torch.no_grad():
-        return loop.returned.build(sequences, loop.lengths, tokens_only=loop.target.inputs is None)
+        return loop.returned.build(sequences, loop.rows_state.lengths, tokens_only=loop.target.inputs is None)
 
 
 # `tokenizer=` and `assistant_tokenizer=` reach `generate` through transformers' generate, which builds the stop-string

@@ -35,6 +35,7 @@ from .policies.base import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, 
 from .policies.cost import CostReader, StepCost
 from .processors import ScoreProcessor, tree_positions
 from .returned_cache import ReturnedCache
+from .rows import Rows
 from .stopping import Stopper
 from .tree import ancestry, chunk_tree, path_nodes
 from .verifiers import FullVerifier, Verification, Verifier, check_trees
@@ -73,7 +74,6 @@ class StepPlan:
 
 class SpeculativeLoop:
     closed = True     # one generate call: no row joins, the call ends with its slowest row (StepInfo.closed)
-    first = None      # [B, 1, V] the prefill's logits, where the first token waits for the first step (`_commit_first`)
 
     def __init__(
         self, model, input_ids, attention_mask, *, drafter: Drafter | None, policy: Policy, logits_processor,
@@ -93,14 +93,7 @@ class SpeculativeLoop:
         batch, self.prompt_length = input_ids.shape
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device, together=self.closed)
         pad = pad_token_tensor(cfg)
-        self.pad_id = int(pad) if pad is not None else 0
-        width = min(self.stopper.max_length, self.prompt_length + 32)
-        buffer = torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device)
-        buffer[:, : self.prompt_length] = self.input_ids
-        lengths = torch.full((batch,), self.prompt_length, dtype=torch.long, device=self.device)
-        # Per user row: where its generated tokens start and the buffer length it may reach (serving admits rows
-        # with their own prompt widths and token budgets; one generate call has one of each).
-        self._set_rows(buffer, lengths, lengths.clone(), torch.full_like(lengths, self.stopper.max_length))
+        self.rows_state = Rows.of_prompts(self.input_ids, self.stopper.max_length, int(pad) if pad is not None else 0)
         self.target = target_ledger(model, drafter, self.acceptor.mode, cache)
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
         self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
@@ -137,28 +130,26 @@ class SpeculativeLoop:
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.device_timing = self.device.type == "cuda" and policy.needs_timing   # phases timed by CUDA events
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
+        self.first = None      # [B, 1, V] the prefill's logits, where the first token waits for the first step
+        self.started = self.vocab = None      # when the loop began (`_now`); the target's vocabulary size
+        # What a generate call returns beside its tokens (scores, logits, its cache; SpeculativeLoop.__init__).
+        self.scores = self.raw_logits = self.returned = None
 
-    def _set_rows(self, buffer, lengths, starts, limits) -> None:
-        """The rows' state: token buffer, committed lengths, where each row's output starts and may end."""
-        self.buffer, self.lengths, self.starts, self.limits = buffer, lengths, starts, limits
-        self.rows = torch.arange(len(lengths), device=self.device)
-        self.finished = torch.zeros(len(lengths), dtype=torch.bool, device=self.device)
-
-    # -- the call ----------------------------------------------------------------------------------------------------
     def run(self) -> torch.Tensor:
         self.started = self._now()
-        self._begin(self.buffer.shape[0])
+        state = self.rows_state
+        self._begin(state.buffer.shape[0])
         logits = self._prefill(self.target, self.input_ids, self.attention_mask)
         self.vocab = logits.shape[-1]
-        self._reserve(1)
-        self.finished = self._first_tokens(self.rows, logits)
+        state.reserve(1)
+        state.finished = self._first_tokens(state.rows, logits)
         self._drafter_joins("prefill", self.input_ids, self.attention_mask)   # then follows the rows that leave
         self._retire()
-        self._policy_begins(len(self.rows))
-        while len(self.rows):
+        self._policy_begins(len(state.rows))
+        while len(state.rows):
             self.step()
         self.end()
-        return self.buffer[:, : int(self.lengths.max())]
+        return state.buffer[:, : int(state.lengths.max())]
 
     # -- the lifecycle a generate call and a serving engine share ------------------------------------------------------
     def _begin(self, batch: int) -> None:
@@ -175,7 +166,7 @@ class SpeculativeLoop:
         """The drafter ends (its failure there only says so in the statistics), the streamer ends, and the
         statistics are final: the report and the time since the loop began."""
         if self.drafter is not None:
-            self._guard("end", self.drafter.end, self.buffer, self.lengths)
+            self._guard("end", self.drafter.end, self.rows_state.buffer, self.rows_state.lengths)
         if self.streamer is not None:
             self.streamer.end()
         self.report()
@@ -199,8 +190,8 @@ class SpeculativeLoop:
         committed, finished, scores = self._commit_first(rows, logits)
         self._record_outputs(committed, scores, logits, rows)
         if self.streamer is not None and int(rows[0]) == 0 and int(committed[0]) > 0:   # it follows the user's row 0
-            start = int(self.starts[0])
-            self.streamer.put(self.buffer[0, start : start + int(committed[0])].cpu())
+            start = int(self.rows_state.starts[0])
+            self.streamer.put(self.rows_state.buffer[0, start : start + int(committed[0])].cpu())
         self.stats.time_prefill += self._now() - began
         return finished
 
@@ -212,7 +203,7 @@ class SpeculativeLoop:
         if self.drafter is not None and rows is not None:
             self._guard(what, join_rows, self.drafter, ids, mask, rows.tolist())
             if hidden is not None:        # the running rows get nothing new (count 0), the joining ones their prompt
-                running = len(self.rows) - len(rows)
+                running = len(self.rows_state.rows) - len(rows)
                 count = torch.cat([torch.zeros(running, dtype=torch.long, device=self.device),
                                    torch.full((len(rows),), ids.shape[1], device=self.device)])
                 self._hand_hidden(torch.cat([hidden.new_zeros((running,) + tuple(hidden.shape[1:])), hidden]), count)
@@ -243,15 +234,15 @@ class SpeculativeLoop:
         plan = self.ranks.decide(self._plan)                               # 0. choose: one StepPlan
         if plan.plain:                                                     # no drafts: stock's decode step
             return self._plain_step(plan, t0)
-        self._reserve(plan.deepest + 1)
-        noise = self._noise(self.rows)                                     # sampling's keyed noise, or None
+        self.rows_state.reserve(plan.deepest + 1)
+        noise = self._noise(self.rows_state.rows)                          # sampling's keyed noise, or None
         proposal = self._propose(plan, noise)                              # 1. propose
         t1 = self._now()
         proposal, bonus, scores, logits, hidden = self._verify(proposal)   # 2. verify: [B, S+1, V]
         t2 = self._now()
         accepted, next_token, path = self._accept(scores, proposal, noise)  # 3. accept (a tree: along `path`)
-        _, counts = self._commit(proposal, accepted, next_token, scores, logits, bonus, path, hidden=hidden,  # 4.
-                                 gammas=plan.gammas)
+        counts = self._commit_drafts(proposal, accepted, next_token, scores, logits, bonus, path, hidden,  # 4.
+                                     plan.gammas)
         t3 = self._now()
         finished = self._observe(proposal, counts, plan, t3 - t0, t1 - t0, t2 - t1)                 # 5. observe
         self._retire(finished)
@@ -264,20 +255,20 @@ class SpeculativeLoop:
         step without asking the policy when there is no drafter or it is away."""
         away = isinstance(self.drafter, Offloads) and not self._guard("available", self.drafter.available)
         if self.drafter is None or away:
-            return StepPlan(self._widths(len(self.rows), 0), plain=True)
+            return StepPlan(self.rows_state.widths(len(self.rows_state.rows), 0), plain=True)
         # The rows' lengths and what they may still generate, computed where something reads them: a policy that
         # answers 0 without reading them, beside a drafter with no catch-up, costs no tensor operation here.
-        rows = self.rows
-        lengths = _ComputedOnce(lambda: self.lengths[rows])
-        remaining = _ComputedOnce(lambda: self._row_limits() - lengths())
+        rows = self.rows_state.rows
+        lengths = _ComputedOnce(lambda: self.rows_state.lengths[rows])
+        remaining = _ComputedOnce(lambda: self.rows_state.row_limits() - lengths())
         lag = level_lags = None
         if isinstance(self.drafter, CatchUp):
             lag = self._guard("lag", self.drafter.lag, lengths())
         if isinstance(self.drafter, Chains):
             level_lags = self._guard("lag", self.drafter.level_lags, lengths())
         if self.drafter is None:     # lag failed: the fallback already dropped the drafter
-            return StepPlan(self._widths(len(rows), 0), plain=True)
-        info = StepInfo(len(rows), rows, lambda: lengths() - self.starts[rows], remaining, self.stats.steps,
+            return StepPlan(self.rows_state.widths(len(rows), 0), plain=True)
+        info = StepInfo(len(rows), rows, lambda: lengths() - self.rows_state.starts[rows], remaining, self.stats.steps,
                         lag, level_lags, self.closed)
         with self.policy_lock:
             answer = self.policy.choose(info)
@@ -285,13 +276,13 @@ class SpeculativeLoop:
         # Whether the policy's widths bound the model-free sources too (`Policy.width_binds_free`).
         binds = bool(getattr(self.policy, "width_binds_free", False))
         if type(answer) is int and answer == 0 and (binds or not self.drafter.max_free):   # valid: a plain step
-            return StepPlan(self._widths(len(rows), 0), True, plain=True)
+            return StepPlan(self.rows_state.widths(len(rows), 0), True, plain=True)
         if type(answer) is int and 0 < answer <= MAX_WIDTH and not self.drafter.max_free \
-                and self._min_tokens_left() > answer:
+                and self.rows_state.min_tokens_left() > answer:
             # One width for every row, and every row has room for it and the bonus: nothing to cap, nothing to read.
-            return StepPlan(self._widths(len(rows), answer), True, most=answer, some=True)
+            return StepPlan(self.rows_state.widths(len(rows), answer), True, most=answer, some=True)
         remaining = remaining()
-        plan = check_plan(self.policy, answer, len(self.rows))
+        plan = check_plan(self.policy, answer, len(self.rows_state.rows))
         if plan.members is not None:
             check_chain_members(self.drafter, plan.members)
         gammas = plan.gammas.to(self.device)
@@ -309,60 +300,14 @@ class SpeculativeLoop:
             # The bonus is cut past the budget.
             room = remaining if isinstance(self.drafter, FillsBudget) else remaining - 1
             # One width for every row, and room for a draft in every row: some row drafts, with no read.
-            some = type(answer) is int and answer > 0 and self._min_tokens_left() >= 2
+            some = type(answer) is int and answer > 0 and self.rows_state.min_tokens_left() >= 2
             return StepPlan(torch.minimum(gammas, room), True, members=plan.members, stop=plan.stop,
                             free=free, plain=none, most=most, some=some)
         return self._tree_plan(gammas, plan, remaining)
 
-    def _align_row_ends(self, rows, old, n_keep, finished):
-        """`Stopper.settle` over the loop's own lengths and limits; the limits it may write are gathered again."""
-        if self.stopper.waits:           # only then does settle write limits
-            self._limits_written()
-        return self.stopper.settle(self.buffer, rows, old, n_keep, finished, self.limits, self.lengths, self.pad_id)
-
-    def _limits_written(self) -> None:
-        """Whoever writes limits in place, or brings rows in (`_align_row_ends`, a serving admission), says so here:
-        what the loop keeps of them (`_row_limits`, `_min_tokens_left`) is made again."""
-        self._limits_of = self._left = None
-
-    def _row_limits(self) -> torch.Tensor:
-        """limits[rows], made again when the rows or the limits tensor change (see `_limits_written`)."""
-        known = getattr(self, "_limits_of", None)
-        if known is None or known[0] is not self.rows or known[1] is not self.limits:
-            self._limits_of = (self.rows, self.limits, self.limits[self.rows])
-        return self._limits_of[2]
-
-    def _min_tokens_left(self) -> int:
-        """A bound, known on the host, below what every row in the batch may still generate: read once, then
-        lowered by each commit's width (no row gains more), so a drafting step need not read whether a row drafts.
-        Rows that leave keep it a bound; rows that join, or limits written, make it read again."""
-        known = getattr(self, "_left", None)
-        if known is None or known[0] is not self.limits:
-            least = int((self._row_limits() - self.lengths[self.rows]).min()) if len(self.rows) else 0
-            known = self._left = [self.limits, least]
-        return known[1]
-
-    def _set_lengths(self, rows, lengths, width: int) -> None:
-        """The rows' new lengths, from a commit of at most `width` tokens a row (the one writer of lengths in a step):
-        what every row may still generate falls by at most that (`_min_tokens_left`)."""
-        self.lengths[rows] = lengths
-        if getattr(self, "_left", None) is not None:
-            self._left[1] -= width
-
-    def _widths(self, batch: int, width: int) -> torch.Tensor:
-        """[batch] of `width`: one width for every row, 0 for a step without drafts. One tensor per batch size and
-        width, kept (a step plain and the next drafting reuse theirs) and never written."""
-        kept = getattr(self, "_kept_widths", None)
-        if kept is None or len(kept) >= 64:       # batch sizes and widths are few; a long-running engine stays bounded
-            kept = self._kept_widths = {}
-        tensor = kept.get((batch, width))
-        if tensor is None:
-            tensor = kept[(batch, width)] = torch.full((batch,), width, dtype=torch.long, device=self.device)
-        return tensor
-
     def _allows_free(self) -> bool:
         with self.policy_lock:
-            return bool(self.policy.allows_free(len(self.rows)))
+            return bool(self.policy.allows_free(len(self.rows_state.rows)))
 
     def _tree_plan(self, nodes, plan, remaining) -> StepPlan:
         """A tree plan: each row's depth capped by what it may still generate (a path commits depth + 1 tokens); a
@@ -386,15 +331,16 @@ class SpeculativeLoop:
             return None
         if self.generator is None:
             self.generator = torch.Generator(self.device)
-        row_list, base = torch.stack([rows, self.lengths[rows] - self.starts[rows]]).tolist()
+        row_list, base = torch.stack([rows, self.rows_state.lengths[rows] - self.rows_state.starts[rows]]).tolist()
         return StepNoise([self.keys[r] for r in row_list], base, self.vocab, self.device, self.generator)
 
     def _draft(self, plan: StepPlan, noise: StepNoise | None = None) -> Proposal:
-        batch = len(self.rows)
+        state = self.rows_state
+        batch = len(state.rows)
         if self.drafter is None or not plan.drafts:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
-            self.buffer[self.rows], self.lengths[self.rows], plan.gammas, self.rows, self.sampling, self.process,
+            state.buffer[state.rows], state.lengths[state.rows], plan.gammas, state.rows, self.sampling, self.process,
             self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy_cost,
             self.target if isinstance(self.drafter, ReadsTarget) else None, noise,
         )
@@ -410,8 +356,9 @@ class SpeculativeLoop:
         of a row (Top-K early exit): the row keeps that many drafts and, with no position after them, no bonus.
         Returns (proposal, bonus [B] bool or None where every row has one, scores, logits, hidden), scores and
         logits [B, S'+1, V] for the kept drafts, hidden the target's last hidden states there for a feature drafter (else None)."""
-        lengths = self.lengths[self.rows]
-        last = self.buffer[self.rows, lengths - 1]
+        rows, buffer = self.rows_state.rows, self.rows_state.buffer
+        lengths = self.rows_state.lengths[rows]
+        last = buffer[rows, lengths - 1]
         chunk = torch.cat([last[:, None], proposal.tokens], dim=1)                        # [B, S+1]
         if proposal.parents is not None:
             return self._verify_tree(proposal, chunk, lengths)
@@ -427,8 +374,8 @@ class SpeculativeLoop:
         logits = _pad_positions(_as_float(result.logits), proposal.tokens.shape[1] + 1)     # [B, S'+1, V]
         if not self.process.processors:
             return proposal, bonus, logits, logits, result.hidden
-        context = with_drafts(self.buffer[self.rows], lengths, proposal.tokens)
-        scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, self.rows)
+        context = with_drafts(buffer[rows], lengths, proposal.tokens)
+        scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, rows)
         return proposal, bonus, scores, logits, result.hidden
 
     def _verify_first(self, proposal: Proposal, n_valid) -> Verification:
@@ -448,8 +395,9 @@ class SpeculativeLoop:
         result = self.verifier.verify(self.target, chunk, proposal.lengths + 1, parents=chunk_tree(proposal.parents))
         logits = result.logits.float()
         anc, depth = ancestry(proposal.parents, proposal.lengths)
-        scores = tree_positions(self.process, logits, self.buffer[self.rows], lengths, proposal.tokens, anc, depth,
-                                proposal.lengths, self.rows)
+        rows = self.rows_state.rows
+        scores = tree_positions(self.process, logits, self.rows_state.buffer[rows], lengths, proposal.tokens, anc,
+                                depth, proposal.lengths, rows)
         return proposal, torch.ones_like(lengths, dtype=torch.bool), scores, logits, result.hidden
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal, noise: StepNoise | None = None):
@@ -466,52 +414,64 @@ class SpeculativeLoop:
                                                     self.sampling, noise)
         return accepted, next_token, None
 
-    def _commit(self, proposal, accepted, next_token, scores, logits, bonus, path, plain=False,
-                hidden=None, old=None, gammas=None):
-        """Write the accepted drafts and the token after them (a correction, or the bonus where the row has one).
-        A tree commits its accepted path as a chain: the ledgers keep the path's slots and the rest become holes.
-        `plain`: a step without drafts (`_plain_step`; proposal and accepted None): `bonus` is then each row's count
-        of tokens (1 where the verifier kept the position), and nothing was cached beyond the committed tokens, so
-        a rollback to them changes no slot, adds no hole and frees nothing to compact: it runs only for a ledger
-        that drops what left a sliding window. `hidden`: the target's last hidden states of the forward, whose
-        committed positions go to a feature drafter after its rollback. `old`: the rows' lengths, where the caller
-        has read them. `gammas`: the plan's widths (a drafting step).
+    def _commit(self, rows, old, new, n_new, limits=None, every_one: bool = False):
+        """The one writer of committed tokens, for a drafting step, a plain step and the first token alike. Row b of
+        `rows` (user rows, committed up to old[b]) keeps its first n_new[b] tokens of new [B, K] as far as the stopping
+        criteria let it (an EOS, its limit, the other criteria: `Stopper.cut`), ends with the batch where rows wait
+        for each other (`Stopper.settle`), and ends as the leading rank says; the lengths become old + kept, and rows
+        that had left past where the batch ends give those tokens back, uncounted. `limits`: the rows' limits
+        (default the active rows'); `every_one`: new is [B, 1] and every row keeps its token (`Stopper.cut`).
 
-        Returns (tokens committed [B], counts): a drafting step's `StepCounts`, the step's one host copy, made before
-        the rollback, which reads from it what each row gives back; None for a plain step (`_plain_step` copies)."""
-        drafted, given = (0 if plain else proposal.tokens.shape[1]), proposal    # a tree's record counts its nodes
+        Returns (n_keep [B], finished [B]): n_keep[b] < 0 where `Stopper.settle` took back tokens of earlier steps.
+        What follows a commit (rollback, records, counts, the stream) is the caller's."""
+        state = self.rows_state
+        limits = state.row_limits() if limits is None else limits
+        n_keep, finished = self.stopper.cut(state.buffer, rows, old, new, n_new, state.pad_id, limits, every_one)
+        if self.stopper.waits:           # only then does settle write limits: what the rows keep of them is stale
+            state.limits_written()
+        n_keep, finished, taken = self.stopper.settle(state.buffer, rows, old, n_keep, finished, state.limits,
+                                                      state.lengths, state.pad_id)
+        n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
+        state.set_lengths(rows, old + n_keep, new.shape[1])
+        for row, k in taken:     # rows that had left past where the batch ends (Stopper.settle)
+            self._take_back(row, k)
+        return n_keep, finished
+
+    def _commit_drafts(self, proposal, accepted, next_token, scores, logits, bonus, path, hidden, gammas):
+        """A drafting step's commit (`_commit`): each row's accepted drafts and the token after them (a correction, or
+        the bonus where the row has one: `bonus` [B] bool, None where every row has one), then the rollback of what
+        every model cached past them. A tree commits its accepted path as a chain: the ledgers keep the path's slots
+        and the rest become holes. `hidden`: the target's last hidden states of the forward, whose committed positions
+        go to a feature drafter after its rollback. Returns the step's `StepCounts`, its one host copy, made before
+        the rollback, which reads from it what each row gives back."""
+        drafted, given = proposal.tokens.shape[1], proposal    # a tree's record counts its nodes
         if path is not None:
             self.target.keep_tree(torch.cat([torch.ones_like(path[:, :1]), path], dim=1))   # the root stays
             if isinstance(self.drafter, Trees):
                 self._guard("keep_tree", self.drafter.keep_tree, path)
             proposal, scores, logits, hidden = _along_path(proposal, path, scores, logits, hidden)
-        rows = self.rows
-        old = self.lengths[rows] if old is None else old
-        if plain:
-            new, n_new = next_token[:, None], bonus                                       # [B, 1]
-        else:
-            new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.pad_id)   # [B, S+1]
-            n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
-        every_one = plain and n_new is self.target.ones(len(rows))     # each row keeps its one token
-        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, n_new, self.pad_id, self._row_limits(),
-                                            every_one)
-        n_keep, finished, taken = self._align_row_ends(rows, old, n_keep, finished)
-        n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
-        self._set_lengths(rows, old + n_keep, new.shape[1])
-        self.finished = finished
-        for row, k in taken:     # rows that had left past where the batch ends (Stopper.settle)
-            self._take_back(row, k)
+        rows = self.rows_state.rows
+        old = self.rows_state.lengths[rows]
+        new = committed_tokens(proposal.tokens, accepted, next_token, fill=self.rows_state.pad_id)   # [B, S+1]
+        n_new = accepted + 1 if bonus is None else accepted + ((accepted < proposal.lengths) | bonus).long()
+        n_keep, finished = self._commit(rows, old, new, n_new)
+        self.rows_state.finished = finished
         committed = n_keep.clamp(min=0) if self.stopper.waits else n_keep    # tokens taken back are not counted
-        counts = None if plain else StepCounts.read(rows, gammas, given, accepted, committed, finished)
+        counts = StepCounts.read(rows, gammas, given, accepted, committed, finished)
         # Rollback: what each model cached beyond the accepted drafts is not part of the sequence any more.
-        keep = old if plain else old + accepted
-        if not plain:
-            self.target.rollback(keep, counts.dropped(proposal, bonus))
-        elif self.target.rewind is not None:
-            self.target.rollback(keep)
+        keep = old + accepted
+        self.target.rollback(keep, counts.dropped(proposal, bonus))
         if self.drafter is not None and drafted and len(rows):
             self._guard("rollback", self.drafter.rollback, keep)
-        if hidden is not None:     # the last committed token's position and the accepted drafts'
+        self._after_commit(rows, old, keep, new, n_keep, scores, logits, hidden)
+        return counts
+
+    def _after_commit(self, rows, old, keep, new, n_keep, scores, logits, hidden) -> None:
+        """What follows a step's commit and rollback (to `keep` [B]): a feature drafter gets the target's hidden
+        states of the positions kept (the last committed token's and the accepted drafts'), the call keeps the scores
+        and logits it returns, the streamer gets row 0's tokens, and tokens `Stopper.settle` took back leave the
+        counts."""
+        if hidden is not None:
             self._hand_hidden(hidden, keep - old + 1)
         self._record_outputs(n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
@@ -519,35 +479,28 @@ class SpeculativeLoop:
         if self.stopper.waits:           # only Stopper.settle takes back tokens of earlier steps
             taken = n_keep < 0           # they are not counted
             if bool(taken.any()):
-                self._count_first_token(rows[taken], n_keep[taken])
-        return committed, counts
+                self._count_tokens(rows[taken], n_keep[taken])
 
     def _commit_first(self, rows, logits):
         """The first token of freshly prefilled rows (`logits` [n, 1, V] after each prompt), as a step without drafts:
-        processed, chosen by the accept phase, written, stopped and counted. A generate call's rows and requests that
-        join a running batch both start here. Returns (tokens kept [n], finished [n], scores [n, 1, V]).
+        processed, chosen by the accept phase and committed (`_commit`), counted. A generate call's rows and requests
+        that join a running batch both start here. Returns (tokens kept [n], finished [n], scores [n, 1, V]).
 
         Where the first token waits for the first step's drafts (`_first_waits`), none is committed here: the
         prefill's logits wait (`first`) as the first position of the first step, which drafts from the prompt and
         verifies its drafts alone (`_verify_first`; `_plain_step` where no row drafts), so the accept phase chooses
         the first token over them, as stock's first assisted step does. Returns then (zeros, none finished,
         scores [n, 0, V])."""
-        old = self.lengths[rows].clone()
+        state = self.rows_state
+        old = state.lengths[rows].clone()
         if self._first_waits():
             self.first = logits
             kept = torch.zeros_like(old)
             return kept, kept.bool(), logits[:, :0]
-        scores = self.process.positions(logits, self.buffer[rows], old, torch.ones_like(old), rows)
+        scores = self.process.positions(logits, state.buffer[rows], old, torch.ones_like(old), rows)
         _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), self._noise(rows))
-        new = next_token[:, None]
-        n_keep, finished = self.stopper.cut(self.buffer, rows, old, new, torch.ones_like(old), self.pad_id,
-                                            self.limits[rows])
-        n_keep, finished, taken = self._align_row_ends(rows, old, n_keep, finished)
-        n_keep, finished = self._agree_stop(rows, old, new, n_keep, finished)
-        self._set_lengths(rows, old + n_keep, 1)
-        self._count_first_token(rows, n_keep)
-        for row, k in taken:
-            self._take_back(row, k)
+        n_keep, finished = self._commit(rows, old, next_token[:, None], torch.ones_like(old), state.limits[rows])
+        self._count_tokens(rows, n_keep)
         return n_keep, finished, scores
 
     def _first_waits(self) -> bool:
@@ -567,11 +520,12 @@ class SpeculativeLoop:
         agreed, done = self.ranks.decide(lambda: (n_keep, finished))
         if self.ranks.leader:
             return n_keep, finished
-        room = torch.minimum(torch.full_like(old, new.shape[1]), self.limits[rows] - old)
+        state = self.rows_state
+        room = torch.minimum(torch.full_like(old, new.shape[1]), state.limits[rows] - old)
         b, j = (torch.arange(new.shape[1], device=self.device)[None, :] < room[:, None]).nonzero(as_tuple=True)
-        self.buffer[rows[b], old[b] + j] = torch.where(j < agreed[b], new[b, j], self.pad_id)
+        state.buffer[rows[b], old[b] + j] = torch.where(j < agreed[b], new[b, j], state.pad_id)
         for b in (agreed < 0).nonzero().flatten().tolist():     # Stopper.settle took back earlier tokens
-            self.buffer[rows[b], int(old[b] + agreed[b]): int(old[b])] = self.pad_id
+            state.buffer[rows[b], int(old[b] + agreed[b]): int(old[b])] = state.pad_id
         return agreed, done
 
     def _plain_step(self, plan: StepPlan, t0: float) -> None:
@@ -580,30 +534,36 @@ class SpeculativeLoop:
         argmax or a sample, the stop, the cache) and the record, which keeps its per-row fields as tensors (copied
         to the host only by whoever reads them). No draft request, no buffer copy with drafts, no acceptance over
         drafts, no rollback of drafts. The same tokens, cache, statistics and records as `step`."""
-        rows = self.rows
-        old = self.lengths[rows]
+        state = self.rows_state
+        rows = state.rows
+        old = state.lengths[rows]
         noise = self._noise(rows)          # sampling's keyed noise: its one read before the forward is queued
-        self._reserve(1)
+        state.reserve(1)
         t1 = self._now()
         ones = self.target.ones(len(rows))
         if self.first is not None:       # the first token waited (`_commit_first`): the prefill's logits score it
             result, self.first = Verification(self.first, ones), None
         else:
-            result = self.verifier.verify(self.target, self.buffer[rows, old - 1][:, None], ones)  # 2. verify
+            result = self.verifier.verify(self.target, state.buffer[rows, old - 1][:, None], ones)    # 2. verify
         logits = _pad_positions(_as_float(result.logits), 1)                                     # [B, 1, V]
         n_new = ones if result.kept is ones else (result.kept > 0).long()    # a bonus where the position was kept
-        scores = self.process.positions(logits, self.buffer[rows], old, ones, rows) if self.process.processors \
+        scores = self.process.positions(logits, state.buffer[rows], old, ones, rows) if self.process.processors \
             else logits
         t2 = self._now()
         if self.sampling:                                                                       # 3. accept
             _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), noise)
         else:                            # greedy without drafts: the argmax (what greedy_accept answers then)
             next_token = self.ranks.decide(_first_argmax, scores)
-        n_keep, _ = self._commit(None, None, next_token, scores, logits, n_new, None, plain=True,  # 4. commit
-                                 hidden=result.hidden, old=old)
+        new = next_token[:, None]                                                               # 4. commit
+        n_keep, state.finished = self._commit(rows, old, new, n_new, every_one=n_new is ones)
+        # Nothing was cached past the committed tokens: a rollback to them changes no slot, adds no hole and frees
+        # nothing to compact; it runs only for a ledger that drops what left a sliding window.
+        if self.target.rewind is not None:
+            self.target.rollback(old)
+        self._after_commit(rows, old, old, new, n_keep, scores, logits, result.hidden)
         t3 = self._now()
         # The step's one host copy: the record's per-row counts and which rows finished.
-        row_ids, kept, finished = torch.stack([rows, n_keep, self.finished.long()]).tolist()
+        row_ids, kept, finished = torch.stack([rows, n_keep, state.finished.long()]).tolist()
         zeros = plan.gammas
         record = StepRecord(len(row_ids), row_ids, zeros, zeros, zeros, kept, t3 - t0, t1 - t0, t2 - t1,  # 5. observe
                             held=self.target.held_rows)
@@ -634,15 +594,15 @@ class SpeculativeLoop:
 
     def _retire(self, finished: list | None = None) -> None:
         """Rows that finished leave the batch and every ledger. A batch that takes new rows (serving) follows them
-        down to none and fills again; a generate call ends with its last row. `finished`: `self.finished` as host
-        values, where the step has already copied it (no second read)."""
-        if not (any(finished) if finished is not None else bool(self.finished.any())):
+        down to none and fills again; a generate call ends with its last row. `finished`: the rows' `finished` as
+        host values, where the step has already copied it (no second read)."""
+        state = self.rows_state
+        if not (any(finished) if finished is not None else bool(state.finished.any())):
             return
-        if getattr(self, "returned", None) is not None:
-            self.returned.keep(self.target, self.finished, self.rows)
-        keep = (~self.finished).nonzero().squeeze(1)
-        self.rows, self.finished = self.rows[keep], self.finished[keep]
-        if len(self.rows) or not self.closed:
+        if self.returned is not None:
+            self.returned.keep(self.target, state.finished, state.rows)
+        keep = state.leave()
+        if len(state.rows) or not self.closed:
             self._shrink(keep)
 
     def _shrink(self, keep: torch.Tensor) -> None:
@@ -657,7 +617,7 @@ class SpeculativeLoop:
     def _hand_hidden(self, hidden, count) -> None:
         """A feature drafter (`Features`) gets the target's last hidden states of the positions just
         committed: row b's first count[b] positions of `hidden` [B, W, H]."""
-        if hidden is not None and isinstance(self.drafter, Features) and len(self.rows):
+        if hidden is not None and isinstance(self.drafter, Features) and len(self.rows_state.rows):
             self._guard("take_hidden", self.drafter.take_hidden, hidden, count)
 
     def _batch_rows(self, live: int, held: int) -> int:
@@ -666,30 +626,6 @@ class SpeculativeLoop:
         return check_rows(self.policy, answer, live, held)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
-    def _reserve(self, extra: int) -> None:
-        """Room in the token buffer for `extra` more tokens in every active row, past its limit too (`Stopper._write`
-        writes a step's whole block): the buffer grows with what is generated, doubling, never with the budget. The
-        lengths are read once per growth, not every step: a row gains at most `extra` tokens a step, so after a read
-        that found `free` columns past the longest row, steps whose extras add up to `free` fit. Anything that moves
-        rows or buffer (rows that leave or join, a growth) makes the next step read again."""
-        if not len(self.rows):
-            return
-        known = getattr(self, "_room", None)
-        if known is not None and known[0] is self.buffer and known[1] is self.rows and known[2] >= extra:
-            self._room = (self.buffer, self.rows, known[2] - extra)
-            return
-        # The longest row and the furthest limit, in one host read.
-        longest, furthest = torch.stack([self.lengths[self.rows].max(), self._row_limits().max()]).tolist()
-        # Past a row's limit too: `Stopper._write` writes a step's whole block (the columns past what a row keeps
-        # get their own contents back), which needs every column of it inside the buffer.
-        need = longest + extra
-        width = self.buffer.shape[1]
-        if need > width:
-            grown = max(need, min(2 * width, furthest))
-            more = self.buffer.new_full((self.buffer.shape[0], grown - width), self.pad_id)
-            self.buffer = torch.cat([self.buffer, more], dim=1)
-        self._room = (self.buffer, self.rows, self.buffer.shape[1] - longest - extra)
-
     def _guard(self, what, fn, *args):
         """Run a drafter method; on any error (out of memory included) continue without speculation.
 
@@ -719,7 +655,7 @@ class SpeculativeLoop:
         for store, values in ((self.scores, scores), (self.raw_logits, logits)):
             if store is None:
                 continue
-            for b, row in enumerate((self.rows if rows is None else rows).tolist()):
+            for b, row in enumerate((self.rows_state.rows if rows is None else rows).tolist()):
                 n = int(n_keep[b])
                 if n < 0:              # Stopper.settle took back tokens of earlier steps
                     del store[row][n:]
@@ -733,7 +669,7 @@ class SpeculativeLoop:
         self.stats.per_row_new_tokens[row] -= k
         self.stats.new_tokens -= k
 
-    def _count_first_token(self, rows, committed) -> None:
+    def _count_tokens(self, rows, committed) -> None:
         for row, n in zip(rows.tolist(), committed.tolist()):
             self.stats.per_row_new_tokens[row] += n
             self.stats.new_tokens += n
@@ -744,7 +680,7 @@ class SpeculativeLoop:
         store = self.scores if name == "scores" else self.raw_logits
         if store is None:
             return None
-        steps = int(self.lengths.max()) - self.prompt_length
+        steps = int(self.rows_state.lengths.max()) - self.prompt_length
         vocab = next(t for per_row in store for t in per_row).shape[-1]
         out = torch.zeros(steps, len(store), vocab, device=self.device)
         for row, values in enumerate(store):

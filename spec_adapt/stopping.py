@@ -50,7 +50,7 @@ class Stopper:
 
     def _write(self, buffer, rows, old, new, n, limits):
         """Row b's first n[b] tokens of new [B, W] into the buffer, cut after an EOS: (n, finished). The buffer holds
-        columns old[b] .. old[b] + W - 1 of every row (`SpeculativeLoop._reserve`)."""
+        columns old[b] .. old[b] + W - 1 of every row (`Rows.reserve`)."""
         pos = offsets(new.shape[1], new.device)
         finished = None
         if self.eos is not None:
@@ -60,7 +60,7 @@ class Stopper:
         at_limit = old + n >= limits
         finished = at_limit if finished is None else finished | at_limit
         # The whole [B, W] block, each column past what a row keeps given its own contents back: no index list built
-        # from the mask (on a GPU, a wait). `_reserve` keeps every column of the block inside the buffer.
+        # from the mask (on a GPU, a wait). `Rows.reserve` keeps every column of the block inside the buffer.
         columns = old[:, None] + pos
         at = (rows[:, None], columns)
         buffer[at] = torch.where(pos < n[:, None], new, buffer[at])

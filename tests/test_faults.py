@@ -293,7 +293,7 @@ def test_a_huge_budget_with_an_early_stop_allocates_nothing_for_it():
     finally:
         spec_adapt.loop.SpeculativeLoop.run = original
     assert torch.equal(out, reference)
-    assert loop["self"].buffer.shape[1] <= 2 * 20 + 32            # grew with the tokens, not with the budget
+    assert loop["self"].rows_state.buffer.shape[1] <= 2 * 20 + 32            # grew with the tokens, not with the budget
     assert ours.most <= 10 * stock.most, (ours.most, stock.most)   # no tensor sized by the budget, anywhere
 
 
@@ -488,7 +488,7 @@ def test_stop_returns_within_its_own_timeout_whatever_a_drafter_does(step_timeou
             engine.step()                               # a second driver would race the blocked step
         release.set()                                   # the drafter's call returns
         engine._thread.join(60)                         # the blocked step returned: the thread ended its rows
-        assert not engine._thread.is_alive() and not engine.running and len(engine.loop.rows) == 0
+        assert not engine._thread.is_alive() and not engine.running and len(engine.loop.rows_state.rows) == 0
     finally:
         release.set()
     engine.start()

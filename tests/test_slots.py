@@ -48,7 +48,8 @@ def test_engine_state_is_bounded_by_its_slots(drafter):
     for p, h in serve(engine, batch):
         assert h.result() == stock(p, 6)
     loop = engine.loop
-    assert loop.buffer.shape[0] <= 3 and len(loop.lengths) <= 3 and len(loop.starts) <= 3 and len(loop.limits) <= 3
+    rows = loop.rows_state
+    assert rows.buffer.shape[0] <= 3 and len(rows.lengths) <= 3 and len(rows.starts) <= 3 and len(rows.limits) <= 3
     assert len(engine.stats.per_row_new_tokens) <= 3 and len(engine.stats.per_row_steps) <= 3
     assert policy.row_tried.shape[0] <= 4 and policy.row_expected.shape[0] <= 4
     pad = getattr(made, "pad", None)
@@ -123,10 +124,10 @@ def test_a_long_request_widens_nothing_after_it_leaves():
     engine = Engine(MODEL, drafter=PromptLookupDrafter(2, 1), assistant_policy=FixedLength(2), max_batch=2,
                     eos_token_id=EOS, pad_token_id=PAD)
     serve(engine, [list(range(3, 90)) * 3], budget=40)               # 261 + 40 tokens
-    assert engine.loop.buffer.shape[1] >= 300
+    assert engine.loop.rows_state.buffer.shape[1] >= 300
     for p, h in serve(engine, prompts(6, seed=3), budget=6):
         assert h.result() == stock(p, 6)
-    assert engine.loop.buffer.shape[1] <= 64
+    assert engine.loop.rows_state.buffer.shape[1] <= 64
     assert engine.loop.target is None or engine.loop.target.physical_length <= 64
 
 

@@ -271,7 +271,7 @@ def test_a_row_the_rule_stops_proposes_its_last_token_without_another_draft_forw
 def _write_case(data, most_width: int):
     """Rows, lengths, limits, counts (0 where a verifier kept no position), EOS ids and a buffer as the loop hands them
     to `Stopper`: a row's length is at most its limit, and the buffer holds the step's whole block past every row's
-    length (`SpeculativeLoop._reserve`), at its limit too."""
+    length (`Rows.reserve`), at its limit too."""
     batch, length = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 6))
     width = data.draw(st.integers(1, most_width))
     held = data.draw(st.integers(batch, batch + 3))

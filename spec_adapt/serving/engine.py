@@ -57,6 +57,7 @@ from ..drafters.base import join_rows
 from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
 from ..loop import SpeculativeLoop, target_ledger
+from ..rows import Rows
 from ..stopping import Stopper
 from ..metrics import SpecStats
 from ..noise import call_seed, mix64, prompt_digest, prompt_key
@@ -178,11 +179,7 @@ class ServingLoop(SpeculativeLoop):
         self.sampled = ScoreProcessor([self.row_sampling])
         self.stopper = Stopper([], max_length, self.device)
         self.stopper.eos = eos
-        self.pad_id = pad_id
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._set_rows(torch.full((0, 1), pad_id, dtype=torch.long, device=self.device), empty, empty.clone(),
-                       empty.clone())
-        self.pads = empty.clone()                    # per slot: the left padding of its buffer row
+        self.rows_state = Rows.empty(self.device, pad_id)      # slots, each with the left padding of its row
         # Sampling's keyed noise (spec_adapt.noise): per slot the key of the request it holds: from the request's
         # own seed and prompt, or else from the engine's seed (drawn once from torch's global generator) and the
         # request's admission number, so a request's tokens do not depend on which requests shared its steps, nor on
@@ -192,7 +189,6 @@ class ServingLoop(SpeculativeLoop):
         self.keys: list[int] = []
         self.admitted = 0
         self.target: KVLedger | None = None          # made by the first admission
-        self.scores, self.raw_logits = None, None
         self.started = self._now()
         self._begin(0)
         self._policy_begins(0)
@@ -222,16 +218,16 @@ class ServingLoop(SpeculativeLoop):
         they take."""
         samplings = samplings or [Sampling()] * len(prompts)
         n, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=self.device)
+        ids = torch.full((n, width), self.rows_state.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):], mask[i, width - len(p):] = p.to(self.device), 1
         # The prefill first: if the target fails there, nothing of the running batch has changed yet.
         joining = target_ledger(self.model, self.given_drafter, self.acceptor.mode)
         logits = self._prefill(joining, ids, mask)                                  # [n, 1, V]
-        new_rows = self._take_slots(n)
+        new_rows = self.rows_state.take_slots(n)
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
-        self._place(new_rows, ids, mask, limits)
+        self.rows_state.place(new_rows, ids, mask, limits)
         self.stats.admit(new_rows.tolist())
         with self.policy_lock:
             self.policy.admit(new_rows.tolist())
@@ -243,8 +239,7 @@ class ServingLoop(SpeculativeLoop):
             self.target = joining
         else:
             self.target.add_rows(joining)
-        self.rows = torch.cat([self.rows, new_rows])
-        self.finished = torch.cat([self.finished, finished])
+        self.rows_state.join(new_rows, finished)
         # The first rows begin the drafter as a call's batch does (nothing runs: the slots taken are 0..n-1, the rows
         # a call's begin numbers); later ones join it.
         self._drafter_joins("admission", ids, mask, None if first_rows else new_rows, joining.hidden)
@@ -263,38 +258,6 @@ class ServingLoop(SpeculativeLoop):
             self.keys[slot] = (mix64((self.seed or 0) ^ mix64(self.admitted)) if seed is None
                                else prompt_key(seed, prompt_digest(prompt), 0))
             self.admitted += 1
-
-    def _take_slots(self, n: int) -> torch.Tensor:
-        """The n lowest slots no running row holds (new ones at the end when all are held). The engine has handed
-        every row that left its tokens before it admits, so a free slot's contents are no one's."""
-        held = torch.zeros(self.buffer.shape[0], dtype=torch.bool, device=self.device)
-        held[self.rows] = True
-        free = (~held).nonzero().squeeze(1)[:n]
-        more = torch.arange(self.buffer.shape[0], self.buffer.shape[0] + n - len(free), device=self.device)
-        return torch.cat([free, more])
-
-    def _place(self, slots, ids, mask, limits) -> None:
-        """Write the joining prompts into their slots; the buffer is as wide as the running rows and the prompts
-        need (a long request that left widens nothing), and grows from there as tokens come (`_reserve`)."""
-        running = int(self.lengths[self.rows].max()) if len(self.rows) else 0
-        width = max(running, ids.shape[1] + 1, 64)
-        if self.buffer.shape[1] > 2 * width:
-            self.buffer = self.buffer[:, :width].clone()
-        elif width > self.buffer.shape[1]:
-            self.buffer = torch.cat([self.buffer, self.buffer.new_full((self.buffer.shape[0], width -
-                                                                          self.buffer.shape[1]), self.pad_id)], 1)
-        grow = int(slots.max()) + 1 - self.buffer.shape[0]
-        if grow > 0:
-            self.buffer = torch.cat([self.buffer, self.buffer.new_full((grow, self.buffer.shape[1]), self.pad_id)])
-            more = torch.zeros(grow, dtype=torch.long, device=self.device)
-            self.lengths, self.starts = torch.cat([self.lengths, more]), torch.cat([self.starts, more.clone()])
-            self.limits, self.pads = torch.cat([self.limits, more.clone()]), torch.cat([self.pads, more.clone()])
-        self.buffer[slots] = self.pad_id
-        self.buffer[slots, : ids.shape[1]] = ids
-        self.lengths[slots] = self.starts[slots] = ids.shape[1]
-        self.limits[slots] = limits
-        self._limits_written()
-        self.pads[slots] = (mask == 0).sum(dim=1)
 
     def step(self) -> None:
         self._restart_drafter()
@@ -333,7 +296,7 @@ class ServingLoop(SpeculativeLoop):
     def _restart_drafter(self) -> None:
         """After the back-off, the drafter that failed starts again on the running rows (their tokens so far as its
         prompts; a draft model catches up on them at its first proposal). If it fails again, the wait doubles."""
-        if self.drafter is not None or self.given_drafter is None or not len(self.rows):
+        if self.drafter is not None or self.given_drafter is None or not len(self.rows_state.rows):
             return
         self.restarts.wait()
         if not self.restarts.due():
@@ -342,10 +305,10 @@ class ServingLoop(SpeculativeLoop):
             if not self.late.idle():      # a call the drafter was dropped in still runs: one call at a time
                 return
             self.late = None
-        rows = self.rows
-        width = int(self.lengths[rows].max())
-        ids = self.buffer[rows, :width]
-        mask = (torch.arange(width, device=self.device)[None, :] >= self.pads[rows, None]).long()
+        rows = self.rows_state.rows
+        width = int(self.rows_state.lengths[rows].max())
+        ids = self.rows_state.buffer[rows, :width]
+        mask = (torch.arange(width, device=self.device)[None, :] >= self.rows_state.pads[rows, None]).long()
         self.drafter = self.given_drafter
         if self._guard("restart", self._begin_drafter, self.drafter, ids, mask, rows.tolist()):
             self.stats.restarts += 1
@@ -363,8 +326,7 @@ class ServingLoop(SpeculativeLoop):
     def reset_rows(self) -> None:
         """Forget every running row after a failure that left the batch's state unknown: the next admission starts a
         new target batch. The drafter is dropped like after its own failure, and restarted after the back-off."""
-        self.rows = self.rows[:0]
-        self.finished = self.finished[:0]
+        self.rows_state.clear()
         if self.target is not None:          # what it compacted stays counted (`report`)
             count, path = self.compacted
             self.compacted = (count + self.target.compactions, self.target.compact_path or path)
@@ -387,7 +349,8 @@ class ServingLoop(SpeculativeLoop):
 
     def drop(self, rows: list[int]) -> None:
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
-        self.finished = self.finished | torch.isin(self.rows, torch.tensor(rows, device=self.device))
+        state = self.rows_state
+        state.finished = state.finished | torch.isin(state.rows, torch.tensor(rows, device=self.device))
         self._retire()
 
 
@@ -578,9 +541,9 @@ class Engine:
                 for row, handle in zip(rows.tolist(), joining):
                     handle.state = "running"
                     self.running[row] = handle
-                    self.delivered[row] = int(self.loop.starts[row])
+                    self.delivered[row] = int(self.loop.rows_state.starts[row])
                 self._deliver()
-        if len(self.loop.rows):
+        if len(self.loop.rows_state.rows):
             try:
                 self.loop.step()
             except Exception as exc:  # noqa: BLE001 - the running requests fail; the engine serves on
@@ -695,12 +658,13 @@ class Engine:
 
     def _deliver(self, cancelled: frozenset = frozenset()) -> None:
         """New tokens to their handles; rows that left the batch complete theirs (done, or cancelled)."""
-        loop, active = self.loop, set(self.loop.rows.tolist())
+        state = self.loop.rows_state
+        active = set(state.rows.tolist())
         for row in list(self.running):
-            length = int(loop.lengths[row])
+            length = int(state.lengths[row])
             handle = self.running[row]
             if length > self.delivered[row]:
-                handle._push(loop.buffer[row, self.delivered[row] : length].tolist())
+                handle._push(state.buffer[row, self.delivered[row] : length].tolist())
                 self.delivered[row] = length
             if row not in active:
                 del self.running[row]
