@@ -176,10 +176,10 @@ def generate(
 def _returned_cache(loop, sequences):
     """Stock's cache for the returned sequences (spec_adapt.returned_cache), or None: without a cache (use_cache=False)
     or where the rows' entries cannot be laid out as stock's."""
-    if loop.returned is None:
+    if loop.returns.cache is None:
         return None
     with torch.no_grad():
-        return loop.returned.build(sequences, loop.rows_state.lengths, tokens_only=loop.target.inputs is None)
+        return loop.returns.cache.build(sequences, loop.rows_state.lengths, tokens_only=loop.target.inputs is None)
 
 
 # `tokenizer=` and `assistant_tokenizer=` reach `generate` through transformers' generate, which builds the stop-string

@@ -30,7 +30,7 @@ from .acceptor import Acceptor
 from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
-from .noise import StepNoise, call_seed, row_keys
+from .noise import RowKeys, StepNoise, call_seed, row_keys
 from .policies.base import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, policy_lock
 from .policies.cost import CostReader, StepCost
 from .processors import ScoreProcessor, tree_positions
@@ -85,25 +85,26 @@ class SpeculativeLoop:
         self._set_parts(model, drafter=drafter, policy=policy, processor=ScoreProcessor(logits_processor),
                         sampling=bool(cfg.do_sample), acceptor=acceptor, verifier=verifier, stats=stats,
                         streamer=streamer, strict=strict)
-        self.input_ids = input_ids.to(self.device)
-        self.attention_mask = None if attention_mask is None else attention_mask.to(self.device)
+        ids = input_ids.to(self.device)
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        self.prompt = (ids, mask)      # what `run` prefills
         # Sampling's keyed noise (spec_adapt.noise): the call's seed, drawn once from torch's global generator, and
         # each row's key from it and the row's prompt, so no later draw depends on what the steps did.
-        self.keys = row_keys(call_seed(), input_ids, attention_mask) if self.keyed else None
-        batch, self.prompt_length = input_ids.shape
+        if self.noise.on:
+            self.noise.keys = row_keys(call_seed(), input_ids, attention_mask)
+        batch = input_ids.shape[0]
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device, together=self.closed)
         pad = pad_token_tensor(cfg)
-        self.rows_state = Rows.of_prompts(self.input_ids, self.stopper.max_length, int(pad) if pad is not None else 0)
+        self.rows_state = Rows.of_prompts(ids, self.stopper.max_length, int(pad) if pad is not None else 0)
         self.target = target_ledger(model, drafter, self.acceptor.mode, cache)
         # Images, token types, encoder outputs: what the target's forwards take besides tokens (spec_adapt.inputs).
-        self.target.use_inputs(ModelInputs.of_call(model, self.input_ids, self.attention_mask, self.target.cache,
+        self.target.use_inputs(ModelInputs.of_call(model, ids, mask, self.target.cache,
                                                    model_inputs or {}, positions))
         # A target that numbers tokens by cache column: its rows commit in step, and its cache is never compacted.
         self.acceptor.lockstep = self.target.lockstep = positions_from_cache(model) is not None
-        self.scores = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_scores else None
-        self.raw_logits = [[] for _ in range(batch)] if cfg.return_dict_in_generate and cfg.output_logits else None
-        # The cache the call returns (stock's layout, spec_adapt.returned_cache): each row's entries as it leaves.
-        self.returned = ReturnedCache(model) if cfg.return_dict_in_generate and cache is not None else None
+        kept = cfg.return_dict_in_generate
+        self.returns = Returns(batch, kept and cfg.output_scores, kept and cfg.output_logits,
+                               ReturnedCache(model) if kept and cache is not None else None)
 
     def _set_parts(self, model, *, drafter, policy, processor, sampling, acceptor, verifier, stats, streamer=None,
                    strict=False):
@@ -120,9 +121,8 @@ class SpeculativeLoop:
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
         self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
-        # Sampling by the coupled rule draws keyed noise (spec_adapt.noise) with a generator of the target's device.
-        self.keyed = sampling and self.acceptor.rule == "coupled"
-        self.generator = None
+        # Sampling by the coupled rule draws keyed noise (spec_adapt.noise): each row's key, set by who makes the rows.
+        self.noise = RowKeys(None, self.device, sampling and self.acceptor.rule == "coupled")
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
         # The policy's step-cost model (`Policy.cost`), which a drafter may read.
@@ -132,18 +132,18 @@ class SpeculativeLoop:
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
         self.first = None      # [B, 1, V] the prefill's logits, where the first token waits for the first step
         self.started = self.vocab = None      # when the loop began (`_now`); the target's vocabulary size
-        # What a generate call returns beside its tokens (scores, logits, its cache; SpeculativeLoop.__init__).
-        self.scores = self.raw_logits = self.returned = None
+        self.returns = Returns(0)      # what a generate call returns beside its tokens (SpeculativeLoop.__init__)
 
     def run(self) -> torch.Tensor:
         self.started = self._now()
         state = self.rows_state
         self._begin(state.buffer.shape[0])
-        logits = self._prefill(self.target, self.input_ids, self.attention_mask)
+        ids, mask = self.prompt
+        logits = self._prefill(self.target, ids, mask)
         self.vocab = logits.shape[-1]
         state.reserve(1)
         state.finished = self._first_tokens(state.rows, logits)
-        self._drafter_joins("prefill", self.input_ids, self.attention_mask)   # then follows the rows that leave
+        self._drafter_joins("prefill", ids, mask)   # then follows the rows that leave
         self._retire()
         self._policy_begins(len(state.rows))
         while len(state.rows):
@@ -188,7 +188,7 @@ class SpeculativeLoop:
         Returns finished [n]."""
         began = self._now()
         committed, finished, scores = self._commit_first(rows, logits)
-        self._record_outputs(committed, scores, logits, rows)
+        self.returns.record(rows, committed, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0 and int(committed[0]) > 0:   # it follows the user's row 0
             start = int(self.rows_state.starts[0])
             self.streamer.put(self.rows_state.buffer[0, start : start + int(committed[0])].cpu())
@@ -327,12 +327,10 @@ class SpeculativeLoop:
         """The keyed noise of a step of `rows` (sampling by the coupled rule; else None): each row's key and the
         tokens it has generated, read once. Its draws are made when the drafter or the accept phase first reads a
         position, and kept for the step."""
-        if not self.keyed:
+        if not self.noise.on:
             return None
-        if self.generator is None:
-            self.generator = torch.Generator(self.device)
         row_list, base = torch.stack([rows, self.rows_state.lengths[rows] - self.rows_state.starts[rows]]).tolist()
-        return StepNoise([self.keys[r] for r in row_list], base, self.vocab, self.device, self.generator)
+        return self.noise.step(row_list, base, self.vocab)
 
     def _draft(self, plan: StepPlan, noise: StepNoise | None = None) -> Proposal:
         state = self.rows_state
@@ -473,7 +471,7 @@ class SpeculativeLoop:
         counts."""
         if hidden is not None:
             self._hand_hidden(hidden, keep - old + 1)
-        self._record_outputs(n_keep, scores, logits)
+        self.returns.record(rows, n_keep, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0:    # the streamer follows the user's row 0
             self.streamer.put(new[0, : max(int(n_keep[0]), 0)].cpu())
         if self.stopper.waits:           # only Stopper.settle takes back tokens of earlier steps
@@ -510,7 +508,7 @@ class SpeculativeLoop:
         the target's hidden states of the first token, as stock's MTP, whose first step drafts nothing). A serving
         engine's rows commit theirs after their prefill. The leading rank's answer."""
         if not (self.closed and self.acceptor.judges_first and self.drafter is not None
-                and self.stopper.max_length > self.prompt_length):
+                and self.stopper.max_length > self.prompt[0].shape[1]):
             return False
         return self.ranks.decide(lambda: not self.drafter.wants_hidden)
 
@@ -599,8 +597,8 @@ class SpeculativeLoop:
         state = self.rows_state
         if not (any(finished) if finished is not None else bool(state.finished.any())):
             return
-        if self.returned is not None:
-            self.returned.keep(self.target, state.finished, state.rows)
+        if self.returns.cache is not None:
+            self.returns.cache.keep(self.target, state.finished, state.rows)
         keep = state.leave()
         if len(state.rows) or not self.closed:
             self._shrink(keep)
@@ -650,22 +648,9 @@ class SpeculativeLoop:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _record_outputs(self, n_keep, scores, logits, rows=None) -> None:
-        """Each of `rows`' (default: the active rows') kept scores and logits, where the call returns them."""
-        for store, values in ((self.scores, scores), (self.raw_logits, logits)):
-            if store is None:
-                continue
-            for b, row in enumerate((self.rows_state.rows if rows is None else rows).tolist()):
-                n = int(n_keep[b])
-                if n < 0:              # Stopper.settle took back tokens of earlier steps
-                    del store[row][n:]
-                store[row].extend(values[b, : max(n, 0)].unbind(0))
-
     def _take_back(self, row: int, k: int) -> None:
         """Forget the last k tokens a row that left had generated (its scores, logits and counts)."""
-        for store in (self.scores, self.raw_logits):
-            if store is not None:
-                del store[row][-k:]
+        self.returns.take_back(row, k)
         self.stats.per_row_new_tokens[row] -= k
         self.stats.new_tokens -= k
 
@@ -675,24 +660,56 @@ class SpeculativeLoop:
             self.stats.new_tokens += n
 
     def outputs(self, name: str):
-        """scores / logits as generate returns them: a tuple with one [B0, V] tensor per generated position (rows
-        that had already finished hold zeros there)."""
-        store = self.scores if name == "scores" else self.raw_logits
-        if store is None:
-            return None
-        steps = int(self.rows_state.lengths.max()) - self.prompt_length
-        vocab = next(t for per_row in store for t in per_row).shape[-1]
-        out = torch.zeros(steps, len(store), vocab, device=self.device)
-        for row, values in enumerate(store):
-            if values:
-                out[: len(values), row] = torch.stack(values)
-        return tuple(out.unbind(0))
+        """scores / logits as generate returns them (`Returns.stacked`)."""
+        return self.returns.stacked(name, int(self.rows_state.lengths.max()) - self.prompt[0].shape[1], self.device)
 
     def _now(self):
         # On a GPU, when the policy learns from times (Policy.needs_timing): a point on the device's timeline (a CUDA
         # event), so the phases' times are the device's without a sync per phase. Otherwise host time (approximate
         # on a GPU, where the host runs ahead of the device).
         return DeviceMark(self.device) if self.device_timing else time.perf_counter()
+
+
+class Returns:
+    """What a generate call returns beside its tokens, kept as the rows commit: per user row the scores and logits of
+    each token it kept (None where the call returns none), and the cache in stock's layout (`ReturnedCache`, each
+    row's entries as it leaves; None where none is returned). A serving engine's returns nothing of these."""
+
+    def __init__(self, batch: int, scores: bool = False, logits: bool = False, cache: ReturnedCache | None = None):
+        self.scores = [[] for _ in range(batch)] if scores else None
+        self.logits = [[] for _ in range(batch)] if logits else None
+        self.cache = cache
+
+    def record(self, rows, n_keep, scores, logits) -> None:
+        """Each of `rows`' kept scores and logits: n_keep[b] positions of row b (< 0: `Stopper.settle` took back that
+        many tokens of earlier steps)."""
+        for store, values in ((self.scores, scores), (self.logits, logits)):
+            if store is None:
+                continue
+            for b, row in enumerate(rows.tolist()):
+                n = int(n_keep[b])
+                if n < 0:              # Stopper.settle took back tokens of earlier steps
+                    del store[row][n:]
+                store[row].extend(values[b, : max(n, 0)].unbind(0))
+
+    def take_back(self, row: int, k: int) -> None:
+        """Forget the last k positions of a row that left."""
+        for store in (self.scores, self.logits):
+            if store is not None:
+                del store[row][-k:]
+
+    def stacked(self, name: str, steps: int, device):
+        """scores / logits as generate returns them: a tuple with one [B0, V] tensor per generated position (rows
+        that had already finished hold zeros there); None where the call keeps none."""
+        store = self.scores if name == "scores" else self.logits
+        if store is None:
+            return None
+        vocab = next(t for per_row in store for t in per_row).shape[-1]
+        out = torch.zeros(steps, len(store), vocab, device=device)
+        for row, values in enumerate(store):
+            if values:
+                out[: len(values), row] = torch.stack(values)
+        return tuple(out.unbind(0))
 
 
 class StepCounts(NamedTuple):

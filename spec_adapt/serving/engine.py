@@ -186,7 +186,7 @@ class ServingLoop(SpeculativeLoop):
         # the widths they were drafted at. `samples`: whether requests sample unless they say otherwise (the seed is
         # then drawn now, else when the first request that samples without a seed of its own is admitted).
         self.seed = call_seed() if samples else None
-        self.keys: list[int] = []
+        self.noise.keys = []
         self.admitted = 0
         self.target: KVLedger | None = None          # made by the first admission
         self.started = self._now()
@@ -208,7 +208,7 @@ class ServingLoop(SpeculativeLoop):
         """Sample (each row by its own parameters, greedy rows by their argmax) or run the greedy path, from the next
         phase on: the engine samples while some running or joining request does."""
         self.sampling = bool(on)
-        self.keyed = self.sampling and self.acceptor.rule == "coupled"
+        self.noise.on = self.sampling and self.acceptor.rule == "coupled"
         self.process = self.sampled if self.sampling else ScoreProcessor(None)
 
     def admit(self, prompts: list[torch.Tensor], budgets: list[int],
@@ -250,13 +250,14 @@ class ServingLoop(SpeculativeLoop):
         """Each admitted request's noise key in its slot: a seeded request's is the key its prompt has in a generate
         call with that seed (so it repeats whatever runs beside it); the others' the engine's seed and their
         admission number."""
-        self.keys.extend([0] * (max(slots) + 1 - len(self.keys)))
+        keys = self.noise.keys
+        keys.extend([0] * (max(slots) + 1 - len(keys)))
         for slot, prompt, sampling in zip(slots, prompts, samplings):
             seed = sampling.seed
             if seed is None and sampling.samples and self.seed is None:
                 self.seed = call_seed()
-            self.keys[slot] = (mix64((self.seed or 0) ^ mix64(self.admitted)) if seed is None
-                               else prompt_key(seed, prompt_digest(prompt), 0))
+            keys[slot] = (mix64((self.seed or 0) ^ mix64(self.admitted)) if seed is None
+                          else prompt_key(seed, prompt_digest(prompt), 0))
             self.admitted += 1
 
     def step(self) -> None:
