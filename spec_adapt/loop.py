@@ -32,7 +32,7 @@ from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
 from .noise import RowKeys, StepNoise, call_seed, row_keys
 from .policies.base import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, policy_lock
-from .policies.cost import CostReader, StepCost
+from .policies.cost import share_cost
 from .processors import ScoreProcessor, tree_positions
 from .returned_cache import ReturnedCache
 from .rows import Rows
@@ -125,8 +125,9 @@ class SpeculativeLoop:
         self.noise = RowKeys(None, self.device, sampling and self.acceptor.rule == "coupled")
         self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
         self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
-        # The policy's step-cost model (`Policy.cost`), which a drafter may read.
-        self.policy_cost = CostReader(policy.cost, self.policy_lock) if isinstance(policy.cost, StepCost) else None
+        # The call's one step-cost model (`share_cost`): the policy's, which it writes, else the loop's own (`own_cost`,
+        # written at each step's end); the drafter (`policy_cost`) and the verifier read it.
+        self.own_cost, self.policy_cost = share_cost(policy, self.verifier, self.policy_lock)
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.device_timing = self.device.type == "cuda" and policy.needs_timing   # phases timed by CUDA events
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
@@ -576,6 +577,7 @@ class SpeculativeLoop:
             accepted=counts.accepted, committed=counts.committed, step_time=step_time, draft_time=draft_time,
             verify_time=verify_time, telemetry=proposal.telemetry, held=self.target.held_rows,
             confidence=proposal.confidence, free=proposal.free.tolist() if proposal.free is not None else None,
+            path=self.verifier.path,
         )
         self._send_record(plan, record)
         return counts.finished
@@ -586,6 +588,8 @@ class SpeculativeLoop:
         if plan.asked:
             with self.policy_lock:
                 self.policy.observe(record)
+                if self.own_cost is not None:
+                    self.own_cost.observe_record(record, plain)
         self.verifier.observe(record)
         if isinstance(self.drafter, Observes):
             self._guard("observe", self.drafter.observe, record)

@@ -11,7 +11,7 @@ import threading
 
 
 _PER_ROW = ("rows", "gammas", "drafted", "accepted", "committed")
-_OTHER = ("step_time", "draft_time", "verify_time", "telemetry", "held", "confidence", "free")
+_OTHER = ("step_time", "draft_time", "verify_time", "telemetry", "held", "confidence", "free", "path")
 
 
 class StepRecord:
@@ -31,6 +31,7 @@ class StepRecord:
     confidence: object       [B, S] tensor (the target's device): the draft's probability of each drafted token, or
                              None; copied to the host only by a policy that reads it
     free: list[bool] | None  per row: drafted by a model-free source (no draft forward), or None: no row was
+    path: str                the verification path the step took ("full"; "pruned": an early exit, `Verifier.path`)
 
     The per-row fields may be given as lists or as [B] tensors: a tensor becomes a list the first time it is read, so
     a step whose record nobody reads per row copies nothing to the host; `tensor(name)` reads a field as given."""
@@ -39,12 +40,12 @@ class StepRecord:
 
     def __init__(self, batch_size: int, rows, gammas, drafted, accepted, committed, step_time: float,
                  draft_time: float, verify_time: float, telemetry: dict | None = None, held: int | None = None,
-                 confidence: object = None, free: list[bool] | None = None):
+                 confidence: object = None, free: list[bool] | None = None, path: str = "full"):
         self.batch_size = batch_size
         self._rows, self._gammas, self._drafted, self._accepted, self._committed = (
             rows, gammas, drafted, accepted, committed)
         self.step_time, self.draft_time, self.verify_time = step_time, draft_time, verify_time
-        self.telemetry, self.held, self.confidence, self.free = telemetry, held, confidence, free
+        self.telemetry, self.held, self.confidence, self.free, self.path = telemetry, held, confidence, free, path
 
     def _list(self, name: str) -> list:
         value = getattr(self, "_" + name)

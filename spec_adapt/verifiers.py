@@ -25,7 +25,7 @@ import torch
 from .acceptor import token_rank
 from .compat import attn_implementation, create_causal_mask, takes_4d_mask, with_cache
 from .running_estimates import ProbeBackoff, bucket, mean_then_ema
-from .policies.cost import StepCost
+from .policies.cost import FULL
 from .ledger import on_device, positions_from_cache
 from .model_kinds import check_tree_attention
 
@@ -59,6 +59,8 @@ class Verifier:
     trees = False
     rank_local = False   # True: decides from this process's own timings, which ranks of a sharded target disagree on
     hands_hidden = False  # True: its Verification carries the target's last hidden states when the ledger keeps them
+    path = FULL          # the path its last verification took ("full"; "pruned": an early exit), for the StepRecord
+    cost = None          # the call's step-cost model, to read (a CostReader the loop hands over: `share_cost`)
 
     def check(self, model) -> None:
         pass
@@ -134,11 +136,12 @@ class EarlyExitVerifier(Verifier):
     vocabulary about as much as several decoder layers) against the layers the dropped positions skip, what a
     skipped position saves depends on whether this device is compute-bound at this shape (on a CPU at batch 1 a
     forward costs the weights' read, whatever the width), and a wrong prediction costs accepted tokens. All of it is
-    measured rather than guessed: the step-cost model (`spec_adapt.policies.cost.StepCost`) keeps each path's
-    verification time by batch size and width ("full" and "pruned") and the rest of a step, and the gate keeps each
-    path's mean committed tokens per step; per (batch bucket, chunk width) it takes the path with the fewer seconds
-    per committed token, trying the other path after 8 steps, then after twice as many each time the other path
-    loses again (`ProbeBackoff`), so a change of regime is still seen.
+    measured rather than guessed: the gate reads the call's step-cost model (`Verifier.cost`, which the call's
+    one writer observes each step into on the path it took: each path's verification time by batch size and width,
+    "full" and "pruned", the drafting and the host work), and keeps each path's mean committed tokens per step
+    itself (tokens, not a step time); per (batch bucket, chunk width) it takes the path with the fewer seconds per
+    committed token, trying the other path after 8 steps, then after twice as many each time the other path loses
+    again (`ProbeBackoff`), so a change of regime is still seen.
     """
 
     rank_local = True
@@ -150,7 +153,6 @@ class EarlyExitVerifier(Verifier):
             raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
         self.layers, self.top_k, self.gate = layers, top_k, gate
         self.stats = PruneStats()
-        self.cost = StepCost()         # each path's verification time, and the rest of a step
         self.timing: dict = {}         # (bucket, width) -> {"full": [tokens, n], "pruned": [tokens, n], "probes": ...}
         self._checkpoints: tuple[int, ...] = ()
         self.kernels = "auto"
@@ -193,11 +195,12 @@ class EarlyExitVerifier(Verifier):
             raise ValueError("EarlyExitVerifier verifies chains only; use FullVerifier() with token trees.")
         self.kernels = ledger.kernels
         batch, width = chunk.shape
+        self.path = FULL
         if width < 2:                                 # nothing drafted: nothing to test
             self.stats.full_steps += 1
             return self._full.verify(ledger, chunk, n_valid)
         key = (bucket(batch), width)
-        path = self._choose(key, batch)
+        path = self.path = self._choose(key, batch)
         if path == "full":
             result = self._full.verify(ledger, chunk, n_valid)
             self.stats.full_steps += 1
@@ -211,12 +214,10 @@ class EarlyExitVerifier(Verifier):
     def observe(self, record) -> None:
         # The gate's measure is the step's seconds per committed token, not the verify time alone: a cut saves
         # verification time and costs the tokens its wrong predictions drop (a pruned path can verify faster and
-        # still lose, committing fewer tokens per step).
+        # still lose, committing fewer tokens per step). The times are the call's writer's; the tokens the gate's.
         last, self._last = getattr(self, "_last", None), None
         if last is not None:
             key, path, batch = last
-            self.cost.observe_verify(batch, key[1], record.verify_time, path)
-            self.cost.observe_host(batch, max(0.0, record.step_time - record.verify_time))
             self._observe(key, path, batch, sum(record.committed) / max(1, record.batch_size))
 
     def _run(self, model, tokens, n_valid, mask2d, position_ids, cache, past):
@@ -270,10 +271,10 @@ class EarlyExitVerifier(Verifier):
 
     # -- the cost model ------------------------------------------------------------------------------------------------
     def _per_token(self, key, batch: int, path: str) -> float:
-        """A step's seconds per committed token on this path: its verification and the rest of a step, over the
-        tokens per row it commits."""
+        """A step's seconds per committed token on this path: its verification, its drafting and host work (the
+        same on either path), over the tokens per row it commits."""
         tokens = self.timing[key][path][0]
-        return self.cost.step_time(batch, key[1], path=path) / max(tokens, 1e-9)
+        return self.cost.step_time(batch, key[1], {"model": key[1] - 1}, path) / max(tokens, 1e-9)
 
     def _choose(self, key, batch: int) -> str:
         if self.gate != "auto":

@@ -196,3 +196,23 @@ def test_a_saved_bucket_or_width_below_1_is_refused(table, entry):
     with pytest.raises(ValueError, match="bucket|int >= 1|ints >= 1|non-negative"):
         cost.load_state_dict(state)
     assert cost.state_dict() == before
+
+
+def test_a_record_is_observed_on_its_path_with_its_own_drafting():
+    """`observe_record` (the loop's writer under a policy that keeps no model): the verification on the step's path,
+    the drafter's own per-source timing where reported, the step's drafting as the model's only where no row drafted
+    from a model-free source, and the rest as host work."""
+    from spec_adapt.metrics import StepRecord
+
+    cost = StepCost()
+    cost.observe_record(StepRecord(2, [0, 1], [3, 3], [3, 2], [1, 2], [2, 3], 0.5, 0.1, 0.3, path="pruned"))
+    assert cost.exact(2, 4, "pruned") == [0.3, 1] and cost.exact(2, 4) is None
+    assert list(cost.draft[("model", 2)].samples) == [(3, 0.1)] and cost.host[2] == pytest.approx(0.1)
+    free = StepCost()
+    free.observe_record(StepRecord(1, [0], [3], [5], [5], [6], 0.5, 0.1, 0.3, free=[True]))
+    assert free.exact(1, 6) == [0.3, 1] and not free.draft and free.host[1] == pytest.approx(0.1)
+    told = StepCost()
+    told.observe_record(StepRecord(2, [0, 1], [3, 3], [5, 2], [5, 2], [6, 3], 0.5, 0.2, 0.3, {"draft_seconds": {
+        "model": (2, 0.05)}}, free=[True, False]))
+    assert list(told.draft) == [("model", 2)] and list(told.draft[("model", 2)].samples) == [(2, 0.05)]
+    assert told.host[2] == pytest.approx(0.0)

@@ -211,12 +211,12 @@ def test_free_sources_draft_beyond_the_width_of_a_policy_that_allows_it():
 # -- 2. the default drafter of a bare draft model --------------------------------------------------------------------
 def test_default_for_a_bare_draft_model_uses_several_sources(monkeypatch):
     """`drafter=<a bare model>` and `assistant_model=` after enable draft from several sources (the router runs),
-    an explicit ModelDrafter from the model alone; all identical to stock. The default drafters' states are made
-    with `FixedCost`: step costs learned from the wall clock would make the router's choices depend on the
-    machine's load, and the rows' sources asserted below with them."""
-    import spec_adapt.drafters.sources as sources_module
+    an explicit ModelDrafter from the model alone; all identical to stock. The calls' step-cost models (their
+    policy keeps none) are made as `FixedCost`: step costs learned from the wall clock would make the router's
+    choices depend on the machine's load, and the rows' sources asserted below with them."""
+    import spec_adapt.policies.cost as cost_module
 
-    monkeypatch.setattr(sources_module, "StepCost", lambda prior_draft=0.25: FixedCost())
+    monkeypatch.setattr(cost_module, "StepCost", FixedCost)
     routed = []
     route = MultiSourceDrafter.route
     monkeypatch.setattr(MultiSourceDrafter, "route", lambda self, *a, **k: routed.append(1) or route(self, *a, **k))
@@ -758,7 +758,8 @@ class AdaptiveDraftingThree(Adaptive):
 def test_the_router_reads_the_policys_step_cost_and_learns_no_times_of_its_own():
     """One step-cost model: under `Adaptive` the router weighs the policy's `StepCost` (DraftRequest.cost) and its
     own stays empty; the policy learns the draft model's seconds, at the width it drafted, from the steps where free
-    rows drafted too. Under a policy that keeps none (FixedLength) the router learns its own."""
+    rows drafted too. Under a policy that keeps none (FixedLength) the router reads the call's own, one model for the
+    whole call, which the loop writes, and its state's stays empty."""
     ids, mask = looping_batch(3, seed=40, distinct=[1])      # row 1: nothing for prompt lookup, it drafts the model
     reference = stock_greedy(TARGET, ids, mask, eos_token_id=None, max_new_tokens=30)
     seen = []
@@ -779,9 +780,12 @@ def test_the_router_reads_the_policys_step_cost_and_learns_no_times_of_its_own()
         assert seconds > 0 and width == max(d for d, s in zip(r.drafted, r.telemetry["source"]) if s == "model")
         assert ("model", width, seconds) in policy.cost.told
 
-    own = MultiSourceDrafter(GOOD_DRAFT)
+    own, handed = MultiSourceDrafter(GOOD_DRAFT), []
+    own_route = own.route
+    own.route = lambda *a, **k: handed.append(a[5]) or own_route(*a, **k)
     out, stats = run(TARGET, ids, mask, own, FixedLength(2))
-    assert torch.equal(out, reference) and own.state.cost.verify
+    assert torch.equal(out, reference) and handed and len({id(c.cost) for c in handed}) == 1
+    assert handed[0].cost.verify and handed[0].cost.draft and not own.state.cost.verify and not own.state.cost.draft
 
 
 def test_route_weighs_the_cost_it_is_given():

@@ -8,8 +8,8 @@ import torch
 
 import spec_adapt
 from spec_adapt import FixedLength
-from spec_adapt.drafters import sources
 from spec_adapt.drafters.sources import MultiSourceDrafter, SourceState
+import spec_adapt.policies.cost as cost_module
 from spec_adapt.policies.cost import StepCost
 from spec_adapt.policies.estimators import SourceAcceptance
 from spec_adapt.tools.synthetic import perturbed_copy
@@ -110,7 +110,7 @@ def summary(out, stats):
 def test_after_reset_a_call_is_a_cold_first_call(monkeypatch):
     """The default drafter of a pair learns across calls (its router's rates, the suffix index of the outputs); after
     `reset_default_policies()` or `reset_default_policies(target)` the same call behaves exactly as the first did."""
-    monkeypatch.setattr(sources, "StepCost", ClockFreeCost)
+    monkeypatch.setattr(cost_module, "StepCost", ClockFreeCost)      # each call's (FixedLength keeps none)
     draft = perturbed_copy(TARGET, 0.3, seed=131)           # a pair of its own, often wrong
     ids, mask = ragged_batch(2, seed=11)
 

@@ -8,12 +8,14 @@ each case asserts that pruning really happened, so a verifier that silently neve
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
 
 import spec_adapt
 from spec_adapt import Adaptive, EarlyExitVerifier, FixedLength, FullVerifier, ModelDrafter, ScriptedDrafter
+from spec_adapt.policies.cost import CostReader, StepCost
 
 from conftest import PAD, Oracle, ragged_batch, stock_greedy, tiny_model
 
@@ -178,11 +180,19 @@ def test_unsupported_models_and_settings_are_refused():
         EarlyExitVerifier(gate="sometimes")
 
 
+def _gated() -> EarlyExitVerifier:
+    """An auto gate reading a step-cost model as a call hands it one (`share_cost`); the test writes that model
+    (`verifier.cost.cost`), as the call's writer would."""
+    verifier = EarlyExitVerifier(gate="auto")
+    verifier.cost = CostReader(StepCost(), threading.Lock())
+    return verifier
+
+
 def _gate_step(verifier, key, batch, seconds, tokens=2.0):
     """One gated step at (bucket, width) = key: the gate picks a path, the step verifies in seconds[path] and
     commits `tokens` per row."""
     path = verifier._choose(key, batch)
-    verifier.cost.observe_verify(batch, key[1], seconds[path], path)
+    verifier.cost.cost.observe_verify(batch, key[1], seconds[path], path)
     verifier._observe(key, path, batch, tokens)
     return path
 
@@ -190,13 +200,13 @@ def _gate_step(verifier, key, batch, seconds, tokens=2.0):
 def test_gate_takes_the_faster_path_and_keeps_probing():
     """The gate reads each path's verification time from the step-cost model: mostly the faster path, with rare
     probes of the other; swap the times and it swaps paths."""
-    verifier = EarlyExitVerifier(gate="auto")
+    verifier = _gated()
     key, fast_pruned = (4, 5), {"full": 1.0, "pruned": 0.5}
     chosen = [_gate_step(verifier, key, 4, fast_pruned) for _ in range(4)]      # two samples of each path first
     assert sorted(chosen) == ["full", "full", "pruned", "pruned"]
     picks = [_gate_step(verifier, key, 4, fast_pruned) for _ in range(40)]
     assert picks.count("pruned") >= 36 and "full" in picks          # mostly the faster, with rare probes
-    slow = EarlyExitVerifier(gate="auto")
+    slow = _gated()
     for _ in range(44):
         _gate_step(slow, key, 4, {"full": 0.5, "pruned": 1.0})
     assert slow._choose(key, 4) == "full"
@@ -205,10 +215,10 @@ def test_gate_takes_the_faster_path_and_keeps_probing():
 def test_gate_weighs_the_tokens_a_path_drops():
     """A pruned path that verifies faster but commits fewer tokens per step (its cuts drop accepted drafts) loses
     when its seconds per committed token are higher."""
-    verifier = EarlyExitVerifier(gate="auto")
+    verifier = _gated()
     key = (1, 5)
     for _ in range(20):
         path = verifier._choose(key, 1)
-        verifier.cost.observe_verify(1, 5, {"full": 1.0, "pruned": 0.8}[path], path)
+        verifier.cost.cost.observe_verify(1, 5, {"full": 1.0, "pruned": 0.8}[path], path)
         verifier._observe(key, path, 1, {"full": 4.0, "pruned": 2.0}[path])
     assert verifier._choose(key, 1) == "full"

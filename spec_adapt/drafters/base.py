@@ -46,8 +46,8 @@ class DraftRequest:
     free: torch.Tensor | None = None    # [B] long, for a `FreeSources` drafter: the most tokens a row may take from a
                                         # model-free source (point masses that cost no draft forward), whatever its
                                         # gamma; None = gammas bound every row
-    cost: "CostReader | None" = None    # the policy's step-cost model, read-only (spec_adapt.policies.cost.CostReader),
-                                        # for a drafter that weighs step times; None = the policy keeps none
+    cost: "CostReader | None" = None    # the call's step-cost model, read-only (spec_adapt.policies.cost.CostReader),
+                                        # for a drafter that weighs step times (None: not in a call)
     target: "KVLedger | None" = None    # the target's ledger, read-only, for a drafter that attends to the target's
                                         # own keys and values (`ReadsTarget`); None for the others
     noise: "StepNoise | None" = None    # sampling: the step's keyed Gumbel noise (spec_adapt.noise); a drafter that

@@ -11,7 +11,7 @@ Each step, for each row:
    - a model-free proposal, cut to a length (up to `max_free` tokens, even where the policy asked none);
    - nothing (a plain step for the row; not for a row the policy asked to draft).
    Tokens: `SourceAcceptance`, the survival per draft position learned per source and feature. Seconds:
-   the policy's `StepCost` (`DraftRequest.cost`; the router's own where the policy keeps none), the verification
+   the call's `StepCost` (`DraftRequest.cost`, read only: the router learns no times), the verification
    of the widest row's drafts at this batch size, plus the draft model's time to draft the widest model row's
    width (a line a + d k). One verification serves the batch, so a long offer has to pay for every row's longer
    step, not just its own (`route`);
@@ -49,6 +49,7 @@ from .model import ModelDrafter
 from .suffix import SuffixDrafter
 
 PLAIN, MODEL = -1, 0      # a row's choice: no drafts, the draft model; i >= 1: free source i - 1
+PRIOR_DRAFT = 0.25        # an unmeasured draft model: a quarter of a one-token verification per token
 # The draft model is judged only on the steps it drafts, so its rates are read optimistically, by this many standard
 # errors (`SourceAcceptance.expected_rows`); the free sources are judged on every offer and are read as learned.
 MODEL_OPTIMISM = 2.0
@@ -56,11 +57,12 @@ MODEL_OPTIMISM = 2.0
 
 class SourceState:
     """What the router learned, shareable by several drafters and calls (thread-safe): per source and feature the
-    survival per draft position, and the step-cost model."""
+    survival per draft position. `cost`: the step costs `route` reads when it is handed none (a router used outside
+    a call, which hands it the call's); nothing in the router writes it."""
 
     def __init__(self, max_free: int = 32):
         self.acceptance = SourceAcceptance(positions=max(max_free, 16))
-        self.cost = StepCost(prior_draft=0.25)    # an unmeasured draft model: a quarter of a verification per token
+        self.cost = StepCost(prior_draft=PRIOR_DRAFT)
         self.lock = threading.Lock()
 
 
@@ -187,8 +189,7 @@ class MultiSourceDrafter(Forwards, Trees, Features, ReadsTarget, JoinsRows, Catc
         self._offers = {"rows": request.rows.clone(), "lengths": request.lengths.clone(),
                         "offers": [(o.tokens.cpu(), o.lengths.cpu(), f) for o, f in zip(offers, features)]}
         model, seconds = self._model_proposal(request, choice, cut)
-        self._chosen = {"choice": choice, "features": features, "model_seconds": seconds,
-                        "policy_cost": request.cost is not None}
+        self._chosen = {"choice": choice, "features": features}
         proposal = self._merge(request, choice, cut, offers, model, batch, device)
         if model is not None:      # the draft model's own seconds at the width it drafted, for a policy to learn
             proposal.telemetry["draft_seconds"] = {"model": (int(model.lengths.max()), seconds)}
@@ -202,7 +203,7 @@ class MultiSourceDrafter(Forwards, Trees, Features, ReadsTarget, JoinsRows, Catc
         `features[i][b]`: free source i's offer for row b; `rows`: the user's row numbers (each row's own record
         with each source, shrunk position by position toward the source's rates for the feature, or toward the
         row's own rate a position earlier where that is lower: `SourceAcceptance.expected_rows`); `cost`: the
-        policy's step-cost model (`DraftRequest.cost`; None: the router's own, `SourceState.cost`); `lags`: per
+        call's step-cost model (`DraftRequest.cost`; None: `SourceState.cost`); `lags`: per
         row, the tokens the draft model has to read before it drafts (its prompt, on a row it has never drafted
         for; `lag`).
 
@@ -210,12 +211,12 @@ class MultiSourceDrafter(Forwards, Trees, Features, ReadsTarget, JoinsRows, Catc
         row's drafts) and with or without the draft model, every row takes its option committing the most tokens
         within W, and the step's time is the verification of W + 1 tokens at this batch size plus, with the model,
         its time to draft the widest model row's width and to catch up on the longest lag of a model row (a prompt it
-        has not read costs a forward over it: the policy's step-cost model measures it). A row that drafts long makes
+        has not read costs a forward over it: the call's step-cost model measures it). A row that drafts long makes
         every row's step longer: its tokens must pay for the whole batch's extra time."""
         rows = rows if rows is not None else list(range(batch))
         cost = cost if cost is not None else CostReader(self.state.cost, self.state.lock)
         verify = torch.tensor(cost.verify_times(batch, range(1, self.max_free + 2)))
-        unknown = self.state.cost.prior_draft * float(verify[0])    # an unmeasured draft model, per token
+        unknown = PRIOR_DRAFT * float(verify[0])    # an unmeasured draft model, per token
         drafting = torch.tensor([cost.draft_time("model", batch, k, unknown=unknown) for k in range(self.max_free + 1)])
         with self.state.lock:
             tokens, asked = self._option_tokens(batch, gammas, lengths, features, rows)
@@ -350,21 +351,12 @@ class MultiSourceDrafter(Forwards, Trees, Features, ReadsTarget, JoinsRows, Catc
     # -- learning -------------------------------------------------------------------------------------------------
     def observe(self, record) -> None:
         self._each("observe", record, having=Observes)
-        cost = self.state.cost
         chosen, self._chosen = self._chosen, None
-        widest = max(record.drafted, default=0)
         if chosen is None:          # a step the router did not choose (plain, a tree, a single source)
             return
-        own = not chosen["policy_cost"]       # else the policy learns the times from the record
-        with self.state.lock:
-            if own:
-                cost.observe_verify(record.batch_size, widest + 1, record.verify_time)
-            model_rows = [b for b, c in enumerate(chosen["choice"]) if c == MODEL]
-            if model_rows:
-                drafted = max(record.drafted[b] for b in model_rows)
-                if own:
-                    cost.observe_draft("model", record.batch_size, drafted, chosen["model_seconds"])
-                for b in model_rows:
+        with self.state.lock:      # the draft model's acceptance; its times are the call's writer's (`draft_seconds`)
+            for b, c in enumerate(chosen["choice"]):
+                if c == MODEL:
                     self._learn("model", record.rows[b], 0, record.drafted[b], record.accepted[b])
 
     def _judge_offers(self, request: DraftRequest) -> None:

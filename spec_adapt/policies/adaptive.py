@@ -102,8 +102,8 @@ class Adaptive(Policy):
         # the rate of the position before (`prior_rates`), so a width no row has reached is not read worse than it is.
         self.prior = torch.ones(STATES, size)
         self.begin(0)
-        # What a step costs (verification by rows and tokens fed, the draft's time per token, its catch-up, host
-        # work): the one step-cost model, which the several-source router reads too.
+        # What a step costs (verification by rows, tokens fed and path, the draft's time per token, its catch-up,
+        # host work): the call's one step-cost model, which this policy writes and the router and the gate read.
         self.cost = StepCost(self.table)
         # (bucket, any row in a burst, width asked; 0: any width) -> EMA widest proposal / width asked
         self.span: dict[tuple, float] = {}
@@ -319,7 +319,7 @@ class Adaptive(Policy):
         if pending is None or free or factor != 1:
             # A verification is a verification whoever drafted; the rest of the step is the chain model's only when
             # the policy's own width drafted it (not a free source's rows, not a tree).
-            self.cost.observe_verify(record.held or record.batch_size, widest + 1, record.verify_time)
+            self.cost.observe_verify(record.held or record.batch_size, widest + 1, record.verify_time, record.path)
         if pending is None:
             return
         if free:
@@ -376,7 +376,7 @@ class Adaptive(Policy):
             self.cost.observe_catchup("model", batch, lag, max(0.0, drafting - usual))
             drafting = min(drafting, usual)
         self.cost.observe_step(batch, widest + 1, seconds - record.draft_time + drafting, record.verify_time,
-                               {"model": (widest, drafting)} if widest else None, held=record.held)
+                               {"model": (widest, drafting)} if widest else None, record.held, record.path)
         if ruled and widest:
             self.goodput[key] = ema(self.goodput.get(key), sum(record.committed) / max(seconds, 1e-9), self.ema)
 

@@ -11,8 +11,10 @@ A policy is an object, never a config string, and keeps its state to itself (nev
 - `batch_rows(live, held) -> int`: when rows finish, how many rows the target's batch keeps, from `live` (compact:
   the default) to `held` (the rows it runs now); the extra ones stay as spare rows whose outputs are dropped, for a
   machine that runs the bigger batch faster (on a CPU, some batch sizes run slower than a larger one);
-- `cost`: the call's step-cost model (a `spec_adapt.policies.cost.StepCost`, which the policy observes into), or
-  None for a policy that weighs no step times. The loop hands it, read-only, to the drafter (`DraftRequest.cost`).
+- `cost`: the step-cost model it writes (a `spec_adapt.policies.cost.StepCost`: its `observe` puts each step into it
+  once, on the verification path it took, `StepRecord.path`), or None for a policy that weighs no step times (the
+  call then has one of its own, which the loop writes). That one model is the call's: the loop hands it, read-only,
+  to the drafter (`DraftRequest.cost`) and the verifier (`Verifier.cost`; `share_cost`).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class Policy:
     # False: the widths bound the draft model; `allows_free` may let model-free sources draft up to `max_free`
     # tokens beyond them (they cost no forward, and the router takes them only where they pay).
     width_binds_free = False
-    cost: StepCost | None = None     # the step-cost model it learns step times into (module docstring)
+    cost: StepCost | None = None     # the step-cost model it writes step times into (module docstring)
 
     def begin(self, batch_size: int) -> None:
         pass

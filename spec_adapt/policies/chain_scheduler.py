@@ -25,7 +25,9 @@ option (W = 0) is always a candidate; since target-only steps observe nothing ab
 of them in a row the best speculative option runs once (without it a noisy low estimate would switch speculation
 off for good). A probe that loses to a target-only step (catch-up excluded) doubles the wait before the next one,
 up to 16x; one that wins resets it.
-`length_policy`, if given, chooses W instead (the two compose: the scheduler then only picks the levels).
+`length_policy`, if given, chooses W instead (the two compose: the scheduler then only picks the levels). A length
+policy that keeps a step-cost model (`Adaptive`) shares it: it writes each step's verification and host work, and the
+scheduler adds only its levels' drafting ("level<i>", "level<j>-verify", their catch-up), which no one else observes.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class ChainScheduler(Policy):
         self.rng = random.Random(self.seed)
         self.alpha: dict[tuple, float] = {}        # (i, j) chain members (indices into the levels, "T" = target)
         self.sim: dict[tuple, float] = {}
-        self.cost = StepCost()     # the target's verification, each level's drafting, verification and catch-up
+        # The target's verification, each level's drafting, verification and catch-up: its own step-cost model, or
+        # none where the length policy keeps one (`cost`).
+        self._own = None if isinstance(getattr(self.length_policy, "cost", None), StepCost) else StepCost()
         self.step_lags: list[int] = []             # each level's lag when the current step was chosen
         self.fill: dict[int, float] = {}           # tokens a level drafts per token asked (prompt lookup: < 1)
         self.span: dict[tuple, float] = {}         # (members, B): the batch's longest proposal at the target / W
@@ -75,6 +79,10 @@ class ChainScheduler(Policy):
         self.history: list[tuple] = []
         self.probes = ProbeBackoff(self.probe_every, 16 * self.probe_every)   # target-only steps, then a probe
         self.probing = False
+
+    @property
+    def cost(self) -> StepCost:
+        return self._own if self._own is not None else self.length_policy.cost
 
     # -- prediction ---------------------------------------------------------------------------------------------
     def _alpha(self, i, j) -> float:
@@ -132,7 +140,8 @@ class ChainScheduler(Policy):
         return Plan(width, levels or None)          # target-only steps leave the chain as it is
 
     def prefilled(self, tokens: int, seconds: float) -> None:
-        self.cost.observe_prefill(tokens, seconds)        # bounds each level's catch-up before one is measured
+        if self._own is not None:      # bounds each level's catch-up before one is measured (else the length policy's)
+            self._own.observe_prefill(tokens, seconds)
         if self.length_policy is not None:
             self.length_policy.prefilled(tokens, seconds)
 
@@ -163,9 +172,12 @@ class ChainScheduler(Policy):
         tried = sum(a + (a < d) for a, d in zip(record.accepted, record.drafted))
         if sum(record.drafted) and tried:
             self._count(members[-1], "T", sum(record.accepted), tried)
-        # The target's verification and the step's host work (drafting, with its catch-up, is the levels' own).
-        self.cost.observe_verify(record.held or batch, max(record.drafted, default=0) + 1, record.verify_time)
-        self.cost.observe_host(batch, max(0.0, record.step_time - record.draft_time - record.verify_time))
+        # The target's verification and the step's host work (drafting, with its catch-up, is the levels' own),
+        # unless the length policy writes them.
+        if self._own is not None:
+            self._own.observe_verify(record.held or batch, max(record.drafted, default=0) + 1, record.verify_time,
+                                     record.path)
+            self._own.observe_host(batch, max(0.0, record.step_time - record.draft_time - record.verify_time))
 
     def _back_off(self, record: StepRecord, members: list[int]) -> None:
         """Did the probe beat a target-only step per committed token? Its catch-up is not held against it (it is

@@ -80,15 +80,28 @@ class StepCost:
             self.host[key] = ema(self.host.get(key), seconds, self.weight)
 
     def observe_step(self, batch: int, fed: int, seconds: float, verify: float, drafts: dict | None = None,
-                     held: int | None = None) -> None:
-        """One step: its verification (`held` rows ran, `fed` tokens each), its drafting per source {source: (tokens,
-        seconds)}, and the rest of `seconds` as host work."""
-        self.observe_verify(held or batch, fed, verify)
+                     held: int | None = None, path: str = FULL) -> None:
+        """One step: its verification (`held` rows ran, `fed` tokens each, on `path`), its drafting per source
+        {source: (tokens, seconds)}, and the rest of `seconds` as host work."""
+        self.observe_verify(held or batch, fed, verify, path)
         spent = verify
         for source, (tokens, drafted) in (drafts or {}).items():
             self.observe_draft(source, batch, tokens, drafted)
             spent += drafted
         self.observe_host(batch, max(0.0, seconds - spent))
+
+    def observe_record(self, record, plain: bool = False) -> None:
+        """One step as its `StepRecord` tells it, for a call whose policy keeps no step-cost model (the loop writes
+        the call's then): the drafter's own timing per source where it reports one (`draft_seconds`), else, where no
+        row drafted from a model-free source, the step's drafting as the draft model's. `plain`: no row drafted (its
+        per-row counts are not read: on a GPU each read is a wait)."""
+        widest = 0 if plain else max(record.drafted, default=0)
+        drafts = (record.telemetry or {}).get("draft_seconds")
+        if drafts is None and widest and not any(record.free or ()):
+            drafts = {"model": (widest, record.draft_time)}
+        spent = sum(seconds for _, seconds in (drafts or {}).values())
+        self.observe_step(record.batch_size, widest + 1, record.step_time - record.draft_time + spent,
+                          record.verify_time, drafts, record.held, record.path)
 
     # -- predicting --------------------------------------------------------------------------------------------------
     def verify_time(self, batch: int, fed: float, path: str = FULL) -> float:
@@ -285,12 +298,16 @@ def _fits(saved, make, out: dict, what: str) -> dict:
 
 
 class CostReader:
-    """A `StepCost` read under the lock of whoever observes into it. The loop hands a drafter the policy's this way
-    (`DraftRequest.cost`), so a drafter that weighs step times (the several-source router) weighs the times the
-    policy learned, and no second model learns them apart; the policy keeps observing, the drafter only reads."""
+    """A `StepCost` read under the lock of whoever observes into it. The loop hands the call's this way to the
+    drafter (`DraftRequest.cost`: the several-source router) and to the verifier (`Verifier.cost`: the early-exit
+    gate), so every decision that weighs step times reads the times one writer learned."""
 
     def __init__(self, cost: StepCost, lock):
         self.cost, self.lock = cost, lock
+
+    def step_time(self, batch: int, fed: float, drafts: dict | None = None, path: str = FULL) -> float:
+        with self.lock:
+            return self.cost.step_time(batch, fed, drafts, path)
 
     def verify_times(self, batch: int, feds) -> list[float]:
         with self.lock:
@@ -303,3 +320,14 @@ class CostReader:
     def catchup_time(self, source: str, batch: int, lag: int, unknown: float = 0.0) -> float:
         with self.lock:
             return self.cost.catchup_time(source, batch, lag, unknown)
+
+
+def share_cost(policy, verifier, lock) -> tuple[StepCost | None, CostReader]:
+    """A call's (or a serving engine's) one step-cost model: the policy's `cost` where it keeps one (its `observe`
+    writes it), else a fresh one, which the loop writes from each step's record. The verifier gets it to read
+    (`Verifier.cost`). Returns (the fresh one, or None where the policy writes its own; the reader for the drafter)."""
+    kept = getattr(policy, "cost", None)
+    own = None if isinstance(kept, StepCost) else StepCost()
+    reader = CostReader(kept if own is None else own, lock)
+    verifier.cost = reader
+    return own, reader
