@@ -107,6 +107,11 @@ def plot(report: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(xs, [y for _, y, _ in report["samples"]], "o-")
     a.set(xlabel="seconds", ylabel="server resident memory (MiB)", title="memory under overload")
+    contexts = [c.get("suffix_contexts", 0) for _, _, c in report["samples"]]
+    if any(contexts):
+        twin = a.twinx()
+        twin.plot(xs, [c / 1000 for c in contexts], "s--", color="tab:orange")
+        twin.set_ylabel("suffix index contexts (thousands, dashed)")
     for key in ("sent", "answered", "refused"):
         b.plot(xs, [c[key] for _, _, c in report["samples"]], label=key)
     b.set(xlabel="seconds", ylabel="requests", title="requests over time")
