@@ -100,12 +100,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for server in dict.fromkeys(r["server"] for r in rows):
+    for color, server in zip(("tab:blue", "tab:orange", "tab:green"), dict.fromkeys(r["server"] for r in rows)):
         rate = [r for r in rows if r["server"] == server and r["load"] == "rate"]
-        a.plot([r["value"] for r in rate], [r["tokens_per_s"] for r in rate], "o-", label=server)
+        a.plot([r["value"] for r in rate], [r["tokens_per_s"] for r in rate], "o-", color=color, label=server)
         conc = [r for r in rows if r["server"] == server and r["load"] == "concurrency"]
         for q, style in ((50, "o-"), (90, "s--"), (99, "^:")):
-            b.plot([r["value"] for r in conc], [(r[f"tpot_p{q}"] or 0) * 1000 for r in conc], style,
+            b.plot([r["value"] for r in conc], [(r[f"tpot_p{q}"] or 0) * 1000 for r in conc], style, color=color,
                    label=f"{server} p{q}")
     a.set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput under Poisson arrivals")
     b.set(xlabel="concurrency (closed loop)", ylabel="time per output token (ms)", xscale="log",
