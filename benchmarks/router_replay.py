@@ -32,7 +32,7 @@ import torch
 
 from spec_adapt.drafters import MultiSourceDrafter, PromptLookupDrafter, ScriptedDrafter, SourceState, SuffixDrafter
 from spec_adapt.drafters import SuffixIndex
-from spec_adapt.drafters.base import DraftRequest
+from spec_adapt.drafters.base import DraftRequest, Observes
 from spec_adapt.metrics import StepRecord
 from spec_adapt.policies.cost import CostReader, StepCost
 from spec_adapt.processors import ScoreProcessor
@@ -133,9 +133,10 @@ def replay(trace: dict, drafter, width: int, costs: Costs) -> dict:
         for i, value in enumerate((1, k, accepted)):
             entry[i] += value
         drafter.rollback(torch.tensor([committed + accepted]))
-        drafter.observe(StepRecord(1, [0], [width], [k], [accepted], [min(accepted + 1, left)], draft_s + verify_s,
-                                   draft_s, verify_s, telemetry=proposal.telemetry,
-                                   free=proposal.free.tolist() if proposal.free is not None else None))
+        if isinstance(drafter, Observes):       # a drafter that learns from each step's record
+            drafter.observe(StepRecord(1, [0], [width], [k], [accepted], [min(accepted + 1, left)],
+                                       draft_s + verify_s, draft_s, verify_s, telemetry=proposal.telemetry,
+                                       free=proposal.free.tolist() if proposal.free is not None else None))
         committed += min(accepted + 1, left)
     drafter.end(torch.tensor([full]), torch.tensor([len(full)]))
     return {"seconds": seconds, "steps": steps, "sources": sources}

@@ -286,8 +286,10 @@ def test_the_users_confidence_threshold_reaches_a_cross_tokenizer_draft(pair, en
         draft.get_output_embeddings().weight.mul_(10.0)
     ids, mask = prompts(target_tok, 2)
     reference = stock_greedy(target, ids, mask, max_new_tokens=12, eos_token_id=None)
+    # A fixed width, not the clock-driven default policy: whether a row drafts depends on the threshold alone.
     common = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, eos_token_id=None,
-                  max_new_tokens=12, tokenizer=target_tok, assistant_tokenizer=draft_tok)
+                  max_new_tokens=12, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                  assistant_policy=FixedLength(3))
     if entry == "enable":
         spec_adapt.enable(target)
         common["assistant_model"] = draft
