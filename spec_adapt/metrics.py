@@ -149,7 +149,8 @@ class SpecStats:
         if plain:
             self._record_plain(rec)
             return
-        for row, d, a, c in zip(rec.rows, rec.drafted, rec.accepted, rec.committed):
+        for row, g, d, a, c in zip(rec.rows, rec.gammas, rec.drafted, rec.accepted, rec.committed):
+            self.widths[g] = self.widths.get(g, 0) + 1
             self.per_row_drafted[row] += d
             self.per_row_accepted[row] += a
             self.per_row_new_tokens[row] += c
@@ -163,8 +164,6 @@ class SpecStats:
                 self.per_position_drafted[i] += 1
                 self.per_position_accepted[i] += int(i < a)
         self.step_tokens += sum(rec.committed)
-        for g in rec.gammas:
-            self.widths[g] = self.widths.get(g, 0) + 1
         sources = (rec.telemetry or {}).get("source")
         if sources is not None:
             self._count_sources(sources, rec.drafted, rec.accepted)

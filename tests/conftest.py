@@ -44,6 +44,17 @@ def tiny_model(arch: str, seed: int = 0, vocab: int = VOCAB, layers: int = 2):
     return model.eval()
 
 
+
+def sampling_pair():
+    """A target with milder logits than the greedy fixtures (real choices to sample) and a draft perturbed from it."""
+    from spec_adapt.tools.synthetic import perturbed_copy
+
+    target = tiny_model("llama", seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.15)
+    return target, perturbed_copy(target, 0.4, seed=2)
+
+
 @functools.lru_cache(maxsize=None)
 def cached_model(arch: str, seed: int = 0, vocab: int = VOCAB):
     return tiny_model(arch, seed, vocab)

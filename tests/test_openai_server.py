@@ -229,7 +229,8 @@ def test_twice_the_capacity_gets_answers_or_429_and_nothing_hangs(server):
     codes, lock = [], threading.Lock()
 
     def one(i):
-        body = json.dumps({"model": NAME, "prompt": f"load {i}", "max_tokens": 60, "temperature": 0}).encode()
+        # Long answers: no row finishes while the burst arrives, so the queue fills whatever the machine's speed.
+        body = json.dumps({"model": NAME, "prompt": f"load {i}", "max_tokens": 200, "temperature": 0}).encode()
         request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=120) as r:
@@ -249,7 +250,8 @@ def test_twice_the_capacity_gets_answers_or_429_and_nothing_hangs(server):
         t.join(180)
     assert not any(t.is_alive() for t in threads)
     assert len(codes) == 2 * capacity and set(codes) <= {200, 429}
-    assert codes.count(200) >= capacity and 429 in codes
+    # The queue's worth is taken however the burst meets the engine's steps (rows are admitted between them).
+    assert codes.count(200) >= MAX_WAITING and 429 in codes
 
 
 def post(url, path, data: bytes, content_type="application/json"):
@@ -330,11 +332,13 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(pair):
                 break
             except OSError:
                 time.sleep(0.2)
-        got = []
+        got, began = [], time.time()
         t = threading.Thread(target=lambda: got.append(post(url, "/v1/completions", json.dumps(
             {"model": NAME, "prompt": "z", "max_tokens": 200, "temperature": 0}).encode())))
         t.start()
-        time.sleep(0.5)
+        while metrics(url)["spec_adapt_requests_running"] < 1:      # SIGTERM once the request runs, not before
+            assert t.is_alive() and time.time() < began + 60
+            time.sleep(0.05)
         proc.terminate()
         t.join(60)
         assert proc.wait(60) == 0

@@ -9,17 +9,13 @@ import torch
 
 import spec_adapt
 from spec_adapt import Adaptive, FixedLength, FixedTree, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
-from spec_adapt.tools.synthetic import perturbed_copy
 
-from conftest import PAD, VOCAB, ragged_batch, tiny_model
+from conftest import PAD, VOCAB, ragged_batch, sampling_pair
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_model("llama", seed=11)
-    with torch.no_grad():            # milder logits than the greedy fixtures: real choices to sample
-        target.lm_head.weight.mul_(0.15)
-    return target, perturbed_copy(target, 0.4, seed=2)
+    return sampling_pair()
 
 
 def sampled(target, ids, mask, seed=123, new=24, **kw):

@@ -13,17 +13,13 @@ import spec_adapt
 from spec_adapt import FixedLength, ModelDrafter
 from spec_adapt.serving.engine import Engine, QueueFull, RequestError
 from spec_adapt.serving.sampling import Sampling, warp
-from spec_adapt.tools.synthetic import perturbed_copy
 
-from conftest import PAD, stock_greedy, tiny_model
+from conftest import PAD, sampling_pair, stock_greedy
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_model("llama", seed=11)
-    with torch.no_grad():            # milder logits than the greedy fixtures: real choices to sample
-        target.lm_head.weight.mul_(0.15)
-    return target, perturbed_copy(target, 0.4, seed=2)
+    return sampling_pair()
 
 
 PROMPTS = [list(range(3 + i, 9 + 2 * i)) for i in range(6)]

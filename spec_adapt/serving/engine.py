@@ -67,6 +67,9 @@ from ..processors import ScoreProcessor
 from .sampling import RowSampling, Sampling
 
 
+UNPROCESSED = ScoreProcessor(None)     # greedy rows alone: no processor (it keeps no state, so one serves every loop)
+
+
 class RequestError(ValueError):
     """A request the engine refused; it is set on the request's handle and raised by `result()`."""
 
@@ -172,7 +175,7 @@ class ServingLoop(SpeculativeLoop):
 
     def __init__(self, model, *, drafter, policy, eos, pad_id, max_length, acceptor, verifier,
                  step_timeout: float | None = None, samples: bool = False):
-        self._set_parts(model, drafter=drafter, policy=policy, processor=ScoreProcessor(None), sampling=False,
+        self._set_parts(model, drafter=drafter, policy=policy, processor=UNPROCESSED, sampling=False,
                         acceptor=acceptor, verifier=verifier, stats=SpecStats())
         # Each request's own sampling parameters, per slot; the loop samples while some running row does.
         self.row_sampling = RowSampling(self.device)
@@ -209,7 +212,7 @@ class ServingLoop(SpeculativeLoop):
         phase on: the engine samples while some running or joining request does."""
         self.sampling = bool(on)
         self.noise.on = self.sampling and self.acceptor.rule == "coupled"
-        self.process = self.sampled if self.sampling else ScoreProcessor(None)
+        self.process = self.sampled if self.sampling else UNPROCESSED
 
     def admit(self, prompts: list[torch.Tensor], budgets: list[int],
               samplings: list[Sampling] | None = None) -> torch.Tensor:
