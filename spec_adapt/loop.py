@@ -120,14 +120,10 @@ class SpeculativeLoop:
         self.sampling, self.process = sampling, processor
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
-        self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
         # Sampling by the coupled rule draws keyed noise (spec_adapt.noise): each row's key, set by who makes the rows.
         self.noise = RowKeys(None, self.device, sampling and self.acceptor.rule == "coupled")
-        self.drafter, self.policy, self.streamer, self.stats = drafter, policy, streamer, stats
-        self.policy_lock = policy_lock(policy)     # a policy shared by calls in several threads decides in turn
-        # The call's one step-cost model (`share_cost`): the policy's, which it writes, else the loop's own (`own_cost`,
-        # written at each step's end); the drafter (`policy_cost`) and the verifier read it.
-        self.own_cost, self.policy_cost = share_cost(policy, self.verifier, self.policy_lock)
+        self.drafter, self.streamer, self.stats = drafter, streamer, stats
+        self.policy = PolicyHandle(policy, self.verifier)
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
         self.device_timing = self.device.type == "cuda" and policy.needs_timing   # phases timed by CUDA events
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
@@ -146,7 +142,7 @@ class SpeculativeLoop:
         state.finished = self._first_tokens(state.rows, logits)
         self._drafter_joins("prefill", ids, mask)   # then follows the rows that leave
         self._retire()
-        self._policy_begins(len(state.rows))
+        self.policy.begin(len(state.rows))
         while len(state.rows):
             self.step()
         self.end()
@@ -157,11 +153,6 @@ class SpeculativeLoop:
         """The counters (a generate call's `batch` rows; a serving engine's none yet) and the verifier start."""
         self.stats.start(batch)
         self.verifier.begin()
-
-    def _policy_begins(self, batch: int) -> None:
-        """The policy starts on the rows that still generate after the first token (a serving engine's: none)."""
-        with self.policy_lock:
-            self.policy.begin(batch)
 
     def end(self) -> None:
         """The drafter ends (its failure there only says so in the statistics), the streamer ends, and the
@@ -180,8 +171,7 @@ class SpeculativeLoop:
         logits = ledger.prefill(ids, mask).float()[:, None]
         seconds = self._now() - began
         self.stats.time_prefill += seconds
-        with self.policy_lock:
-            self.policy.prefilled(ids.numel(), seconds)
+        self.policy.prefilled(ids.numel(), seconds)
         return logits
 
     def _first_tokens(self, rows, logits) -> torch.Tensor:
@@ -271,11 +261,10 @@ class SpeculativeLoop:
             return StepPlan(self.rows_state.widths(len(rows), 0), plain=True)
         info = StepInfo(len(rows), rows, lambda: lengths() - self.rows_state.starts[rows], remaining, self.stats.steps,
                         lag, level_lags, self.closed)
-        with self.policy_lock:
-            answer = self.policy.choose(info)
+        answer = self.policy.choose(info)
         info.close()
         # Whether the policy's widths bound the model-free sources too (`Policy.width_binds_free`).
-        binds = bool(getattr(self.policy, "width_binds_free", False))
+        binds = bool(getattr(self.policy.policy, "width_binds_free", False))
         if type(answer) is int and answer == 0 and (binds or not self.drafter.max_free):   # valid: a plain step
             return StepPlan(self.rows_state.widths(len(rows), 0), True, plain=True)
         if type(answer) is int and 0 < answer <= MAX_WIDTH and not self.drafter.max_free \
@@ -283,13 +272,13 @@ class SpeculativeLoop:
             # One width for every row, and every row has room for it and the bonus: nothing to cap, nothing to read.
             return StepPlan(self.rows_state.widths(len(rows), answer), True, most=answer, some=True)
         remaining = remaining()
-        plan = check_plan(self.policy, answer, len(self.rows_state.rows))
+        plan = check_plan(self.policy.policy, answer, len(self.rows_state.rows))
         if plan.members is not None:
             check_chain_members(self.drafter, plan.members)
         gammas = plan.gammas.to(self.device)
         if plan.depth is None:          # a step commits up to gamma + 1 tokens
             free = None
-            if self.drafter.max_free and self._allows_free():
+            if self.drafter.max_free and self.policy.allows_free(len(rows)):
                 free = (remaining - 1).clamp(0, self.drafter.max_free)
                 if binds:           # a row takes at most its width from a model-free source too
                     free = torch.minimum(free, gammas)
@@ -306,19 +295,13 @@ class SpeculativeLoop:
                             free=free, plain=none, most=most, some=some)
         return self._tree_plan(gammas, plan, remaining)
 
-    def _allows_free(self) -> bool:
-        with self.policy_lock:
-            return bool(self.policy.allows_free(len(self.rows_state.rows)))
-
     def _tree_plan(self, nodes, plan, remaining) -> StepPlan:
         """A tree plan: each row's depth capped by what it may still generate (a path commits depth + 1 tokens); a
         drafter that cannot branch is asked for the chain of min(nodes, depth)."""
         depths = torch.minimum(torch.full_like(nodes, plan.depth), remaining - 1)
         if not isinstance(self.drafter, Trees):
             return StepPlan(torch.minimum(nodes, depths), True, members=plan.members)
-        if not self.trees_checked:       # once per call: a policy may plan trees the call did not announce
-            check_trees(self.model, self.verifier)
-            self.trees_checked = True
+        self.policy.check_trees(self.model, self.verifier)
         return StepPlan(torch.where(depths > 0, nodes, 0), True, depths, plan.pooled, plan.members)
 
     def _propose(self, plan: StepPlan, noise: StepNoise | None = None) -> Proposal:
@@ -340,7 +323,7 @@ class SpeculativeLoop:
             return Proposal.empty(batch, self.device)
         request = DraftRequest(
             state.buffer[state.rows], state.lengths[state.rows], plan.gammas, state.rows, self.sampling, self.process,
-            self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy_cost,
+            self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy.cost,
             self.target if isinstance(self.drafter, ReadsTarget) else None, noise,
         )
         proposal = self._guard("propose", self._checked_proposal, request)
@@ -586,10 +569,7 @@ class SpeculativeLoop:
         """The step's record to the statistics, the policy (if it planned the step), the verifier and the drafter."""
         self.stats.record(record, plain)
         if plan.asked:
-            with self.policy_lock:
-                self.policy.observe(record)
-                if self.own_cost is not None:
-                    self.own_cost.observe_record(record, plain)
+            self.policy.observe(record, plain)
         self.verifier.observe(record)
         if isinstance(self.drafter, Observes):
             self._guard("observe", self.drafter.observe, record)
@@ -611,7 +591,7 @@ class SpeculativeLoop:
         """The ledgers follow the rows that stay. The target may keep some that left as spare rows, when the policy
         measured the bigger batch to run faster (drafters always compact: their batch shapes vary anyway)."""
         live, held = len(keep), self.target.held_rows
-        rows = self.ranks.decide(self._batch_rows, live, held) if live else live
+        rows = self.ranks.decide(self.policy.batch_rows, live, held) if live else live
         self.target.select_rows(keep, spare=rows - live)
         if self.drafter is not None:
             self._guard("select_rows", self.drafter.select_rows, keep)
@@ -621,11 +601,6 @@ class SpeculativeLoop:
         committed: row b's first count[b] positions of `hidden` [B, W, H]."""
         if hidden is not None and isinstance(self.drafter, Features) and len(self.rows_state.rows):
             self._guard("take_hidden", self.drafter.take_hidden, hidden, count)
-
-    def _batch_rows(self, live: int, held: int) -> int:
-        with self.policy_lock:
-            answer = self.policy.batch_rows(live, held)
-        return check_rows(self.policy, answer, live, held)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _guard(self, what, fn, *args):
@@ -714,6 +689,53 @@ class Returns:
             if values:
                 out[: len(values), row] = torch.stack(values)
         return tuple(out.unbind(0))
+
+
+class PolicyHandle:
+    """The loop's policy, the lock it decides under (`policy_lock`: a policy shared by calls in several threads decides
+    in turn) and the call's one step-cost model (`share_cost`): the policy's, which its `observe` writes, else the
+    handle's own (`own_cost`), which `observe` writes from each step's record. The drafter and verifier read `cost`."""
+
+    def __init__(self, policy: Policy, verifier: Verifier):
+        self.policy, self.lock = policy, policy_lock(policy)
+        self.own_cost, self.cost = share_cost(policy, verifier, self.lock)
+        self.trees_checked = False     # whether the target and verifier were checked for trees (once per call)
+
+    def begin(self, batch: int) -> None:
+        with self.lock:
+            self.policy.begin(batch)
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        with self.lock:
+            self.policy.prefilled(tokens, seconds)
+
+    def admit(self, rows: list[int]) -> None:
+        with self.lock:
+            self.policy.admit(rows)
+
+    def choose(self, info: StepInfo):
+        with self.lock:
+            return self.policy.choose(info)
+
+    def allows_free(self, batch: int) -> bool:
+        with self.lock:
+            return bool(self.policy.allows_free(batch))
+
+    def observe(self, record: StepRecord, plain: bool) -> None:
+        with self.lock:
+            self.policy.observe(record)
+            if self.own_cost is not None:
+                self.own_cost.observe_record(record, plain)
+
+    def batch_rows(self, live: int, held: int) -> int:
+        with self.lock:
+            answer = self.policy.batch_rows(live, held)
+        return check_rows(self.policy, answer, live, held)
+
+    def check_trees(self, model, verifier: Verifier) -> None:
+        if not self.trees_checked:     # once per call: a policy may plan trees the call did not announce
+            check_trees(model, verifier)
+            self.trees_checked = True
 
 
 class StepCounts(NamedTuple):

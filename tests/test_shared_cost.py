@@ -94,8 +94,8 @@ def test_an_engine_holds_one_step_cost(kind):
         assert handle.result() == stock_greedy(TARGET, ids[b : b + 1, mask[b] == 1], None, eos_token_id=None,
                                                max_new_tokens=20)[0, len(prompts[b]):].tolist()
     cost = verifier.cost.cost
-    assert engine.loop.policy_cost.cost is cost and handed and all(c is cost for c in handed)
-    assert cost is policy.cost if kind == "adaptive" else cost is engine.loop.own_cost
+    assert engine.loop.policy.cost.cost is cost and handed and all(c is cost for c in handed)
+    assert cost is policy.cost if kind == "adaptive" else cost is engine.loop.policy.own_cost
     assert cost.verify
 
 

@@ -194,7 +194,7 @@ class ServingLoop(SpeculativeLoop):
         self.target: KVLedger | None = None          # made by the first admission
         self.started = self._now()
         self._begin(0)
-        self._policy_begins(0)
+        self.policy.begin(0)
         self.vocab = model.get_output_embeddings().weight.shape[0]
         # After a drafter fails: steps to wait before restarting it (doubling while it keeps failing soon after a
         # restart) and the steps it has run since its last (re)start.
@@ -232,8 +232,7 @@ class ServingLoop(SpeculativeLoop):
         limits = width + torch.tensor(budgets, dtype=torch.long, device=self.device)
         self.rows_state.place(new_rows, ids, mask, limits)
         self.stats.admit(new_rows.tolist())
-        with self.policy_lock:
-            self.policy.admit(new_rows.tolist())
+        self.policy.admit(new_rows.tolist())
         self.row_sampling.set(new_rows.tolist(), samplings)
         self._key_rows(new_rows.tolist(), prompts, samplings)
         finished = self._first_tokens(new_rows, logits)
