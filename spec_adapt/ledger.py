@@ -316,6 +316,7 @@ class KVLedger:
         self.n_cached: torch.Tensor | None = None  # [B] long, buffer tokens whose KV is cached (a prefix)
         self.spare = 0                             # cache rows after the B live ones, kept only for the batch shape
         self.tree: tuple | None = None   # pending tree region: (first column, parents [B, T], in use [B, T])
+        self.first = None    # [B, 1, V] the prefill's logits, for a first step that judges the first token (loop)
         parameters = inspect.signature(model.forward).parameters
         self._keeps_logits = "logits_to_keep" in parameters
         self._takes_positions = takes_positions(model)

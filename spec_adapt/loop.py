@@ -30,7 +30,7 @@ from .acceptor import Acceptor
 from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
-from .noise import RowKeys, StepNoise, call_seed, row_keys
+from .noise import StepNoise, call_seed, row_keys
 from .policies.base import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, policy_lock
 from .policies.cost import share_cost
 from .processors import ScoreProcessor, tree_positions
@@ -90,8 +90,8 @@ class SpeculativeLoop:
         self.prompt = (ids, mask)      # what `run` prefills
         # Sampling's keyed noise (spec_adapt.noise): the call's seed, drawn once from torch's global generator, and
         # each row's key from it and the row's prompt, so no later draw depends on what the steps did.
-        if self.noise.on:
-            self.noise.keys = row_keys(call_seed(), input_ids, attention_mask)
+        if self.choice.keyed:
+            self.choice.keys = row_keys(call_seed(), input_ids, attention_mask)
         batch = input_ids.shape[0]
         self.stopper = Stopper(stopping_criteria, cfg.max_length, self.device, together=self.closed)
         pad = pad_token_tensor(cfg)
@@ -109,7 +109,7 @@ class SpeculativeLoop:
     def _set_parts(self, model, *, drafter, policy, processor, sampling, acceptor, verifier, stats, streamer=None,
                    strict=False):
         """What a loop holds besides its rows: the models' roles, the rules and the counters (shared with serving)."""
-        self.model, self.device = model, model.device
+        self.model = model
         self.ranks = ranks_of(model)   # a sharded target: the first rank takes every decision (spec_adapt.distributed)
         if self.ranks.sharded and verifier is not None and verifier.rank_local:
             raise ValueError(f"{type(verifier).__name__} decides from per-rank timings; on a target sharded over "
@@ -117,27 +117,27 @@ class SpeculativeLoop:
         if not self.ranks.leader:
             drafter = FollowerDrafter() if drafter is not None else None
             policy = FollowerPolicy()
-        self.sampling, self.process = sampling, processor
         self.acceptor = (acceptor or Acceptor()).for_call()
         self.verifier = verifier if verifier is not None else FullVerifier()
-        # Sampling by the coupled rule draws keyed noise (spec_adapt.noise): each row's key, set by who makes the rows.
-        self.noise = RowKeys(None, self.device, sampling and self.acceptor.rule == "coupled")
+        self.choice = TokenChoice(processor, sampling, self.acceptor.rule, self.device)
         self.drafter, self.streamer, self.stats = drafter, streamer, stats
         self.policy = PolicyHandle(policy, self.verifier)
         self.given_drafter = drafter   # `drafter` becomes None after a fallback; its events are still reported
-        self.device_timing = self.device.type == "cuda" and policy.needs_timing   # phases timed by CUDA events
+        self.clock = Clock(self.device, policy.needs_timing)
         self.strict = bool(strict)     # True: a drafter's failure raises instead of falling back
-        self.first = None      # [B, 1, V] the prefill's logits, where the first token waits for the first step
-        self.started = self.vocab = None      # when the loop began (`_now`); the target's vocabulary size
         self.returns = Returns(0)      # what a generate call returns beside its tokens (SpeculativeLoop.__init__)
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def run(self) -> torch.Tensor:
-        self.started = self._now()
+        self.clock.start()
         state = self.rows_state
         self._begin(state.buffer.shape[0])
         ids, mask = self.prompt
         logits = self._prefill(self.target, ids, mask)
-        self.vocab = logits.shape[-1]
+        state.vocab = logits.shape[-1]
         state.reserve(1)
         state.finished = self._first_tokens(state.rows, logits)
         self._drafter_joins("prefill", ids, mask)   # then follows the rows that leave
@@ -162,14 +162,14 @@ class SpeculativeLoop:
         if self.streamer is not None:
             self.streamer.end()
         self.report()
-        self.stats.time_total = self._now() - self.started
+        self.stats.time_total = self.clock.now() - self.clock.started
 
     def _prefill(self, ledger: KVLedger, ids, mask) -> torch.Tensor:
         """The prompts' forward (a call's batch, or requests joining a running one) into `ledger`: the logits after
         each prompt [n, 1, V]. Its time counts as prefill."""
-        began = self._now()
+        began = self.clock.now()
         logits = ledger.prefill(ids, mask).float()[:, None]
-        seconds = self._now() - began
+        seconds = self.clock.now() - began
         self.stats.time_prefill += seconds
         self.policy.prefilled(ids.numel(), seconds)
         return logits
@@ -177,13 +177,13 @@ class SpeculativeLoop:
     def _first_tokens(self, rows, logits) -> torch.Tensor:
         """Freshly prefilled rows' first token (`_commit_first`), recorded and streamed; its time counts as prefill.
         Returns finished [n]."""
-        began = self._now()
+        began = self.clock.now()
         committed, finished, scores = self._commit_first(rows, logits)
         self.returns.record(rows, committed, scores, logits)
         if self.streamer is not None and int(rows[0]) == 0 and int(committed[0]) > 0:   # it follows the user's row 0
             start = int(self.rows_state.starts[0])
             self.streamer.put(self.rows_state.buffer[0, start : start + int(committed[0])].cpu())
-        self.stats.time_prefill += self._now() - began
+        self.stats.time_prefill += self.clock.now() - began
         return finished
 
     def _drafter_joins(self, what: str, ids, mask, rows: torch.Tensor | None = None, hidden=None) -> None:
@@ -221,20 +221,20 @@ class SpeculativeLoop:
         self.stats.drafter_events = list(self.given_drafter.events) if self.given_drafter is not None else []
 
     def step(self) -> None:
-        t0 = self._now()
+        t0 = self.clock.now()
         plan = self.ranks.decide(self._plan)                               # 0. choose: one StepPlan
         if plan.plain:                                                     # no drafts: stock's decode step
             return self._plain_step(plan, t0)
         self.rows_state.reserve(plan.deepest + 1)
-        noise = self._noise(self.rows_state.rows)                          # sampling's keyed noise, or None
-        proposal = self._propose(plan, noise)                              # 1. propose
-        t1 = self._now()
+        noise = self.choice.step_noise(self.rows_state)                    # sampling's keyed noise, or None
+        proposal = self.ranks.decide(self._draft, plan, noise)             # 1. propose
+        t1 = self.clock.now()
         proposal, bonus, scores, logits, hidden = self._verify(proposal)   # 2. verify: [B, S+1, V]
-        t2 = self._now()
+        t2 = self.clock.now()
         accepted, next_token, path = self._accept(scores, proposal, noise)  # 3. accept (a tree: along `path`)
         counts = self._commit_drafts(proposal, accepted, next_token, scores, logits, bonus, path, hidden,  # 4.
                                      plan.gammas)
-        t3 = self._now()
+        t3 = self.clock.now()
         finished = self._observe(proposal, counts, plan, t3 - t0, t1 - t0, t2 - t1)                 # 5. observe
         self._retire(finished)
 
@@ -304,25 +304,14 @@ class SpeculativeLoop:
         self.policy.check_trees(self.model, self.verifier)
         return StepPlan(torch.where(depths > 0, nodes, 0), True, depths, plan.pooled, plan.members)
 
-    def _propose(self, plan: StepPlan, noise: StepNoise | None = None) -> Proposal:
-        return self.ranks.decide(self._draft, plan, noise)
-
-    def _noise(self, rows) -> StepNoise | None:
-        """The keyed noise of a step of `rows` (sampling by the coupled rule; else None): each row's key and the
-        tokens it has generated, read once. Its draws are made when the drafter or the accept phase first reads a
-        position, and kept for the step."""
-        if not self.noise.on:
-            return None
-        row_list, base = torch.stack([rows, self.rows_state.lengths[rows] - self.rows_state.starts[rows]]).tolist()
-        return self.noise.step(row_list, base, self.vocab)
-
     def _draft(self, plan: StepPlan, noise: StepNoise | None = None) -> Proposal:
         state = self.rows_state
         batch = len(state.rows)
         if self.drafter is None or not plan.drafts:
             return Proposal.empty(batch, self.device)
+        rows, choice = state.rows, self.choice
         request = DraftRequest(
-            state.buffer[state.rows], state.lengths[state.rows], plan.gammas, state.rows, self.sampling, self.process,
+            state.buffer[rows], state.lengths[rows], plan.gammas, rows, choice.sampling, choice.process,
             self.acceptor, plan.members, plan.depths, plan.pooled, plan.stop, plan.free, self.policy.cost,
             self.target if isinstance(self.drafter, ReadsTarget) else None, noise,
         )
@@ -331,7 +320,7 @@ class SpeculativeLoop:
 
     def _checked_proposal(self, request: DraftRequest) -> Proposal:
         """The drafter's answer, validated where it enters the loop (a malformed one falls back like an error)."""
-        return check_proposal(self.drafter.propose(request), request, self.vocab, self.strict)
+        return check_proposal(self.drafter.propose(request), request, self.rows_state.vocab, self.strict)
 
     def _verify(self, proposal: Proposal):
         """The verifier's logits for the last committed token and the drafts. A verifier may keep fewer positions
@@ -347,24 +336,24 @@ class SpeculativeLoop:
         # Every row drafting the full width (known from the proposal check's read): the ledger knows that tensor and
         # appends the columns without a hole check.
         n_valid = self.target.filled(len(lengths), chunk.shape[1]) if proposal.dense else proposal.lengths + 1
-        result = self.verifier.verify(self.target, chunk, n_valid) if self.first is None \
+        result = self.verifier.verify(self.target, chunk, n_valid) if self.target.first is None \
             else self._verify_first(proposal, n_valid)
         bonus = None                     # every position kept (a full verification): every row has its bonus
         if result.kept is not n_valid:
             bonus = result.kept > proposal.lengths
             proposal = proposal.cut(result.kept)
         logits = _pad_positions(_as_float(result.logits), proposal.tokens.shape[1] + 1)     # [B, S'+1, V]
-        if not self.process.processors:
+        if not self.choice.process.processors:
             return proposal, bonus, logits, logits, result.hidden
         context = with_drafts(buffer[rows], lengths, proposal.tokens)
-        scores = self.process.positions(logits, context, lengths, proposal.lengths + 1, rows)
+        scores = self.choice.process.positions(logits, context, lengths, proposal.lengths + 1, rows)
         return proposal, bonus, scores, logits, result.hidden
 
     def _verify_first(self, proposal: Proposal, n_valid) -> Verification:
         """The first step's verification where the first token waited for it (`_commit_first`): the prefill already
         fed each prompt's last token and gave the logits after it, so the drafts alone follow, in one full forward
         (stock's first assisted step feeds the prompt and its drafts in one). Every position is kept (`n_valid`)."""
-        first, self.first = self.first, None
+        first, self.target.first = self.target.first, None
         width = proposal.tokens.shape[1]
         if not width:                    # no row drafted (a drafter that failed): the prefill's logits alone
             return Verification(first, n_valid)
@@ -378,8 +367,8 @@ class SpeculativeLoop:
         logits = result.logits.float()
         anc, depth = ancestry(proposal.parents, proposal.lengths)
         rows = self.rows_state.rows
-        scores = tree_positions(self.process, logits, self.rows_state.buffer[rows], lengths, proposal.tokens, anc,
-                                depth, proposal.lengths, rows)
+        scores = tree_positions(self.choice.process, logits, self.rows_state.buffer[rows], lengths, proposal.tokens,
+                                anc, depth, proposal.lengths, rows)
         return proposal, torch.ones_like(lengths, dtype=torch.bool), scores, logits, result.hidden
 
     def _accept(self, scores: torch.Tensor, proposal: Proposal, noise: StepNoise | None = None):
@@ -388,12 +377,13 @@ class SpeculativeLoop:
         return self.ranks.decide(self._accept_here, scores, proposal, noise)
 
     def _accept_here(self, scores: torch.Tensor, proposal: Proposal, noise: StepNoise | None = None):
+        sampling = self.choice.sampling
         if proposal.parents is not None:
             path, accepted, next_token = self.acceptor.accept_tree(
-                scores, proposal.tokens, proposal.parents, proposal.probs, proposal.lengths, self.sampling, noise)
+                scores, proposal.tokens, proposal.parents, proposal.probs, proposal.lengths, sampling, noise)
             return accepted, next_token, path
         accepted, next_token = self.acceptor.accept(scores, proposal.tokens, proposal.probs, proposal.lengths,
-                                                    self.sampling, noise)
+                                                    sampling, noise)
         return accepted, next_token, None
 
     def _commit(self, rows, old, new, n_new, limits=None, every_one: bool = False):
@@ -476,11 +466,12 @@ class SpeculativeLoop:
         state = self.rows_state
         old = state.lengths[rows].clone()
         if self._first_waits():
-            self.first = logits
+            self.target.first = logits
             kept = torch.zeros_like(old)
             return kept, kept.bool(), logits[:, :0]
-        scores = self.process.positions(logits, state.buffer[rows], old, torch.ones_like(old), rows)
-        _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), self._noise(rows))
+        scores = self.choice.process.positions(logits, state.buffer[rows], old, torch.ones_like(old), rows)
+        noise = self.choice.step_noise(state, rows)
+        _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), noise)
         n_keep, finished = self._commit(rows, old, next_token[:, None], torch.ones_like(old), state.limits[rows])
         self._count_tokens(rows, n_keep)
         return n_keep, finished, scores
@@ -519,20 +510,20 @@ class SpeculativeLoop:
         state = self.rows_state
         rows = state.rows
         old = state.lengths[rows]
-        noise = self._noise(rows)          # sampling's keyed noise: its one read before the forward is queued
+        noise = self.choice.step_noise(state)     # sampling's keyed noise: its one read before the forward is queued
         state.reserve(1)
-        t1 = self._now()
+        t1 = self.clock.now()
         ones = self.target.ones(len(rows))
-        if self.first is not None:       # the first token waited (`_commit_first`): the prefill's logits score it
-            result, self.first = Verification(self.first, ones), None
+        if self.target.first is not None:   # the first token waited (`_commit_first`): the prefill's logits score it
+            result, self.target.first = Verification(self.target.first, ones), None
         else:
             result = self.verifier.verify(self.target, state.buffer[rows, old - 1][:, None], ones)    # 2. verify
         logits = _pad_positions(_as_float(result.logits), 1)                                     # [B, 1, V]
         n_new = ones if result.kept is ones else (result.kept > 0).long()    # a bonus where the position was kept
-        scores = self.process.positions(logits, state.buffer[rows], old, ones, rows) if self.process.processors \
-            else logits
-        t2 = self._now()
-        if self.sampling:                                                                       # 3. accept
+        process = self.choice.process
+        scores = process.positions(logits, state.buffer[rows], old, ones, rows) if process.processors else logits
+        t2 = self.clock.now()
+        if self.choice.sampling:                                                                # 3. accept
             _, next_token, _ = self._accept(scores, Proposal.empty(len(rows), self.device), noise)
         else:                            # greedy without drafts: the argmax (what greedy_accept answers then)
             next_token = self.ranks.decide(_first_argmax, scores)
@@ -543,7 +534,7 @@ class SpeculativeLoop:
         if self.target.rewind is not None:
             self.target.rollback(old)
         self._after_commit(rows, old, old, new, n_keep, scores, logits, result.hidden)
-        t3 = self._now()
+        t3 = self.clock.now()
         # The step's one host copy: the record's per-row counts and which rows finished.
         row_ids, kept, finished = torch.stack([rows, n_keep, state.finished.long()]).tolist()
         zeros = plan.gammas
@@ -642,12 +633,6 @@ class SpeculativeLoop:
         """scores / logits as generate returns them (`Returns.stacked`)."""
         return self.returns.stacked(name, int(self.rows_state.lengths.max()) - self.prompt[0].shape[1], self.device)
 
-    def _now(self):
-        # On a GPU, when the policy learns from times (Policy.needs_timing): a point on the device's timeline (a CUDA
-        # event), so the phases' times are the device's without a sync per phase. Otherwise host time (approximate
-        # on a GPU, where the host runs ahead of the device).
-        return DeviceMark(self.device) if self.device_timing else time.perf_counter()
-
 
 class Returns:
     """What a generate call returns beside its tokens, kept as the rows commit: per user row the scores and logits of
@@ -736,6 +721,47 @@ class PolicyHandle:
         if not self.trees_checked:     # once per call: a policy may plan trees the call did not announce
             check_trees(model, verifier)
             self.trees_checked = True
+
+
+class TokenChoice:
+    """How the loop chooses tokens: the score processor, whether it samples, and where it samples by the coupled rule
+    (`keyed`) its keyed noise (spec_adapt.noise): each user row's key (`keys`, by row number, set by who makes the
+    rows) and the generator of the draws, on the target's device, made at the first draw."""
+
+    def __init__(self, process: ScoreProcessor, sampling: bool, rule: str, device):
+        self.keys, self.device, self.generator = None, device, None
+        self.set(process, sampling, rule)
+
+    def set(self, process: ScoreProcessor, sampling: bool, rule: str) -> None:
+        self.process, self.sampling = process, bool(sampling)
+        self.keyed = self.sampling and rule == "coupled"
+
+    def step_noise(self, state: Rows, rows=None) -> StepNoise | None:
+        """The keyed noise of a step of `rows` (default the active rows; None unless `keyed`): each row's key and the
+        tokens it has generated, read once. Its draws are made when the drafter or the accept phase first reads a
+        position, and kept for the step."""
+        if not self.keyed:
+            return None
+        rows = state.rows if rows is None else rows
+        row_list, base = torch.stack([rows, state.lengths[rows] - state.starts[rows]]).tolist()
+        if self.generator is None:
+            self.generator = torch.Generator(self.device)
+        return StepNoise([self.keys[r] for r in row_list], base, state.vocab, self.device, self.generator)
+
+
+class Clock:
+    """The loop's clock: on a GPU, when the policy learns from times (Policy.needs_timing), points on the device's
+    timeline (`DeviceMark`), so the phases' times are the device's without a sync per phase; otherwise host time
+    (approximate on a GPU, where the host runs ahead of the device). `started`: when the loop began (`start`)."""
+
+    def __init__(self, device, timed: bool):
+        self.device, self.started = device if device.type == "cuda" and timed else None, None
+
+    def now(self):
+        return DeviceMark(self.device) if self.device is not None else time.perf_counter()
+
+    def start(self) -> None:
+        self.started = self.now()
 
 
 class StepCounts(NamedTuple):

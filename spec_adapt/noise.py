@@ -71,20 +71,6 @@ def prompt_digest(tokens: torch.Tensor) -> bytes:
     return hashlib.blake2b(tokens.cpu().to(torch.int64).numpy().tobytes(), digest_size=8).digest()
 
 
-class RowKeys:
-    """Each user row's key for sampling's keyed noise (`keys`, by row number), whether the loop draws it (`on`:
-    sampling by the coupled rule), and the generator its draws use, of the target's device, made at the first draw."""
-
-    def __init__(self, keys: list[int] | None, device, on: bool):
-        self.keys, self.device, self.on, self.generator = keys, device, on, None
-
-    def step(self, rows: list[int], base: list[int], vocab: int) -> "StepNoise":
-        """The noise of a step of `rows`, which had generated base[b] tokens each when it began."""
-        if self.generator is None:
-            self.generator = torch.Generator(self.device)
-        return StepNoise([self.keys[r] for r in rows], base, vocab, self.device, self.generator)
-
-
 class StepNoise:
     """The Gumbel noise of one step's active rows: `at(k)` [B, V] at each row's position base[b] + k, where base[b]
     is the number of tokens the row had generated when the step began (so k = 0 scores the step's first draft, or

@@ -32,6 +32,7 @@ class Rows:
         self._limits_of = None    # (rows, limits, limits[rows]), `row_limits`
         self._left = None         # [limits, a bound below every active row's room], `min_tokens_left`
         self._widths = {}         # (batch, width) -> [batch] of width, `widths`
+        self.vocab: int | None = None    # the target's vocabulary size, set by the loop once known
 
     @classmethod
     def of_prompts(cls, input_ids, max_length: int, pad_id: int) -> "Rows":

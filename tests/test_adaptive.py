@@ -523,7 +523,7 @@ def test_a_slow_batch_of_three_keeps_a_spare_row_in_a_real_loop(monkeypatch):
     depend on the machine's load): the first call compacts and measures it, the second keeps the finished row as a
     spare; every output equals stock generate."""
     from spec_adapt import PromptLookupDrafter
-    from spec_adapt.loop import SpeculativeLoop
+    from spec_adapt.loop import Clock
 
     model = cached_model("llama")
     ids, mask = ragged_batch(4, seed=30)
@@ -531,7 +531,7 @@ def test_a_slow_batch_of_three_keeps_a_spare_row_in_a_real_loop(monkeypatch):
     eos = int(free[0, ids.shape[1] + 2])
     reference = stock_greedy(model, ids, mask, eos_token_id=eos)
     clock = [0.0]
-    monkeypatch.setattr(SpeculativeLoop, "_now", lambda self: clock[0])
+    monkeypatch.setattr(Clock, "now", lambda self: clock[0])
 
     def tick(mod, args, kwargs, out):
         clock[0] += 0.1 if kwargs["input_ids"].shape[0] == 3 else 0.01

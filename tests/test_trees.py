@@ -514,14 +514,14 @@ def test_adaptive_with_trees_stays_identical_and_measures_every_shape(batch, mon
     the target's twin (every draft right, at a draft's price): a draft that pays at both batch sizes."""
     import copy
 
-    from spec_adapt.loop import SpeculativeLoop
+    from spec_adapt.loop import Clock
 
     model, weak = cached_model("llama"), tiny_model("llama", seed=1, layers=1)
     strong = copy.deepcopy(model)
     ids, mask = ragged_batch(batch)
     ref = stock_greedy(model, ids, mask, eos_token_id=None)
     clock = [0.0]
-    monkeypatch.setattr(SpeculativeLoop, "_now", lambda self: clock[0])
+    monkeypatch.setattr(Clock, "now", lambda self: clock[0])
 
     def tick(scale):
         def hook(module, args, kwargs, out):

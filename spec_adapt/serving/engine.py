@@ -189,13 +189,13 @@ class ServingLoop(SpeculativeLoop):
         # the widths they were drafted at. `samples`: whether requests sample unless they say otherwise (the seed is
         # then drawn now, else when the first request that samples without a seed of its own is admitted).
         self.seed = call_seed() if samples else None
-        self.noise.keys = []
+        self.choice.keys = []
         self.admitted = 0
         self.target: KVLedger | None = None          # made by the first admission
-        self.started = self._now()
+        self.clock.start()
         self._begin(0)
         self.policy.begin(0)
-        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.rows_state.vocab = model.get_output_embeddings().weight.shape[0]
         # After a drafter fails: steps to wait before restarting it (doubling while it keeps failing soon after a
         # restart) and the steps it has run since its last (re)start.
         self.restarts, self.healthy = ProbeBackoff(16, 1024), 1 << 30
@@ -210,9 +210,7 @@ class ServingLoop(SpeculativeLoop):
     def set_sampling(self, on: bool) -> None:
         """Sample (each row by its own parameters, greedy rows by their argmax) or run the greedy path, from the next
         phase on: the engine samples while some running or joining request does."""
-        self.sampling = bool(on)
-        self.noise.on = self.sampling and self.acceptor.rule == "coupled"
-        self.process = self.sampled if self.sampling else UNPROCESSED
+        self.choice.set(self.sampled if on else UNPROCESSED, on, self.acceptor.rule)
 
     def admit(self, prompts: list[torch.Tensor], budgets: list[int],
               samplings: list[Sampling] | None = None) -> torch.Tensor:
@@ -252,7 +250,7 @@ class ServingLoop(SpeculativeLoop):
         """Each admitted request's noise key in its slot: a seeded request's is the key its prompt has in a generate
         call with that seed (so it repeats whatever runs beside it); the others' the engine's seed and their
         admission number."""
-        keys = self.noise.keys
+        keys = self.choice.keys
         keys.extend([0] * (max(slots) + 1 - len(keys)))
         for slot, prompt, sampling in zip(slots, prompts, samplings):
             seed = sampling.seed
@@ -343,7 +341,7 @@ class ServingLoop(SpeculativeLoop):
         since the last end (no admission): only the statistics."""
         if self.target is None:
             self.report()
-            self.stats.time_total = self._now() - self.started
+            self.stats.time_total = self.clock.now() - self.clock.started
             return
         count, path = self.compacted          # what the batch compacted stays counted (`report`)
         self.compacted = (count + self.target.compactions, self.target.compact_path or path)
