@@ -7,6 +7,8 @@
     python benchmarks/serve_http.py --out results/serve-http
     python benchmarks/serve_http.py --smoke       # tiny random models, our two servers, seconds
 
+Our two servers are prepared (`spec_adapt.prepare`; `--no-prepare` runs them eagerly) and the draft computes in
+`--draft-dtype` (default fastest), as `make bench` runs the pair; transformers serve runs the target as it loads.
 The servers run one at a time (each alone on the machine: two at once would share its cores), each started, loaded
 and warmed by one request before its loads. Every server gets the same client (spec_adapt.tools.http_bench: the
 `openai` client, streamed chat completions, greedy), the same prompts (HumanEval as chat, ShareGPT first turns and
@@ -39,13 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(kind: str, model: str, draft: str, port: int, max_batch: int) -> list[str]:
+def command(kind: str, model: str, draft: str, port: int, args) -> list[str]:
     if kind == "tf":
         return ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
                 "--port", str(port), "--host", "127.0.0.1", model]
-    spec = ["--draft", draft] if kind == "spec" else ["--drafter", "none"]
+    spec = ["--draft", draft, "--draft-dtype", args.draft_dtype] if kind == "spec" else ["--drafter", "none"]
     return [sys.executable, "-m", "spec_adapt.tools.cli", "serve", "--model", model, *spec, "--served-name", "served",
-            "--port", str(port), "--max-batch", str(max_batch), "--max-waiting", "1024"]
+            "--port", str(port), "--max-batch", str(args.max_batch), "--max-waiting", "1024",
+            *([] if args.prepare else ["--no-prepare"])]
 
 
 def wait_healthy(url: str, proc, seconds: float = 900) -> None:
@@ -67,7 +70,7 @@ def serve_and_load(kind, args, prompts, model_path, draft_path, log) -> list[dic
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(command(kind, model_path, draft_path, port, args.max_batch), stdout=log, stderr=log,
+    proc = subprocess.Popen(command(kind, model_path, draft_path, port, args), stdout=log, stderr=log,
                             env={**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
     try:
         wait_healthy(url, proc)
@@ -84,6 +87,13 @@ def serve_and_load(kind, args, prompts, model_path, draft_path, log) -> list[dic
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def torch_threads() -> int:
+    """The threads each server computes with (OMP_NUM_THREADS, else torch's default: the cores)."""
+    import torch
+
+    return int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
 
 
 def prompts_of(workloads: list[str], n: int) -> list[str]:
@@ -123,11 +133,16 @@ def main() -> None:
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     p.add_argument("--workloads", nargs="+", default=["humaneval-chat", "sharegpt", "edit"])
     p.add_argument("--num-prompts", type=int, default=16, help="per workload (enough for every load's own)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.2, 0.8])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16])
+    p.add_argument("--rates", type=float, nargs="*", default=[0.05, 0.2, 0.8])
     p.add_argument("--requests", type=int, default=16, help="requests per load (at least the concurrency)")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"], default="fastest",
+                   help="the spec server's draft dtype (as `make bench` loads it)")
+    p.add_argument("--no-prepare", dest="prepare", action="store_false",
+                   help="serve the target (ours, with and without speculation) unprepared; transformers serve is "
+                        "never prepared")
     p.add_argument("--out", default="results/serve-http")
     _smoke.add(p)
     args = p.parse_args()
@@ -155,7 +170,8 @@ def main() -> None:
             rows += serve_and_load(kind, args, prompts, model_path, draft_path, log)
     summary = {"command": "python " + " ".join(sys.argv), "cpu": cpu_name(), "model": args.model,
                "draft": args.draft, "workloads": args.workloads, "new_tokens": args.new_tokens,
-               "max_batch": args.max_batch, "rows": rows}
+               "max_batch": args.max_batch, "draft_dtype": args.draft_dtype, "prepared": args.prepare,
+               "threads": torch_threads(), "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(rows, out / "serve_http.png")
     for r in rows:

@@ -347,12 +347,12 @@ def test_bench_draft_dtype_fastest_times_the_draft(monkeypatch):
                         loaded.append(dtype) or tiny_model("llama", seed=1))
     monkeypatch.setattr(p, "native_bf16", lambda: False)
     args = argparse.Namespace(draft="tiny", draft_dtype="fastest", draft_quant=None, prepare=True, draft_layers=None)
-    draft = cli._draft(target, args)
+    draft = cli.draft_from_args(target, args)
     assert loaded == [torch.float32] and draft.dtype == torch.float32
     assert (prepared(draft) is not None) == (why_not_packed(torch.float32) is None)
     args.draft_quant = "int8"
     with pytest.raises(SystemExit, match="--draft-quant"):
-        cli._draft(target, args)
+        cli.draft_from_args(target, args)
 
 
 @needs_packing

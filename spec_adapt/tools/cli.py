@@ -149,7 +149,7 @@ def bench(args) -> None:
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(args.model, dtype=dtype, **_offload(args))
     twin = _twin(model, configs)
-    draft, xdraft = _draft(model, args), _xdraft(args)
+    draft, xdraft = draft_from_args(model, args), _xdraft(args)
     if args.bound is not None and (draft is None or 1 not in args.batch_sizes):
         print("--bound: the hindsight bound needs a draft model (--draft or --draft-layers) and batch size 1; "
               "the 'of bound' column stays empty")
@@ -234,7 +234,7 @@ def serve_bench_cmd(args) -> None:
     from spec_adapt.recipes import workloads
 
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
-    draft = _draft(model, args)
+    draft = draft_from_args(model, args)
     ds = workloads.with_inputs(workloads.load(args.prompts or args.workload, args.num_prompts), tok)
     memory = int(args.memory_budget * 2**20) if args.memory_budget else None
     phases = sb.parse_phases(args.phases) if args.phases else None
@@ -273,7 +273,7 @@ def _draft_meta(draft, args) -> dict:
             "draft_mb": megabytes}
 
 
-def _draft(model, args):
+def draft_from_args(model, args):
     """--draft: a known name, model folder or hub id, or a folder written by the distillation recipe;
     --draft-layers N: the target's first N layers (a cost stand-in)."""
     from spec_adapt.tools.models import load_draft
@@ -329,7 +329,7 @@ def profile_cmd(args) -> None:
     from spec_adapt.tools.profiling import profile
 
     model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
-    draft = _draft(model, args)
+    draft = draft_from_args(model, args)
     if args.prepare:
         from spec_adapt import prepare
 
@@ -507,11 +507,11 @@ def soak_cmd(args) -> None:
           f"drafter restarts: {report['restarts']}. Wrote {out}/soak.json and soak.png")
 
 
-def _draft_options(p) -> None:
+def draft_options(p, dtype: str | None = None) -> None:
     p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"],
-                   help="--draft's dtype (default: --dtype); fastest: bfloat16 where this CPU computes it natively "
-                        "(avx512_bf16 or AMX), else float32. The draft's dtype never changes the output")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"], default=dtype,
+                   help=f"--draft's dtype (default: {dtype or '--dtype'}); fastest: bfloat16 where this CPU computes "
+                        "it natively (avx512_bf16 or AMX), else float32. The draft's dtype never changes the output")
 
 
 def main(argv=None) -> None:
@@ -544,7 +544,7 @@ def main(argv=None) -> None:
     p.add_argument("--draft", help="a draft model path (enables draft:<policy>, chain:<policy> and hf-assisted)")
     p.add_argument("--xdraft", help="a draft with its own tokenizer (enables xdraft:<policy>, hf-uag, and with "
                    "--draft xchain:<policy>); its dtype follows --draft-dtype")
-    _draft_options(p)
+    draft_options(p)
     p.add_argument("--draft-layers", type=options.count, help="draft = the target's first N layers (a cost stand-in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--ignore-eos", action="store_true", help="every row generates exactly --new-tokens")
@@ -567,7 +567,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("profile", help="measure T(B, s), draft cost and c_prefill(L, B) on this machine")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--draft", help="draft model path")
-    _draft_options(p)
+    draft_options(p)
     p.add_argument("--draft-layers", type=options.count,
                    help="use the target's first N layers as a draft (cost stand-in)")
     p.add_argument("--batch-sizes", type=options.batch_size, nargs="+", default=[1, 4, 16])
@@ -606,7 +606,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("serve-bench", help="the serving engine under Poisson arrivals: throughput, TTFT, TPOT")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", help="draft model (enables draft:<policy>, draftc:<policy>, chain:<policy>)")
-    _draft_options(p)
+    draft_options(p)
     p.add_argument("--draft-layers", type=options.count, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--workload", default="sharegpt", help="sharegpt, humaneval, humaneval-chat or mixed")
@@ -656,7 +656,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--out", default="results/quality")
     p.set_defaults(func=eval_cmd)
-    serve.add_parser(sub, options)
+    serve.add_parser(sub, options, draft_options)
     import sys
 
     argv = sys.argv[1:] if argv is None else argv

@@ -4,7 +4,9 @@
 
 The drafter: with `--draft`, the draft model beside prompt lookup and the suffix index (the default `generate` takes
 for `assistant_model=`); else `--drafter lookup` (the default), `suffix` or `none` (no speculation: the same server
-decoding plainly). The policy is `Adaptive`, which drafts less as the batch grows. SIGTERM or Ctrl-C: uvicorn stops
+decoding plainly). The policy is `Adaptive`, which drafts less as the batch grows. The models are prepared
+(`spec_adapt.prepare`, as the demo's; `--no-prepare` serves them eagerly) and the draft computes in the fastest dtype
+this CPU has (`--draft-dtype`); neither changes an answer. SIGTERM or Ctrl-C: uvicorn stops
 taking connections, waits up to `--shutdown-timeout` seconds for the requests in flight, then the engine stops
 (requests still unfinished fail) and the process exits 0.
 """
@@ -42,10 +44,15 @@ def serve_cmd(args) -> None:
     import uvicorn
 
     from spec_adapt.serving.openai_api import create_app
-    from spec_adapt.tools.models import load_draft, load_model
+    from spec_adapt.tools.cli import draft_from_args
+    from spec_adapt.tools.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    draft = load_draft(model, args.draft) if args.draft else None
+    draft = draft_from_args(model, args)    # --draft in --draft-dtype, or --draft-quant, as bench loads it
+    if args.prepare:
+        from spec_adapt import prepare
+
+        model, draft = prepare(model), prepare(draft) if draft is not None else None
     engine = build_engine(model, draft, args.drafter, args.max_batch, args.max_waiting, tokenizer=tokenizer)
     app = create_app(engine, tokenizer, args.served_name or args.model, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.max_tokens)
@@ -59,7 +66,7 @@ def serve_cmd(args) -> None:
                 timeout_graceful_shutdown=args.shutdown_timeout)
 
 
-def add_parser(sub, options) -> None:
+def add_parser(sub, options, draft_options) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions")
     p.add_argument("--model", required=True, help="a known name (as demo and bench take), a folder or a hub id")
     p.add_argument("--draft", help="a draft model: drafts beside prompt lookup and the suffix index")
@@ -74,5 +81,8 @@ def add_parser(sub, options) -> None:
     p.add_argument("--max-body-bytes", type=options.count, default=1 << 20)
     p.add_argument("--shutdown-timeout", type=options.seconds, default=10.0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    draft_options(p, dtype="fastest")
+    p.add_argument("--no-prepare", dest="prepare", action="store_false",
+                   help="serve the models eagerly (default: spec_adapt.prepare on target and draft, as the demo)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info"], default="warning")
-    p.set_defaults(func=serve_cmd)
+    p.set_defaults(func=serve_cmd, draft_layers=None)
