@@ -249,7 +249,7 @@ def test_draft_layers_past_the_target_are_one_line_once_it_loads(monkeypatch, ca
     from spec_adapt.tools import cli, models
 
     monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: (tiny_model("llama"), None))
-    monkeypatch.setattr(cli, "truncated_copy", lambda *args: pytest.fail("a draft was built"))
+    monkeypatch.setattr(models, "truncated_copy", lambda *args: pytest.fail("a draft was built"))
     assert run_main([command, "--draft-layers", "3"]) == 2
     assert capsys.readouterr().err == ("spec-adapt: error: argument --draft-layers: takes at most the target's 2 "
                                        "layers, got 3\n")

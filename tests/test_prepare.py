@@ -340,19 +340,19 @@ def test_bench_draft_dtype_fastest_times_the_draft(monkeypatch):
     import argparse
 
     import spec_adapt.execution as p
-    from spec_adapt.tools import cli, models
+    from spec_adapt.tools import models
 
     target, loaded = tiny_model("llama"), []
     monkeypatch.setattr(models, "load_draft", lambda t, name, dtype=None, quantization=None:
                         loaded.append(dtype) or tiny_model("llama", seed=1))
     monkeypatch.setattr(p, "native_bf16", lambda: False)
     args = argparse.Namespace(draft="tiny", draft_dtype="fastest", draft_quant=None, prepare=True, draft_layers=None)
-    draft = cli.draft_from_args(target, args)
+    draft = models.draft_from_args(target, args)
     assert loaded == [torch.float32] and draft.dtype == torch.float32
     assert (prepared(draft) is not None) == (why_not_packed(torch.float32) is None)
     args.draft_quant = "int8"
     with pytest.raises(SystemExit, match="--draft-quant"):
-        cli.draft_from_args(target, args)
+        models.draft_from_args(target, args)
 
 
 @needs_packing

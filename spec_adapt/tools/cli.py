@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from spec_adapt.execution import bf16_capability, fastest
+from spec_adapt.execution import bf16_capability
 from spec_adapt.tools import options, serve
-from spec_adapt.tools.synthetic import truncated_copy
+from spec_adapt.tools.models import draft_from_args, draft_options, fastest_draft
 
 
 # The demo's configurations per model: stock generate (the baseline, always first), stock assisted generation or
@@ -58,7 +58,7 @@ def demo(args) -> None:
         if plan["draft"] and draft is None and phase != "eager":
             # The draft's dtype is chosen apart from the target's: it changes which tokens the draft proposes,
             # never the output.
-            draft = _fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare)
+            draft = fastest_draft(load_model(plan["draft"], dtype=torch.float32)[0], args.prepare)
         model = load()
         for label, used in prompts.items():
             print(f"\n{label} ({phase}: {', '.join(configs)}): {len(used)} prompts, batch sizes "
@@ -273,33 +273,6 @@ def _draft_meta(draft, args) -> dict:
             "draft_mb": megabytes}
 
 
-def draft_from_args(model, args):
-    """--draft: a known name, model folder or hub id, or a folder written by the distillation recipe;
-    --draft-layers N: the target's first N layers (a cost stand-in)."""
-    from spec_adapt.tools.models import load_draft
-
-    if args.draft and args.draft_dtype == "fastest":
-        if args.draft_quant:
-            raise SystemExit("--draft-dtype fastest chooses between float32 and bfloat16; a quantized draft (--draft-quant) "
-                             "has neither: drop one of the two options.")
-        return _fastest_draft(load_draft(model, args.draft, dtype=torch.float32), getattr(args, "prepare", False))
-    if args.draft:
-        dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
-        return load_draft(model, args.draft, quantization=args.draft_quant, dtype=dtype)
-    if args.draft_layers:
-        _check_draft_layers(model, args.draft_layers)
-        return truncated_copy(model, args.draft_layers)
-    return None
-
-
-def _check_draft_layers(model, layers: int) -> None:
-    """--draft-layers N keeps the target's first N layers: past its last one the copy would get random layers."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    total = getattr(config, "num_hidden_layers", None)
-    if total is not None and layers > total:
-        raise SystemExit(f"argument --draft-layers: takes at most the target's {total} layers, got {layers}")
-
-
 def _xdraft(args):
     """--xdraft: (model, tokenizer) of a draft with its own tokenizer, in the dtype --draft-dtype picks."""
     from spec_adapt.tools.models import load_model
@@ -308,20 +281,13 @@ def _xdraft(args):
         return None
     if args.draft_dtype == "fastest":
         model, tokenizer = load_model(args.xdraft, dtype=torch.float32)
-        return _fastest_draft(model, args.prepare), tokenizer
+        return fastest_draft(model, args.prepare), tokenizer
     model, tokenizer = load_model(args.xdraft, dtype=getattr(torch, args.draft_dtype or args.dtype))
     if args.prepare:
         from spec_adapt import prepare
 
         model = prepare(model)
     return model, tokenizer
-
-
-def _fastest_draft(draft, pack: bool):
-    """The float32 `draft` in the dtype this hardware computes natively (`spec_adapt.execution.fastest`), saying which."""
-    draft, dtype, why = fastest(draft, pack)
-    print(f"draft dtype: {str(dtype).removeprefix('torch.')}: {why}")
-    return draft
 
 
 def profile_cmd(args) -> None:
@@ -507,13 +473,6 @@ def soak_cmd(args) -> None:
           f"drafter restarts: {report['restarts']}. Wrote {out}/soak.json and soak.png")
 
 
-def draft_options(p, dtype: str | None = None) -> None:
-    p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"], default=dtype,
-                   help=f"--draft's dtype (default: {dtype or '--dtype'}); fastest: bfloat16 where this CPU computes "
-                        "it natively (avx512_bf16 or AMX), else float32. The draft's dtype never changes the output")
-
-
 def main(argv=None) -> None:
     from spec_adapt.tools.models import known
     from spec_adapt.tools.vllm import METHODS
@@ -656,7 +615,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--out", default="results/quality")
     p.set_defaults(func=eval_cmd)
-    serve.add_parser(sub, options, draft_options)
+    serve.add_parser(sub, options)
     import sys
 
     argv = sys.argv[1:] if argv is None else argv

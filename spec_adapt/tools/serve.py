@@ -44,8 +44,7 @@ def serve_cmd(args) -> None:
     import uvicorn
 
     from spec_adapt.serving.openai_api import create_app
-    from spec_adapt.tools.cli import draft_from_args
-    from spec_adapt.tools.models import load_model
+    from spec_adapt.tools.models import draft_from_args, load_model
 
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     draft = draft_from_args(model, args)    # --draft in --draft-dtype, or --draft-quant, as bench loads it
@@ -66,7 +65,9 @@ def serve_cmd(args) -> None:
                 timeout_graceful_shutdown=args.shutdown_timeout)
 
 
-def add_parser(sub, options, draft_options) -> None:
+def add_parser(sub, options) -> None:
+    from spec_adapt.tools.models import draft_options
+
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions")
     p.add_argument("--model", required=True, help="a known name (as demo and bench take), a folder or a hub id")
     p.add_argument("--draft", help="a draft model: drafts beside prompt lookup and the suffix index")
