@@ -381,13 +381,14 @@ def test_a_lookups_verification_is_priced_from_the_runs_free_steps():
     costs = [1.0, 2.0, 3.0]                                    # every width: exactly one more draft token's time
     flat = verify_costs(costs, draft_token=1.0, width=16)
     assert flat[:3] == [1.0, 1.0, 1.0]                          # the fragile derivation: width is free
-    free = {2: [1.2, 1.2, 1.2], 8: [1.8], 12: [2.2]}            # 0.1 s per token fed
+    free = {2: [1.2, 1.2, 1.2], 8: [1.8, 1.8], 12: [2.2]}       # 0.1 s per token fed
     priced = free_costs(free, 1.0, 16)
     assert priced[2] == pytest.approx(1.2)                      # a width measured MIN_STEPS times: its median
     assert priced[16] == pytest.approx(2.6, rel=0.05)           # past the widest: on the line
     assert priced[0] == 1.0 and all(b >= a for a, b in zip(priced, priced[1:]))
     assert free_costs({4: [1.4, 1.4, 1.4]}, 1.0, 8) is None     # one width gives no line
-    assert free_costs({2: [1.2], 4: [1.4]}, 1.0, 8) is None     # too few steps
+    assert free_costs({2: [1.2], 4: [1.4]}, 1.0, 8) is None     # too few steps for the step-cost model's line
+    assert free_costs({2: [1.2] * 3, 4: [1.4] * 2}, 1.0, 8) is None
 
 
 def test_the_bound_reads_free_steps_from_lookup_cells_and_several_source_steps_that_took_no_model():

@@ -27,8 +27,7 @@ from typing import Sequence
 
 import torch
 
-from ..policies.cost import StepCost
-from ..policies.estimators import LineFit
+from ..policies.cost import FULL, StepCost
 
 
 def agreement_runs(draft, prompt: torch.Tensor, output: torch.Tensor, vocab: int) -> list[int]:
@@ -145,20 +144,23 @@ def verify_costs(costs: Sequence[float], draft_token: float, width: int) -> list
 
 
 def free_costs(free_times: dict[int, list[float]], plain: float, width: int) -> list[float] | None:
-    """verify[g], g = 0..width, from a run's timed steps that drafted only from model-free sources: a width's median
-    where MIN_STEPS steps drafted it, else the least-squares line in the tokens fed through every such step (a wide
-    lookup is drafted rarely, at many different widths); never below a plain step, never cheaper for more tokens.
-    None where fewer than two widths or MIN_STEPS steps were timed."""
-    steps = [(g, t) for g, times in free_times.items() if g >= 1 for t in times]
-    if len({g for g, _ in steps}) < 2 or len(steps) < MIN_STEPS or not plain > 0:
+    """verify[g], g = 0..width, from a run's timed steps that drafted only from model-free sources, read from the
+    step-cost model (`StepCost`) they are observed into: a width's median where MIN_STEPS steps drafted it (a wide
+    lookup is drafted rarely, at many different widths: its own steps), else the model's line through every such
+    step; never below a plain step, never cheaper for more tokens. None where the model has no line through them
+    (fewer than two widths, or fewer steps than its line needs)."""
+    cost = StepCost()
+    cost.observe_verify(1, 1, plain)
+    for g, times in free_times.items():
+        median = statistics.median(times) if g >= 1 and len(times) >= MIN_STEPS else None
+        for seconds in times if g >= 1 else ():
+            cost.observe_verify(1, g + 1, seconds if median is None else median)
+    line = cost.lines.get((FULL, 1))
+    if line is None or not line.ready() or not plain > 0:
         return None
-    line = LineFit(window=len(steps), min_samples=MIN_STEPS)
-    for g, seconds in steps:
-        line.add(g + 1, seconds)
-    medians = {g: statistics.median(t) for g, t in free_times.items() if g >= 1 and len(t) >= MIN_STEPS}
     out = [plain]
     for g in range(1, width + 1):
-        out.append(max(out[-1], medians[g] if g in medians else line(g + 1)))
+        out.append(max(out[-1], cost.verify_time(1, g + 1)))
     return out
 
 
