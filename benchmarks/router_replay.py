@@ -32,7 +32,7 @@ import torch
 
 from spec_adapt.drafters import MultiSourceDrafter, PromptLookupDrafter, ScriptedDrafter, SourceState, SuffixDrafter
 from spec_adapt.drafters import SuffixIndex
-from spec_adapt.drafters.base import DraftRequest, Observes
+from spec_adapt.drafters.drafter import DraftRequest, Observes
 from spec_adapt.metrics import StepRecord
 from spec_adapt.policies.cost import CostReader, StepCost
 from spec_adapt.processors import ScoreProcessor

@@ -37,7 +37,7 @@ from spec_adapt import Adaptive, FixedLength, prepare
 from spec_adapt.running_estimates import Calibration, StopRule
 from spec_adapt.execution import fastest
 from spec_adapt.metrics import StepRecord
-from spec_adapt.policies.base import Plan, StepInfo
+from spec_adapt.policies.policy import Plan, StepInfo
 from spec_adapt.recipes import workloads
 from spec_adapt.tools.bound import best_drafting_schedule, fixed_schedule, runs_of_matches, step_costs
 from spec_adapt.tools.models import load_model

@@ -13,7 +13,7 @@ import torch
 
 from . import compat
 from .compat import GenerateDecoderOnlyOutput, cache_holds_tokens
-from .drafters.base import ChecksTarget, Drafter, Features, Trees
+from .drafters.drafter import ChecksTarget, Drafter, Features, Trees
 from .drafters.cross import CrossTokenizerDrafter
 from .drafters.early_exit import early_exit_model
 from .drafters.lookup import PromptLookupDrafter
@@ -28,7 +28,7 @@ from .ledger import check_rollback_cache
 from .model_kinds import check_model_kind, check_one_mask
 from .loop import SpeculativeLoop
 from .metrics import SpecStats, set_last_stats
-from .policies.base import MAX_WIDTH, Policy, check_policy
+from .policies.policy import MAX_WIDTH, Policy, check_policy
 from .policies import saved
 from .policies.adaptive import Adaptive
 from .verifiers import Verifier, check_trees, check_verifier

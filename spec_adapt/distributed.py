@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .drafters.base import JoinsRows, Proposal, Trees
-from .policies.base import Policy
+from .drafters.drafter import JoinsRows, Proposal, Trees
+from .policies.policy import Policy
 
 
 class Solo:

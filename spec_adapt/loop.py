@@ -23,7 +23,7 @@ from .compat import pad_token_tensor
 
 from .acceptance_rules import committed_tokens
 from .distributed import FollowerDrafter, FollowerPolicy, ranks_of
-from .drafters.base import (CatchUp, Chains, DraftRequest, Drafter, Features, FillsBudget, Observes, Offloads, Proposal,
+from .drafters.drafter import (CatchUp, Chains, DraftRequest, Drafter, Features, FillsBudget, Observes, Offloads, Proposal,
                             ReadsTarget, TakesInputs, Trees, check_chain_members, check_proposal, join_rows,
                             with_drafts)
 from .acceptor import Acceptor
@@ -31,7 +31,7 @@ from .inputs import ModelInputs
 from .ledger import KVLedger, positions_from_cache
 from .metrics import SpecStats, StepRecord
 from .noise import StepNoise, call_seed, row_keys
-from .policies.base import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, policy_lock
+from .policies.policy import MAX_WIDTH, Policy, StepInfo, check_plan, check_rows, policy_lock
 from .policies.cost import share_cost
 from .processors import ScoreProcessor, tree_positions
 from .returned_cache import ReturnedCache

@@ -14,7 +14,7 @@ import spec_adapt
 from spec_adapt import Adaptive, FixedLength
 from spec_adapt.policies import Heuristic, Nightjar
 from spec_adapt.tools.lab import Batches, Request, Static, best_fixed, compare, simulate, synthetic_requests
-from spec_adapt.policies.base import Plan
+from spec_adapt.policies.policy import Plan
 from spec_adapt.policies.estimators import LatencyTable
 
 from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy
@@ -253,7 +253,7 @@ def test_a_stall_does_not_stand_for_a_plain_step():
     otherwise raise the plain estimate enough that the policy drafts at a loss, and plain steps are not re-measured
     while it drafts."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.base import StepInfo
+    from spec_adapt.policies.policy import StepInfo
 
     def plain(seconds):
         policy._pending = {"width": 0, "lag": 0, "probing": False, "burst": False}
@@ -392,7 +392,7 @@ def test_a_short_closed_batch_starts_no_draft_whose_catch_up_it_never_pays_back(
     """Batch 4, 48 tokens left, a draft 200 tokens behind: drafting pays per step, but catching the draft up on four
     200-token prompts costs, by what the target's own prompt forward took, more than 48 tokens of drafting save.
     Unmeasured and unbounded, the catch-up would be charged nothing and the draft started."""
-    from spec_adapt.policies.base import StepInfo
+    from spec_adapt.policies.policy import StepInfo
 
     def choose(policy):
         info = StepInfo(4, torch.arange(4), torch.zeros(4, dtype=torch.long), torch.full((4,), 48), 10,
@@ -564,7 +564,7 @@ def drive(policy, steps: int, plain_seconds, draft_seconds=0.06, verify_seconds=
     import random
 
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.base import StepInfo
+    from spec_adapt.policies.policy import StepInfo
 
     rng, widths = random.Random(seed), []
     policy.begin(1)
@@ -753,7 +753,7 @@ def _observe_widths(policy, width: int, steps: int, accepted: int | None = None)
     """`steps` batch-1 steps that each draft `width` tokens and have `accepted` of them accepted (all by default),
     whatever the policy chose."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.base import StepInfo
+    from spec_adapt.policies.policy import StepInfo
 
     accepted = width if accepted is None else accepted
     policy.begin(1)
@@ -839,7 +839,7 @@ def test_the_prior_is_saved_and_a_state_saved_without_it_still_loads():
 def _hindsight_steps(policy, steps: list[tuple[int, int, int]]) -> None:
     """Batch-1 steps (width asked and drafted, accepted, the hindsight the drafter reports with that step)."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.base import StepInfo
+    from spec_adapt.policies.policy import StepInfo
 
     for step, (width, accepted, seen) in enumerate(steps):
         policy.choose(StepInfo(1, torch.arange(1), torch.full((1,), step), torch.full((1,), 10**6), step))
@@ -875,7 +875,7 @@ def test_hindsight_counts_only_after_a_full_acceptance_of_the_width_asked():
     """A step with a rejection, or whose drafter filled less than the width asked (the rest counted as misses
     already), gives the next step's hindsight nothing to judge; a step the model did not draft reports -1."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.base import StepInfo
+    from spec_adapt.policies.policy import StepInfo
 
     def counts(steps):
         policy = Adaptive(shrink=0.0, explore=0.0)

@@ -302,7 +302,7 @@ def test_plan_members_for_a_plain_drafter_are_refused():
 def test_full_vocabulary_probability_checks_run_under_strict_only():
     """By default a proposal's probabilities are checked where acceptance reads them (q at each drafted token: finite,
     in (0, 1]); the whole distribution (finite, >= 0, summing to 1 over the vocabulary) only with strict=True."""
-    from spec_adapt.drafters.base import DraftRequest, InvalidProposal, check_proposal
+    from spec_adapt.drafters.drafter import DraftRequest, InvalidProposal, check_proposal
     from spec_adapt.processors import ScoreProcessor
 
     req = DraftRequest(torch.zeros(2, 8, dtype=torch.long), torch.tensor([4, 4]), torch.tensor([2, 2]),
@@ -339,7 +339,7 @@ def test_a_checked_proposal_is_dense_exactly_when_every_row_drafts_the_full_widt
     """`Proposal.dense` (set by the check from its one read) tells the ledger that every row's drafts fill the
     width, so the verification appends its columns without a hole check: it holds exactly when every row's length,
     after the cut to its gamma, equals the cut width, and a drafter cannot set it."""
-    from spec_adapt.drafters.base import DraftRequest, check_proposal
+    from spec_adapt.drafters.drafter import DraftRequest, check_proposal
     from spec_adapt.processors import ScoreProcessor
 
     batch = data.draw(st.integers(1, 4))
@@ -361,7 +361,7 @@ def test_a_proposals_confidences_are_probabilities_where_the_kept_width_reads_th
     """Confidences are checked as probabilities in [0, 1] over the columns the proposal keeps (its longest row),
     from the bounds the check reads with the proposal's others; a NaN or out-of-range value there is refused, one
     past the kept width is not read and passes."""
-    from spec_adapt.drafters.base import DraftRequest, InvalidProposal, check_proposal
+    from spec_adapt.drafters.drafter import DraftRequest, InvalidProposal, check_proposal
     from spec_adapt.processors import ScoreProcessor
 
     batch, columns = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))
@@ -387,13 +387,13 @@ def test_a_proposals_confidences_are_probabilities_where_the_kept_width_reads_th
 
 # -- the drafter contract's shape: a core of five methods, and capabilities a drafter inherits -------------------------
 def test_the_drafter_core_is_five_methods_and_each_capability_holds_its_own_members():
-    from spec_adapt.drafters import base
+    from spec_adapt.drafters import drafter as contract
 
     core = {name for name, value in vars(Drafter).items() if not name.startswith("_") and callable(value)}
     assert core == {"begin", "propose", "rollback", "select_rows", "end"}
-    derived = {name for name, value in vars(Drafter).items() if isinstance(value, base._Derived)}
+    derived = {name for name, value in vars(Drafter).items() if isinstance(value, contract._Derived)}
     assert derived == {"trees", "wants_hidden", "fills_budget", "reads_target", "max_free", "offloaded", "events"}
-    assert {c.__name__: base.members_of(c) for c in base.CAPABILITIES} == {
+    assert {c.__name__: contract.members_of(c) for c in contract.CAPABILITIES} == {
         "Trees": ["keep_tree", "trees"], "Features": ["take_hidden", "wants_hidden"], "ReadsTarget": ["reads_target"],
         "JoinsRows": ["add_rows"], "CatchUp": ["lag"], "Chains": ["level_lags", "check_members"],
         "Offloads": ["offloaded", "available"], "Observes": ["observe"], "FreeSources": ["max_free"],
@@ -403,11 +403,11 @@ def test_the_drafter_core_is_five_methods_and_each_capability_holds_its_own_memb
 
 def test_every_drafter_has_the_capabilities_it_declares():
     from spec_adapt.distributed import FollowerDrafter
-    from spec_adapt.drafters import base, CandidateGeneratorDrafter, CrossTokenizerDrafter, MTPDrafter, SharedKVDrafter
+    from spec_adapt.drafters import drafter as contract, CandidateGeneratorDrafter, CrossTokenizerDrafter, MTPDrafter, SharedKVDrafter
     from spec_adapt.drafters import SuffixDrafter
 
     def has(cls):
-        return {c.__name__ for c in base.CAPABILITIES if issubclass(cls, c)}
+        return {c.__name__ for c in contract.CAPABILITIES if issubclass(cls, c)}
 
     model_drafter = {"Trees", "CatchUp", "JoinsRows", "ChecksTarget", "TakesInputs"}
     assert has(spec_adapt.ModelDrafter) == model_drafter
@@ -423,18 +423,18 @@ def test_every_drafter_has_the_capabilities_it_declares():
                                                                   "Forwards"}
     # A wrapper has those of its inner drafters: model-free sources draft trees and want no hidden states.
     free = spec_adapt.MultiSourceDrafter(None, [PromptLookupDrafter()])
-    assert isinstance(free, base.Trees) and not isinstance(free, (base.Features, base.ReadsTarget))
+    assert isinstance(free, contract.Trees) and not isinstance(free, (contract.Features, contract.ReadsTarget))
     assert free.trees and not free.wants_hidden and free.reads_target == 0 and free.max_free == 32
     plain = spec_adapt.MultiSourceDrafter(None, [CandidateGeneratorDrafter.prompt_lookup()])
-    assert not isinstance(plain, base.Trees) and not plain.trees
-    assert not isinstance(ScriptedDrafter(lambda *a: []), (base.CatchUp, base.Features, base.Offloads, base.Chains))
+    assert not isinstance(plain, contract.Trees) and not plain.trees
+    assert not isinstance(ScriptedDrafter(lambda *a: []), (contract.CatchUp, contract.Features, contract.Offloads, contract.Chains))
 
 
 def test_a_drafter_declaring_a_capability_by_its_member_has_it():
     """A Drafter subclass that sets a capability's flag or defines its method has the capability (the members it
     lacks are the capability's); one that sets an inherited flag false has it no more; setting a capability's
     attribute on a drafter without it raises, naming the capability to inherit."""
-    from spec_adapt.drafters import base
+    from spec_adapt.drafters import drafter as contract
 
     class Declares(Drafter):
         trees = True
@@ -450,9 +450,9 @@ def test_a_drafter_declaring_a_capability_by_its_member_has_it():
             super().observe(record)
 
     drafter = Declares()
-    for capability in (base.Trees, base.ReadsTarget, base.JoinsRows, base.CatchUp, base.Observes):
+    for capability in (contract.Trees, contract.ReadsTarget, contract.JoinsRows, contract.CatchUp, contract.Observes):
         assert isinstance(drafter, capability), capability
-    assert not isinstance(drafter, (base.Features, base.Chains, base.Offloads))
+    assert not isinstance(drafter, (contract.Features, contract.Chains, contract.Offloads))
     drafter.keep_tree(None)
     drafter.observe(None)
     assert drafter.trees and drafter.reads_target == 8 and not drafter.wants_hidden
@@ -463,7 +463,7 @@ def test_a_drafter_declaring_a_capability_by_its_member_has_it():
     class TreesAgain(Chains):
         trees = True
 
-    assert not isinstance(Chains(lambda *a: []), base.Trees) and isinstance(TreesAgain(lambda *a: []), base.Trees)
+    assert not isinstance(Chains(lambda *a: []), contract.Trees) and isinstance(TreesAgain(lambda *a: []), contract.Trees)
 
     class SetsFree(Drafter):
         def __init__(self):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spec_adapt import ChainDrafter, EarlyExitVerifier, FixedLength, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
-from spec_adapt.drafters.base import Drafter, Proposal, TakesInputs
+from spec_adapt.drafters.drafter import Drafter, Proposal, TakesInputs
 from spec_adapt.serving.engine import Engine
 
 from conftest import PAD, Breaks, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from spec_adapt import Adaptive, FixedLength, ModelDrafter
 from spec_adapt.drafters.offload import DraftOffload
 from spec_adapt.serving.memory import MemoryBudget, kv_bytes_per_token, reserved_tokens, weight_bytes
-from spec_adapt.policies.base import Policy
+from spec_adapt.policies.policy import Policy
 from spec_adapt.serving.engine import Engine, RequestError
 
 from conftest import PAD, VOCAB, cached_model, drive_engine, tiny_model

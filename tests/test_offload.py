@@ -12,7 +12,7 @@ from spec_adapt import Adaptive, FixedLength, ModelDrafter
 
 from spec_adapt.policies import Nightjar
 from spec_adapt.drafters.offload import DraftOffload
-from spec_adapt.policies.base import Policy
+from spec_adapt.policies.policy import Policy
 
 from conftest import PAD, cached_model, ragged_batch, spec_generate, stock_greedy, tiny_model
 

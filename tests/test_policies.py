@@ -15,7 +15,7 @@ from spec_adapt.policies import BanditSpecUCB, ElasticEWMA, GoodputModel, Heuris
 from spec_adapt.tools.lab import (Poisson, RateCurve, Request, Static, best_fixed, compare, expected_goodput, simulate,
                             synthetic_requests)
 from spec_adapt.metrics import StepRecord
-from spec_adapt.policies.base import StepInfo
+from spec_adapt.policies.policy import StepInfo
 from spec_adapt.policies.estimators import LatencyTable, OnlineLatency
 
 from conftest import PAD, Oracle, cached_model, ragged_batch, stock_greedy, tiny_model
@@ -349,7 +349,7 @@ _ANY = st.one_of(st.integers(-3, 2**70), st.floats(allow_nan=True), st.booleans(
 
 
 def _decides(policy, batch=2) -> None:
-    from spec_adapt.policies.base import StepInfo, check_plan
+    from spec_adapt.policies.policy import StepInfo, check_plan
 
     info = StepInfo(batch, torch.arange(batch), torch.zeros(batch, dtype=torch.long), torch.full((batch,), 50), 0)
     check_plan(policy, policy.choose(info), batch)
@@ -429,7 +429,7 @@ def _fuzz_state() -> dict:
 
     policy = Adaptive(seed=1, trees=True)
     for step in range(12):
-        from spec_adapt.policies.base import StepInfo
+        from spec_adapt.policies.policy import StepInfo
 
         info = StepInfo(2, torch.arange(2), torch.full((2,), step), torch.full((2,), 50), step)
         policy.choose(info)

@@ -268,7 +268,7 @@ class RuledWidth(FixedLength):
         self.rule = StopRule(thresholds, Calibration())
 
     def choose(self, info):
-        from spec_adapt.policies.base import Plan
+        from spec_adapt.policies.policy import Plan
 
         return Plan(super().choose(info), stop=self.rule)
 

@@ -86,7 +86,7 @@ def test_policies_forget_a_slot_when_a_new_request_takes_it(make):
     """After `admit([1])`, row 1 is decided like a row never seen (row 9), though its old request had taught the
     policy something different."""
     from spec_adapt.metrics import StepRecord
-    from spec_adapt.policies.base import StepInfo
+    from spec_adapt.policies.policy import StepInfo
 
     policy = make()
     policy.begin(0)

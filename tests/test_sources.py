@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter, PromptLookupDrafter, ScriptedDrafter
-from spec_adapt.drafters.base import DraftRequest, InvalidProposal, Proposal, check_proposal
+from spec_adapt.drafters.drafter import DraftRequest, InvalidProposal, Proposal, check_proposal
 from spec_adapt.drafters.sources import MODEL, MODEL_OPTIMISM, PLAIN, MultiSourceDrafter, SourceState
 from spec_adapt.policies.cost import StepCost
 from spec_adapt.policies.estimators import SourceAcceptance

@@ -13,7 +13,7 @@ import spec_adapt
 from spec_adapt import Adaptive, FixedLength, ModelDrafter
 from spec_adapt.running_estimates import Calibration, StopRule
 from spec_adapt.stopping import Stopper
-from spec_adapt.policies.base import Plan, StepInfo
+from spec_adapt.policies.policy import Plan, StepInfo
 
 from conftest import PAD, cached_model, ragged_batch, stock_greedy
 

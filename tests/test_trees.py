@@ -11,7 +11,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 import spec_adapt
 from spec_adapt import FixedLength, FixedTree, ModelDrafter, PromptLookupDrafter, ScriptedDrafter, SuffixDrafter
 from spec_adapt.acceptance_rules import tree_greedy_accept, tree_rejection_sample
-from spec_adapt.drafters.base import DraftRequest, InvalidProposal, Proposal, check_proposal
+from spec_adapt.drafters.drafter import DraftRequest, InvalidProposal, Proposal, check_proposal
 from spec_adapt.ledger import KVLedger
 from spec_adapt.processors import ScoreProcessor
 from spec_adapt.tree import ancestry, from_branches, path_nodes, tree_problems
@@ -663,14 +663,14 @@ def test_parent_slots_past_a_rows_length_are_ignored(junk):
                                   lambda: FixedTree(4, 2**40), lambda: FixedLength(10**9),
                                   lambda: spec_adapt.Adaptive(max_gamma=2**31)])
 def test_absurd_sizes_are_refused_where_they_enter(make):
-    from spec_adapt.policies.base import MAX_WIDTH
+    from spec_adapt.policies.policy import MAX_WIDTH
 
     with pytest.raises(ValueError, match=rf"in \[\d+, {MAX_WIDTH}\]"):
         make()
 
 
 def test_an_absurd_plan_from_a_policy_is_refused_before_drafting(llama):
-    from spec_adapt.policies.base import Plan, Policy
+    from spec_adapt.policies.policy import Plan, Policy
 
     class Huge(Policy):
         def choose(self, info):

@@ -1,4 +1,4 @@
-from .base import (CatchUp, Chains, ChecksTarget, Drafter, DraftRequest, Events, Features, FillsBudget,
+from .drafter import (CatchUp, Chains, ChecksTarget, Drafter, DraftRequest, Events, Features, FillsBudget,
                    Forwards, FreeSources, JoinsRows, Observes, Offloads, Proposal, ReadsTarget, TakesInputs, Trees)
 from .chain import ChainDrafter
 from .cross import CrossTokenizerDrafter

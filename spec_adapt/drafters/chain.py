@@ -31,7 +31,7 @@ import torch
 
 from ..acceptance_rules import committed_tokens
 from ..acceptor import Acceptor
-from .base import (CatchUp, Chains, ChecksTarget, Drafter, DraftRequest, Events, JoinsRows, Proposal, TakesInputs,
+from .drafter import (CatchUp, Chains, ChecksTarget, Drafter, DraftRequest, Events, JoinsRows, Proposal, TakesInputs,
                    join_rows, lag_of, with_drafts)
 from .model import ModelDrafter
 

@@ -27,7 +27,7 @@ import torch
 
 from ..inputs import encoder_decoder
 from ..processors import ScoreProcessor
-from .base import (CatchUp, ChecksTarget, Drafter, DraftRequest, JoinsRows, Observes, Offloads, Proposal,
+from .drafter import (CatchUp, ChecksTarget, Drafter, DraftRequest, JoinsRows, Observes, Offloads, Proposal,
                    check_proposal, join_rows, left_padding)
 from .model import ModelDrafter, head_vocab_size
 

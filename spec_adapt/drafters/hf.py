@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .base import Drafter, DraftRequest, Proposal, left_padding
+from .drafter import Drafter, DraftRequest, Proposal, left_padding
 
 _LENGTH_KNOBS = ("num_assistant_tokens", "num_output_tokens")
 

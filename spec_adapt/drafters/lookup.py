@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import DraftRequest, JoinsRows, Proposal, branches_proposal, left_padding, place, Trees
+from .drafter import DraftRequest, JoinsRows, Proposal, branches_proposal, left_padding, place, Trees
 
 
 def lookup_continuation(context: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from .. import compat
 from ..running_estimates import ema
 from ..inputs import ModelInputs, encoder_decoder
 from ..ledger import KVLedger, positions_from_cache, worth_apart
-from .base import (CatchUp, ChecksTarget, DraftRequest, JoinsRows, Proposal, TakesInputs, Trees, left_padding,
+from .drafter import (CatchUp, ChecksTarget, DraftRequest, JoinsRows, Proposal, TakesInputs, Trees, left_padding,
                    sample_drafts)
 from .head import ShortHead, check_short_head
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import ancestry, node_contexts
-from .base import DraftRequest, Proposal
+from .drafter import DraftRequest, Proposal
 
 
 def children(q: torch.Tensor, k: int, sampling: bool, gumbel: torch.Tensor | None = None

@@ -26,7 +26,7 @@ import torch
 from .. import compat
 from ..ledger import KVLedger
 from ..model_kinds import check_model_kind
-from .base import ChecksTarget, DraftRequest, Features, FillsBudget, JoinsRows, Proposal, left_padding, sample_drafts
+from .drafter import ChecksTarget, DraftRequest, Features, FillsBudget, JoinsRows, Proposal, left_padding, sample_drafts
 
 
 class MTPDrafter(Features, FillsBudget, JoinsRows, ChecksTarget):

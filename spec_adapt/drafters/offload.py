@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .base import (CatchUp, ChecksTarget, Drafter, DraftRequest, Events, JoinsRows, Observes, Offloads, Proposal,
+from .drafter import (CatchUp, ChecksTarget, Drafter, DraftRequest, Events, JoinsRows, Observes, Offloads, Proposal,
                    TakesInputs, Trees)
 from .model import ModelDrafter
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import DraftRequest, JoinsRows, Proposal, Trees, branches_proposal, left_padding, place
+from .drafter import DraftRequest, JoinsRows, Proposal, Trees, branches_proposal, left_padding, place
 
 # script(row, context, gamma) -> up to gamma token ids, or a tree as a list of branches (token lists from the
 # last committed token, best first; shared prefixes merge). `row` is the row's index in the user's batch, `context`

@@ -26,7 +26,7 @@ import torch
 from .. import compat
 from ..compat import takes_4d_mask
 from ..ledger import attention_mask_4d
-from .base import ChecksTarget, DraftRequest, Features, JoinsRows, Proposal, ReadsTarget
+from .drafter import ChecksTarget, DraftRequest, Features, JoinsRows, Proposal, ReadsTarget
 from .mtp import Drafting
 
 TARGET_MARGIN = 2   # stock's assistant sees window + 1 keys; the target's own sliding layers need window - 1

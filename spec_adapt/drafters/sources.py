@@ -39,10 +39,10 @@ import time
 
 import torch
 
-from ..policies.base import USUAL_LAG
+from ..policies.policy import USUAL_LAG
 from ..policies.cost import CostReader, StepCost
 from ..policies.estimators import SourceAcceptance, widened
-from .base import (CatchUp, ChecksTarget, Drafter, DraftRequest, Features, Forwards, FreeSources, JoinsRows, Observes,
+from .drafter import (CatchUp, ChecksTarget, Drafter, DraftRequest, Features, Forwards, FreeSources, JoinsRows, Observes,
                    Offloads, Proposal, ReadsTarget, TakesInputs, Trees, join_rows, lag_of, place)
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .base import DraftRequest, JoinsRows, Proposal, Trees, left_padding, pack_trees, place
+from .drafter import DraftRequest, JoinsRows, Proposal, Trees, left_padding, pack_trees, place
 
 
 class SuffixIndex:

@@ -3,7 +3,7 @@ level chains). The research baselines (Nightjar, BanditSpecUCB, GoodputModel, El
 `spec_adapt.policies.baselines`; the estimators they share in `spec_adapt.policies.estimators`."""
 
 from .adaptive import Adaptive
-from .base import Plan, Policy, StepInfo, check_gammas, check_plan, check_policy
+from .policy import Plan, Policy, StepInfo, check_gammas, check_plan, check_policy
 from .baselines import BanditSpecUCB, ElasticEWMA, GoodputModel, Nightjar, PerRequest, goodput
 from .chain_scheduler import ChainScheduler
 from .estimators import LatencyTable, TreeShapes, bucket

@@ -27,7 +27,7 @@ from ..running_estimates import Calibration, StopRule, ema
 from ..metrics import StepRecord
 from .cost import StepCost
 from .estimators import LatencyTable, ProbeBackoff, TreeShapes, bucket, cached_profile, decay_counts, reach, state_key
-from .base import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo, check_int, from_json_lists, to_json_lists
+from .policy import MAX_WIDTH, USUAL_LAG, Plan, Policy, StepInfo, check_int, from_json_lists, to_json_lists
 
 PLAIN, MISSED, BURST, STATES = 0, 1, 2, 3   # a row's state after its last step (docs/policies.md, rule 1)
 

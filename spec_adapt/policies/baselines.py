@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from ..running_estimates import ema
 from ..metrics import StepRecord
 from .estimators import LatencyTable, OnlineLatency, PositionAcceptance, bucket
-from .base import Policy, StepInfo, check_int, from_json_lists, to_json_lists
+from .policy import Policy, StepInfo, check_int, from_json_lists, to_json_lists
 
 
 def goodput(record: StepRecord) -> float:

@@ -39,7 +39,7 @@ import random
 from ..drafters.chain import ChainDrafter
 from ..metrics import StepRecord
 from ..running_estimates import ema
-from .base import USUAL_LAG, Plan, Policy, StepInfo, from_json_lists, to_json_lists
+from .policy import USUAL_LAG, Plan, Policy, StepInfo, from_json_lists, to_json_lists
 from .cost import StepCost
 from .estimators import ProbeBackoff
 

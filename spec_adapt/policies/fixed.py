@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MAX_WIDTH, Plan, Policy, StepInfo, check_int
+from .policy import MAX_WIDTH, Plan, Policy, StepInfo, check_int
 
 
 class FixedLength(Policy):

@@ -53,7 +53,7 @@ import torch
 
 from ..api import check_parts
 from ..distributed import ranks_of
-from ..drafters.base import join_rows
+from ..drafters.drafter import join_rows
 from ..acceptor import Acceptor
 from ..ledger import KVLedger, positions_from_cache
 from ..loop import SpeculativeLoop, target_ledger

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics import StepRecord
-from ..policies.base import Policy, StepInfo, check_plan
+from ..policies.policy import Policy, StepInfo, check_plan
 from ..policies.cost import StepCost
 from ..policies.estimators import LatencyTable
 
@@ -258,7 +258,7 @@ def record_traces(model, tok, prompts: list[str], drafter, new_tokens: int = 128
     drafter at every output position what it would propose from the true prefix and count the agreement."""
     from tqdm import tqdm
 
-    from ..drafters.base import DraftRequest
+    from ..drafters.drafter import DraftRequest
     from ..processors import ScoreProcessor
 
     requests = []

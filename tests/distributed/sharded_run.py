@@ -18,7 +18,7 @@ from transformers.distributed import DistributedConfig
 import spec_adapt
 from spec_adapt import Adaptive, EarlyExitVerifier, Engine, FixedLength, FixedTree, ModelDrafter, ScriptedDrafter
 from spec_adapt.distributed import Ranks, ranks_of
-from spec_adapt.policies.base import Policy
+from spec_adapt.policies.policy import Policy
 
 PAD, NEW = 0, 20
 
