@@ -355,6 +355,23 @@ def test_bench_draft_dtype_fastest_times_the_draft(monkeypatch):
         models.draft_from_args(target, args)
 
 
+def test_serve_loads_its_draft_in_the_fastest_dtype_unless_it_is_quantized(monkeypatch):
+    """`spec-adapt serve`'s draft: float32 converted to the fastest dtype by default, the dtype asked with
+    --draft-dtype, and with --draft-quant alone the quantized draft (not refused as fastest-and-quantized)."""
+    from spec_adapt.tools import cli, models, serve
+
+    loaded, parsed = [], []
+    monkeypatch.setattr(cli.serve, "serve_cmd", parsed.append)
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: (tiny_model("llama"), None))
+    monkeypatch.setattr(models, "load_draft", lambda t, name, dtype=None, quantization=None:
+                        loaded.append((dtype, quantization)) or tiny_model("llama", seed=1))
+    for extra in ([], ["--draft-dtype", "bfloat16"], ["--draft-quant", "int8"]):
+        cli.main(["serve", "--model", "m", "--draft", "d", "--no-prepare", *extra])
+        serve.load_models(parsed[-1])
+    assert loaded == [(torch.float32, None), (torch.bfloat16, None), (None, "int8")]
+    assert parsed[-1].draft_dtype is None        # the parsed options are not changed
+
+
 @needs_packing
 def test_prepared_sampling_is_seeded_like_stock_per_configuration():
     """Sampling on a prepared model: the same seed gives the same sample twice (the statistical test of the target's

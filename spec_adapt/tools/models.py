@@ -13,10 +13,10 @@ from .synthetic import truncated_copy
 
 
 # -- the draft options `bench`, `profile`, `lab` and `serve` share -------------------------------------------------
-def draft_options(p, dtype: str | None = None) -> None:
+def draft_options(p, default_help: str = "--dtype") -> None:
     p.add_argument("--draft-quant", choices=["int8", "nf4"], help="quantize --draft with bitsandbytes on load")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"], default=dtype,
-                   help=f"--draft's dtype (default: {dtype or '--dtype'}); fastest: bfloat16 where this CPU computes "
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "fastest"],
+                   help=f"--draft's dtype (default: {default_help}); fastest: bfloat16 where this CPU computes "
                         "it natively (avx512_bf16 or AMX), else float32. The draft's dtype never changes the output")
 
 

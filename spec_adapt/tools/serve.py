@@ -13,6 +13,7 @@ taking connections, waits up to `--shutdown-timeout` seconds for the requests in
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 
@@ -44,14 +45,8 @@ def serve_cmd(args) -> None:
     import uvicorn
 
     from spec_adapt.serving.openai_api import create_app
-    from spec_adapt.tools.models import draft_from_args, load_model
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    draft = draft_from_args(model, args)    # --draft in --draft-dtype, or --draft-quant, as bench loads it
-    if args.prepare:
-        from spec_adapt import prepare
-
-        model, draft = prepare(model), prepare(draft) if draft is not None else None
+    model, tokenizer, draft = load_models(args)
     engine = build_engine(model, draft, args.drafter, args.max_batch, args.max_waiting, tokenizer=tokenizer)
     app = create_app(engine, tokenizer, args.served_name or args.model, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.max_tokens)
@@ -63,6 +58,21 @@ def serve_cmd(args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
+
+
+def load_models(args):
+    """(target, tokenizer, draft or None) as the options say: the draft in --draft-dtype (unset: fastest, or with
+    --draft-quant the quantized draft's own), both prepared unless --no-prepare."""
+    from spec_adapt.tools.models import draft_from_args, load_model
+
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    fastest = args.draft_dtype is None and not args.draft_quant
+    draft = draft_from_args(model, argparse.Namespace(**{**vars(args), **({"draft_dtype": "fastest"} if fastest else {})}))
+    if args.prepare:
+        from spec_adapt import prepare
+
+        model, draft = prepare(model), prepare(draft) if draft is not None else None
+    return model, tokenizer, draft
 
 
 def add_parser(sub, options) -> None:
@@ -82,7 +92,7 @@ def add_parser(sub, options) -> None:
     p.add_argument("--max-body-bytes", type=options.count, default=1 << 20)
     p.add_argument("--shutdown-timeout", type=options.seconds, default=10.0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    draft_options(p, dtype="fastest")
+    draft_options(p, default_help="fastest; with --draft-quant, the quantized draft's")
     p.add_argument("--no-prepare", dest="prepare", action="store_false",
                    help="serve the models eagerly (default: spec_adapt.prepare on target and draft, as the demo)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info"], default="warning")
