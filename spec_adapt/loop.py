@@ -162,7 +162,7 @@ class SpeculativeLoop:
         if self.streamer is not None:
             self.streamer.end()
         self.report()
-        self.stats.time_total = self.clock.now() - self.clock.started
+        self.stats.time_total = self.clock.elapsed()
 
     def _prefill(self, ledger: KVLedger, ids, mask) -> torch.Tensor:
         """The prompts' forward (a call's batch, or requests joining a running one) into `ledger`: the logits after
@@ -762,6 +762,10 @@ class Clock:
 
     def start(self) -> None:
         self.started = self.now()
+
+    def elapsed(self) -> float:
+        """Seconds since `start`."""
+        return self.now() - self.started
 
 
 class StepCounts(NamedTuple):

@@ -328,10 +328,7 @@ class ServingLoop(SpeculativeLoop):
         """Forget every running row after a failure that left the batch's state unknown: the next admission starts a
         new target batch. The drafter is dropped like after its own failure, and restarted after the back-off."""
         self.rows_state.clear()
-        if self.target is not None:          # what it compacted stays counted (`report`)
-            count, path = self.compacted
-            self.compacted = (count + self.target.compactions, self.target.compact_path or path)
-        self.target = None
+        self._let_go_target()
         if self.drafter is not None:
             self._drop_drafter("the batch was reset after a failure")
 
@@ -341,12 +338,17 @@ class ServingLoop(SpeculativeLoop):
         since the last end (no admission): only the statistics."""
         if self.target is None:
             self.report()
-            self.stats.time_total = self.clock.now() - self.clock.started
+            self.stats.time_total = self.clock.elapsed()
             return
-        count, path = self.compacted          # what the batch compacted stays counted (`report`)
-        self.compacted = (count + self.target.compactions, self.target.compact_path or path)
-        self.target = None
+        self._let_go_target()
         super().end()
+
+    def _let_go_target(self) -> None:
+        """The target batch is let go (the next admission starts a new one); what it compacted stays counted."""
+        if self.target is not None:
+            count, path = self.compacted
+            self.compacted = (count + self.target.compactions, self.target.compact_path or path)
+        self.target = None
 
     def drop(self, rows: list[int]) -> None:
         """Cancelled rows leave the batch now (what they committed stays theirs)."""
